@@ -1,0 +1,37 @@
+"""batchgen.client — sync and async HTTP clients for the BatchGen Batch API.
+
+    from batchgen.client import BatchGenHttpClient
+
+    with BatchGenHttpClient("http://localhost:10900") as client:
+        batch = client.submit_batch("input.jsonl", output_file_path="output.jsonl")
+
+The implementation modules are private; this namespace is the public API.
+"""
+
+from batchgen.client._client import AsyncBatchGenClient, BatchGenHttpClient
+from batchgen.client._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    BatchFailed,
+    BatchGenClientError,
+    BatchWaitTimeout,
+    RetriesExhausted,
+)
+from batchgen.client._requests import DEFAULT_BASE_URL, TERMINAL_STATUSES
+from batchgen.client._retry import RetryPolicy
+
+__all__ = [
+    "DEFAULT_BASE_URL",
+    "TERMINAL_STATUSES",
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncBatchGenClient",
+    "BatchFailed",
+    "BatchGenClientError",
+    "BatchGenHttpClient",
+    "BatchWaitTimeout",
+    "RetriesExhausted",
+    "RetryPolicy",
+]

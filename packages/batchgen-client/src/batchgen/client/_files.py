@@ -1,0 +1,47 @@
+"""Local files, for both clients: picking the endpoint from an input file's first request, and
+writing a download so that a half-finished one never sits at the destination path."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from batchgen.client._requests import DEFAULT_ENDPOINT, StrPath
+
+
+def endpoint_of(input_file_path: StrPath) -> str:
+    """The `url` of the first request in a JSONL input file (the batch endpoint it targets).
+
+    Falls back to `/v1/chat/completions` when the first non-blank line is not a JSON object with
+    a string `url`: the server validates the file and reports such problems line by line.
+    """
+    with Path(input_file_path).open("r", encoding="utf-8-sig") as handle:
+        for line in handle:
+            if line.strip():
+                break
+        else:
+            return DEFAULT_ENDPOINT
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return DEFAULT_ENDPOINT
+    url = first.get("url") if isinstance(first, dict) else None
+    return url if isinstance(url, str) and url else DEFAULT_ENDPOINT
+
+
+@contextmanager
+def partial_download(path: StrPath) -> Iterator[BinaryIO]:
+    """Open `<path>.part` for writing; on success it replaces `path`, on error it is removed."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".part")
+    try:
+        with partial.open("wb") as handle:
+            yield handle
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

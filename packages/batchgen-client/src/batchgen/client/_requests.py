@@ -1,0 +1,336 @@
+"""What the sync and async clients share and that does no network I/O: one `RequestSpec` per API
+call, turning a spec into an `httpx.Request`, reading responses and error bodies, and the small
+decisions of `wait_for_batch`.
+
+The clients only send: each public method is `parse_object(send(<spec builder>(...)))`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from batchgen.client._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    BatchFailed,
+    BatchGenClientError,
+    RetriesExhausted,
+)
+
+JSONObject = dict[str, Any]
+"""What every API call returns: the decoded JSON object, as the server sent it."""
+
+StrPath = str | os.PathLike[str]
+
+DEFAULT_BASE_URL = "http://localhost:10900"
+DEFAULT_ENDPOINT = "/v1/chat/completions"
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+IDEMPOTENCY_KEY = "Idempotency-Key"
+UPLOAD_CONTENT_TYPE = "application/jsonl"
+
+TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+"""Statuses after which a batch never changes again; `wait_for_batch` returns on these."""
+FAILED_STATUSES = TERMINAL_STATUSES - {"completed"}
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A file sent as the multipart `file` field; opened afresh for every attempt."""
+
+    path: Path
+    purpose: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One API call, independent of attempts: the same spec is sent again on each retry."""
+
+    method: str
+    path: str
+    params: Mapping[str, str | int] = field(default_factory=dict)
+    json: Mapping[str, Any] | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    upload: Upload | None = None
+    retry: bool = True
+    """False for calls whose error status is itself the answer (`health`)."""
+    accept_statuses: frozenset[int] = frozenset()
+    """Statuses besides 2xx that are returned instead of raised."""
+
+    def accepts(self, status_code: int) -> bool:
+        return 200 <= status_code < 300 or status_code in self.accept_statuses
+
+    def describe(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+# --- base URL ---------------------------------------------------------------------------------
+
+
+def normalize_base_url(base_url: str) -> str:
+    """The server root. A trailing `/v1` (the OpenAI SDK's habit) is dropped: paths carry it."""
+    url = base_url.rstrip("/")
+    url = url.removesuffix("/v1")
+    return url
+
+
+# --- one spec per API call ----------------------------------------------------------------------
+
+
+def upload_file(path: StrPath, purpose: str) -> RequestSpec:
+    return RequestSpec("POST", "/v1/files", upload=Upload(Path(path), purpose))
+
+
+def list_files(
+    after: str | None, limit: int | None, order: str | None, purpose: str | None
+) -> RequestSpec:
+    params = _params(after=after, limit=limit, order=order, purpose=purpose)
+    return RequestSpec("GET", "/v1/files", params=params)
+
+
+def get_file(file_id: str) -> RequestSpec:
+    return RequestSpec("GET", f"/v1/files/{_segment(file_id)}")
+
+
+def delete_file(file_id: str) -> RequestSpec:
+    return RequestSpec("DELETE", f"/v1/files/{_segment(file_id)}")
+
+
+def file_content(file_id: str) -> RequestSpec:
+    return RequestSpec("GET", f"/v1/files/{_segment(file_id)}/content")
+
+
+def create_batch(
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str,
+    metadata: Mapping[str, str] | None,
+    max_decoding_length: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    *,
+    idempotency_key: str | None = None,
+) -> RequestSpec:
+    """POST /v1/batches; fields left None are omitted. The Idempotency-Key is a fresh uuid4
+    unless given, and belongs to the spec, so every retry of this call sends the same one."""
+    body: dict[str, Any] = {
+        "input_file_id": input_file_id,
+        "endpoint": endpoint,
+        "completion_window": completion_window,
+    }
+    optional: dict[str, Any] = {
+        "metadata": dict(metadata) if metadata is not None else None,
+        "max_decoding_length": max_decoding_length,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())
+    return RequestSpec("POST", "/v1/batches", json=body, headers={IDEMPOTENCY_KEY: key})
+
+
+def get_batch(batch_id: str) -> RequestSpec:
+    return RequestSpec("GET", f"/v1/batches/{_segment(batch_id)}")
+
+
+def list_batches(after: str | None, limit: int | None) -> RequestSpec:
+    return RequestSpec("GET", "/v1/batches", params=_params(after=after, limit=limit))
+
+
+def cancel_batch(batch_id: str) -> RequestSpec:
+    return RequestSpec("POST", f"/v1/batches/{_segment(batch_id)}/cancel")
+
+
+def pool_status() -> RequestSpec:
+    return RequestSpec("GET", "/v1/pool/status")
+
+
+def health() -> RequestSpec:
+    """GET /health. Not retried, and a 503 is returned: `{"status": "unhealthy", ...}` is the answer."""
+    return RequestSpec("GET", "/health", retry=False, accept_statuses=frozenset({503}))
+
+
+def list_models() -> RequestSpec:
+    return RequestSpec("GET", "/v1/models")
+
+
+def _segment(identifier: str) -> str:
+    if not identifier:
+        raise ValueError("an id must be a non-empty string")
+    return quote(identifier, safe="")
+
+
+def _params(**values: str | int | None) -> dict[str, str | int]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+# --- spec -> httpx.Request ----------------------------------------------------------------------
+
+
+def build_request(
+    client: httpx.Client | httpx.AsyncClient, spec: RequestSpec, stack: ExitStack
+) -> httpx.Request:
+    """The request for one attempt. An upload's file is opened here (closed by `stack`) and
+    streamed from disk by httpx, so a retry reads it again from the start."""
+    files = None
+    data = None
+    if spec.upload is not None:
+        handle = stack.enter_context(spec.upload.path.open("rb"))
+        files = {"file": (spec.upload.path.name, handle, UPLOAD_CONTENT_TYPE)}
+        data = {"purpose": spec.upload.purpose}
+    return client.build_request(
+        spec.method,
+        spec.path,
+        params=dict(spec.params) or None,
+        json=spec.json,
+        headers=dict(spec.headers) or None,
+        files=files,
+        data=data,
+    )
+
+
+@contextmanager
+def translate_transport_errors(spec: RequestSpec) -> Iterator[None]:
+    """Re-raise httpx's transport errors as this package's, keeping the original as __cause__."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise APITimeoutError(f"{spec.describe()} timed out: {exc!r}") from exc
+    except httpx.TransportError as exc:
+        raise APIConnectionError(f"{spec.describe()} failed: {exc!r}") from exc
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def parse_object(spec: RequestSpec, response: httpx.Response) -> JSONObject:
+    """The response's JSON object; anything else is a BatchGenClientError."""
+    try:
+        value = response.json()
+    except ValueError as exc:
+        raise BatchGenClientError(
+            f"{spec.describe()} returned {response.status_code} with a body that is not JSON"
+        ) from exc
+    if not isinstance(value, dict):
+        raise BatchGenClientError(
+            f"{spec.describe()} returned {type(value).__name__}, expected a JSON object"
+        )
+    return value
+
+
+def error_from_response(
+    spec: RequestSpec, response: httpx.Response, *, attempts: int, exhausted: bool
+) -> APIStatusError:
+    """The exception for an error response (its body must already be read).
+
+    `exhausted` says the status was retryable and the retries ran out: `RetriesExhausted`.
+    """
+    body = _decode_body(response)
+    status = response.status_code
+    detail = _error_message(body)
+    if exhausted:
+        message = (
+            f"{spec.describe()} returned HTTP {status} after {attempts} attempts "
+            f"({attempts - 1} retries)"
+        )
+        message = f"{message}: {detail}" if detail else message
+        return RetriesExhausted(
+            message, status_code=status, attempts=attempts, body=body, response=response
+        )
+    message = f"{spec.describe()} returned HTTP {status}"
+    message = f"{message}: {detail}" if detail else message
+    return APIStatusError(message, status_code=status, body=body, response=response)
+
+
+def _decode_body(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text or None
+
+
+def _error_message(body: object) -> str:
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("detail", "message"):  # framework-default error bodies
+            if body.get(key):
+                return str(body[key])
+        return json.dumps(body)[:500]
+    if isinstance(body, str):
+        return body[:500]
+    return ""
+
+
+# --- wait_for_batch -----------------------------------------------------------------------------
+
+
+def is_terminal(batch: Mapping[str, Any]) -> bool:
+    return batch.get("status") in TERMINAL_STATUSES
+
+
+def finish_wait(batch: JSONObject, *, raise_on_failure: bool) -> JSONObject:
+    """The batch `wait_for_batch` returns, or BatchFailed if asked to raise on a failed ending."""
+    if raise_on_failure and batch.get("status") in FAILED_STATUSES:
+        raise BatchFailed(batch)
+    return batch
+
+
+def check_poll_interval(poll_interval: float) -> None:
+    if poll_interval < 0:
+        raise ValueError(f"poll_interval must be >= 0, not {poll_interval}")
+
+
+def poll_delay(
+    poll_interval: float, deadline: float | None, now: float
+) -> float | None:
+    """Seconds to sleep before the next poll, or None if the deadline (monotonic) has passed."""
+    if deadline is None:
+        return poll_interval
+    remaining = deadline - now
+    if remaining <= 0:
+        return None
+    return min(poll_interval, remaining)
+
+
+# --- submit_batch -------------------------------------------------------------------------------
+
+
+def object_id(obj: Mapping[str, Any], kind: str) -> str:
+    """The `id` of a file or batch object the server returned."""
+    value = obj.get("id")
+    if not isinstance(value, str) or not value:
+        raise BatchGenClientError(
+            f"the server returned a {kind} object without an id: {obj!r}"
+        )
+    return value
+
+
+def result_downloads(
+    batch: Mapping[str, Any],
+    output_file_path: StrPath | None,
+    error_file_path: StrPath | None,
+) -> list[tuple[str, StrPath]]:
+    """(file id, local path) for each result file that was asked for and that the batch names."""
+    wanted = [("output_file_id", output_file_path), ("error_file_id", error_file_path)]
+    downloads: list[tuple[str, StrPath]] = []
+    for key, path in wanted:
+        file_id = batch.get(key)
+        if path is not None and isinstance(file_id, str) and file_id:
+            downloads.append((file_id, path))
+    return downloads

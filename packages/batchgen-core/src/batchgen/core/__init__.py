@@ -1,0 +1,39 @@
+"""BatchGen core: the batch service without HTTP.
+
+Pools, scheduler, storage and inference backends behind small interfaces, and ``BatchService``,
+the facade the REST server uses and a custom pipeline can embed in-process.
+"""
+
+from batchgen.core.backends import Backend, load_backend
+from batchgen.core.errors import (
+    BatchGenError,
+    Conflict,
+    IntakeFull,
+    InvalidBatchFile,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from batchgen.core.models import Batch, BatchParameters, BatchStatus, FileObject, PoolStatus
+from batchgen.core.service import BatchService, ServiceSettings
+
+__all__ = [
+    "Backend",
+    "Batch",
+    "BatchGenError",
+    "BatchParameters",
+    "BatchService",
+    "BatchStatus",
+    "Conflict",
+    "FileObject",
+    "IntakeFull",
+    "InvalidBatchFile",
+    "InvalidRequest",
+    "NotFound",
+    "PayloadTooLarge",
+    "PoolStatus",
+    "ServiceSettings",
+    "ServiceUnavailable",
+    "load_backend",
+]

@@ -1,0 +1,156 @@
+"""SimulatedBackend: a deterministic stand-in engine for tests and benchmarks (no model runs).
+
+Given the same seed and request it returns the same text and token counts. Tokens are
+whitespace-separated words; a chat prompt costs its words plus a few per message, as a chat
+template would. Latency is ``latency_s`` per request plus ``token_latency_s`` per output token;
+``capacity`` bounds how many requests it works on at once (the rest wait, as in a real engine);
+``failure_rate`` injects transient failures from a seeded stream. Results are shaped exactly like
+a real engine's, and prompts longer than the context are rejected as a real engine would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import anyio
+
+from batchgen.core.backends.base import (
+    RequestAborted,
+    TransientBackendError,
+    context_length_exceeded,
+)
+from batchgen.core.models import GenerationRequest, GenerationResult, Health
+
+_WORDS = (
+    "the answer is four because two and two make four so we add them together and check "
+    "each step carefully before giving a short clear reply to the question that was asked"
+).split()
+
+#: Tokens a chat template adds around each message.
+TOKENS_PER_MESSAGE = 3
+
+
+def _message_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return " ".join(
+            part.get("text", "") for part in content if isinstance(part, dict)
+        )
+    return ""
+
+
+class SimulatedBackend:
+    name = "simulated"
+
+    def __init__(
+        self,
+        *,
+        latency_s: float = 0.0,
+        token_latency_s: float = 0.0,
+        failure_rate: float = 0.0,
+        capacity: int | None = None,
+        context_length: int = 8192,
+        seed: int = 0,
+        model_name: str = "simulated",
+    ) -> None:
+        if not 0.0 <= failure_rate <= 1.0:
+            raise ValueError("failure_rate must be between 0 and 1")
+        self.latency_s = latency_s
+        self.token_latency_s = token_latency_s
+        self.failure_rate = failure_rate
+        self.context_length = context_length
+        self.seed = seed
+        self.model_name = model_name
+        self._capacity = anyio.Semaphore(capacity) if capacity else None
+        self._failures = random.Random(seed)
+        self._running: dict[str, anyio.CancelScope] = {}
+        self._started = False
+
+    async def start(self) -> None:
+        self._started = True
+
+    async def stop(self) -> None:
+        self._started = False
+        for scope in self._running.values():
+            scope.cancel()
+
+    def health(self) -> Health:
+        if not self._started:
+            return Health(False, "the simulated backend is not started")
+        return Health(True)
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        if request.messages is not None:
+            return sum(
+                len(_message_text(message.get("content")).split()) + TOKENS_PER_MESSAGE
+                for message in request.messages
+            )
+        return len((request.prompt or "").split())
+
+    def _prompt_key(self, request: GenerationRequest) -> bytes:
+        if request.messages is not None:
+            text = "\x1e".join(
+                f"{m.get('role')}\x1f{_message_text(m.get('content'))}" for m in request.messages
+            )
+        else:
+            text = request.prompt or ""
+        sampling = request.sampling
+        return f"{self.seed}|{sampling.seed}|{sampling.temperature}|{text}".encode()
+
+    def _complete(self, request: GenerationRequest, prompt_tokens: int) -> GenerationResult:
+        digest = hashlib.blake2b(self._prompt_key(request), digest_size=8).digest()
+        rng = random.Random(int.from_bytes(digest, "big"))
+        natural_length = rng.randint(4, 48)
+        limit = request.sampling.max_tokens
+        length = min(natural_length, limit)
+        words = [rng.choice(_WORDS) for _ in range(length)]
+        text = " ".join(words)
+        finish_reason = "stop"
+        for stop in request.sampling.stop:
+            cut = text.find(stop)
+            if cut != -1:
+                text = text[:cut]
+                length = len(text.split())
+                break
+        else:
+            if natural_length > limit:
+                finish_reason = "length"
+        return GenerationResult(
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=length,
+        )
+
+    async def _wait(self, request_id: str, seconds: float) -> None:
+        with anyio.CancelScope() as scope:
+            self._running[request_id] = scope
+            try:
+                await anyio.sleep(seconds)
+            finally:
+                del self._running[request_id]
+        if scope.cancelled_caught:
+            raise RequestAborted(request_id)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        prompt_tokens = self.count_prompt_tokens(request)
+        if prompt_tokens > self.context_length:
+            raise context_length_exceeded(prompt_tokens, self.context_length)
+        result = self._complete(request, prompt_tokens)
+        if self.failure_rate and self._failures.random() < self.failure_rate:
+            raise TransientBackendError("simulated transient failure")
+        delay = self.latency_s + self.token_latency_s * result.completion_tokens
+        if delay > 0:
+            if self._capacity is None:
+                await self._wait(request.request_id, delay)
+            else:
+                async with self._capacity:
+                    await self._wait(request.request_id, delay)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        scope = self._running.get(request_id)
+        if scope is not None:
+            scope.cancel()

@@ -1,0 +1,90 @@
+"""The exceptions BatchService raises, each carrying what a caller needs to report it.
+
+    BatchGenError
+     ├── NotFound            (also LookupError)  an unknown file or batch id
+     ├── InvalidRequest      (also ValueError)   a malformed argument; ``param`` names it
+     │    └── InvalidBatchFile                    a batch input file with line-numbered problems
+     ├── Conflict                                 the operation clashes with current state
+     ├── PayloadTooLarge     (also ValueError)   an upload over the size limit
+     ├── IntakeFull                               the intake pool cannot take the batch now
+     └── ServiceUnavailable                       the backend or service is not able to serve
+
+The server maps each class to one HTTP status; the service never raises HTTP errors itself.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+class BatchGenError(Exception):
+    """Base class of every error BatchService raises on purpose."""
+
+    code: str = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(BatchGenError, LookupError):
+    code = "not_found"
+
+
+class InvalidRequest(BatchGenError, ValueError):
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@attrs.frozen
+class LineProblem:
+    """One problem found in one line of a batch input file (1-based line number)."""
+
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+class InvalidBatchFile(InvalidRequest):
+    """A batch input file failed validation; ``problems`` lists the first few, by line."""
+
+    code = "invalid_batch_file"
+
+    def __init__(self, problems: list[LineProblem], total_problems: int | None = None) -> None:
+        total = total_problems if total_problems is not None else len(problems)
+        shown = "; ".join(str(p) for p in problems)
+        more = f" (and {total - len(problems)} more)" if total > len(problems) else ""
+        super().__init__(f"Invalid batch input file: {shown}{more}", param="file")
+        self.problems = problems
+        self.total_problems = total
+
+
+class Conflict(BatchGenError):
+    code = "conflict"
+
+
+class PayloadTooLarge(BatchGenError, ValueError):
+    code = "file_too_large"
+
+
+class IntakeFull(BatchGenError):
+    """The intake pool has no room for the batch now; retry after ``retry_after_s``."""
+
+    code = "capacity_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServiceUnavailable(BatchGenError):
+    code = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

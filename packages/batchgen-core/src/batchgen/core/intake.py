@@ -1,0 +1,113 @@
+"""IntakePool: the bounded queue of requests waiting for a slot, fair across batches.
+
+Entries are tiny: per batch it keeps the file's line index (offset and length of each line) and
+the positions still to run, never a request body. ``pop`` takes batches in turn (round-robin), so a
+small batch queued behind a huge one starts at once instead of waiting for the huge one to drain.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Iterable
+
+import attrs
+
+from batchgen.core.batch_file import LineIndex
+from batchgen.core.errors import IntakeFull
+
+
+@attrs.frozen
+class IntakeEntry:
+    """One queued request: which batch, which line, and where that line lies in the input file."""
+
+    batch_id: str
+    line: int  # 0-based position among the file's request lines
+    offset: int
+    length: int
+
+
+class _BatchQueue:
+    __slots__ = ("index", "pending", "cursor")
+
+    def __init__(self, index: LineIndex, pending: array) -> None:
+        self.index = index
+        self.pending = pending
+        self.cursor = 0
+
+    def __len__(self) -> int:
+        return len(self.pending) - self.cursor
+
+
+class IntakePool:
+    """Queued requests of every active batch, at most ``capacity`` in all."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("intake capacity must be at least 1")
+        self.capacity = capacity
+        self._queues: dict[str, _BatchQueue] = {}
+        self._turns: deque[str] = deque()
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        """Requests queued now."""
+        return self._size
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self._size
+
+    def __contains__(self, batch_id: str) -> bool:
+        return batch_id in self._queues
+
+    def queued(self, batch_id: str) -> int:
+        queue = self._queues.get(batch_id)
+        return 0 if queue is None else len(queue)
+
+    def add(self, batch_id: str, index: LineIndex, lines: Iterable[int] | None = None) -> int:
+        """Queue ``lines`` (all lines of ``index`` when None) of a batch; return how many.
+
+        Raises IntakeFull, queueing nothing, when they do not all fit.
+        """
+        if batch_id in self._queues:
+            raise ValueError(f"batch {batch_id} is already queued")
+        pending = array("l", range(len(index)) if lines is None else lines)
+        if len(pending) > self.free:
+            raise IntakeFull(
+                f"The intake pool has room for {self.free} more requests; "
+                f"this batch has {len(pending)}.",
+                retry_after_s=30,
+            )
+        if not pending:
+            return 0
+        self._queues[batch_id] = _BatchQueue(index, pending)
+        self._turns.append(batch_id)
+        self._size += len(pending)
+        return len(pending)
+
+    def pop(self) -> IntakeEntry | None:
+        """Take the next request, giving each batch with queued work one turn in order."""
+        if not self._turns:
+            return None
+        batch_id = self._turns.popleft()
+        queue = self._queues[batch_id]
+        line = queue.pending[queue.cursor]
+        queue.cursor += 1
+        self._size -= 1
+        if len(queue):
+            self._turns.append(batch_id)
+        else:
+            del self._queues[batch_id]
+        return IntakeEntry(batch_id, line, queue.index.offsets[line], queue.index.lengths[line])
+
+    def drop(self, batch_id: str) -> int:
+        """Remove every queued request of a batch; return how many were dropped."""
+        queue = self._queues.pop(batch_id, None)
+        if queue is None:
+            return 0
+        self._turns.remove(batch_id)
+        dropped = len(queue)
+        self._size -= dropped
+        return dropped

@@ -1,0 +1,253 @@
+"""Domain types: files, batches, their states and counters, and what a backend is asked and answers.
+
+Everything here is plain data (frozen attrs classes and str enums). The OpenAI-shaped dictionaries
+the REST API returns are built by ``to_dict`` methods, so the server and an embedding pipeline see
+exactly the same objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+
+class BatchStatus(str, enum.Enum):
+    """The OpenAI batch lifecycle."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+    @property
+    def is_active(self) -> bool:
+        return not self.is_terminal
+
+
+_TERMINAL = frozenset(
+    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+#: The two endpoints a batch line may target.
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+
+#: Purposes accepted on upload (OpenAI's); only ``batch`` files are validated as batch input.
+UPLOAD_PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
+OUTPUT_PURPOSE = "batch_output"
+
+
+@attrs.frozen
+class FileObject:
+    """A stored file: an uploaded input, or a batch's output or error file."""
+
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    path: str
+    line_count: int = 0
+    url: str | None = None
+    expires_at: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+@attrs.frozen
+class RequestCounts:
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"total": self.total, "completed": self.completed, "failed": self.failed}
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": self.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.total_tokens,
+        }
+
+
+@attrs.frozen
+class BatchParameters:
+    """Batch-level sampling defaults (the guide's second priority level)."""
+
+    max_decoding_length: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class BatchErrorInfo:
+    """Why a whole batch failed (the guide's ``error`` field)."""
+
+    code: str
+    message: str
+
+
+@attrs.frozen
+class Batch:
+    """One batch's persisted state. Live counters are merged in by the service."""
+
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    created_at: int
+    expires_at: int
+    model: str
+    parameters: BatchParameters = BatchParameters()
+    metadata: dict[str, str] | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    request_counts: RequestCounts = RequestCounts()
+    usage: Usage = Usage()
+    error: BatchErrorInfo | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        errors = None
+        if self.error is not None:
+            errors = {
+                "object": "list",
+                "data": [
+                    {"code": self.error.code, "message": self.error.message, "param": None, "line": None}
+                ],
+            }
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": errors,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status.value,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": self.created_at,
+            "in_progress_at": self.in_progress_at,
+            "expires_at": self.expires_at,
+            "finalizing_at": self.finalizing_at,
+            "completed_at": self.completed_at,
+            "failed_at": self.failed_at,
+            "expired_at": self.expired_at,
+            "cancelling_at": self.cancelling_at,
+            "cancelled_at": self.cancelled_at,
+            "request_counts": self.request_counts.to_dict(),
+            "metadata": self.metadata,
+            "model": self.model,
+            "usage": self.usage.to_dict(),
+            "error": None if self.error is None else attrs.asdict(self.error),
+            **self.parameters.to_dict(),
+        }
+
+
+@attrs.frozen
+class SamplingParameters:
+    """Resolved sampling parameters for one request (body > batch > server default)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@attrs.frozen
+class GenerationRequest:
+    """One request as a backend sees it: chat messages or a raw prompt, and its parameters."""
+
+    request_id: str
+    endpoint: str
+    sampling: SamplingParameters
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt: str | None = None
+
+
+@attrs.frozen
+class GenerationResult:
+    """What every backend returns for a finished request, shaped alike across engines."""
+
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_content: str | None = None
+
+
+@attrs.frozen
+class PoolStatus:
+    intake_pool_size: int
+    intake_pool_capacity: int
+    scheduling_pool_active: int
+    scheduling_pool_free: int
+    scheduling_pool_capacity: int
+    active_batches: int
+    pool_mode: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Health:
+    healthy: bool
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.healthy:
+            return {"status": "healthy"}
+        return {"status": "unhealthy", "reason": self.reason}

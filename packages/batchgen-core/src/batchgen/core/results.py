@@ -1,0 +1,82 @@
+"""The lines of a batch's output and error files, built from a backend's result or an error.
+
+Output lines follow the OpenAI batch output format: ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error": null}`` with a ``chat.completion`` or
+``text_completion`` body. Error lines carry ``"response": null`` and ``{"code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import msgspec
+
+from batchgen.core.models import CHAT_COMPLETIONS, GenerationResult
+
+_encode = msgspec.json.Encoder().encode
+
+
+def new_id(prefix: str) -> str:
+    """A fresh random identifier such as ``batch_req_3f9a…``."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def _response_body(
+    endpoint: str, model: str, result: GenerationResult, created: int
+) -> dict[str, Any]:
+    usage = {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+    if endpoint == CHAT_COMPLETIONS:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.reasoning_content is not None:
+            message["reasoning_content"] = result.reasoning_content
+        return {
+            "id": new_id("chatcmpl-"),
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": new_id("cmpl-"),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        ],
+        "usage": usage,
+    }
+
+
+def output_line(
+    custom_id: str, request_id: str, endpoint: str, model: str, result: GenerationResult, created: int
+) -> bytes:
+    line = {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": request_id,
+            "body": _response_body(endpoint, model, result, created),
+        },
+        "error": None,
+    }
+    return _encode(line) + b"\n"
+
+
+def error_line(custom_id: str, code: str, message: str) -> bytes:
+    line = {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    return _encode(line) + b"\n"

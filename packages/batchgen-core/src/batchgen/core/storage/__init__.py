@@ -1,0 +1,7 @@
+"""Storage: batch and file metadata (SQLite), file contents on disk, and append-only output files."""
+
+from batchgen.core.storage.blobs import BlobStore
+from batchgen.core.storage.metadata import MetadataStore
+from batchgen.core.storage.output import OutputWriter, read_finished_lines
+
+__all__ = ["BlobStore", "MetadataStore", "OutputWriter", "read_finished_lines"]

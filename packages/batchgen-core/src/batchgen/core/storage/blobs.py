@@ -1,0 +1,47 @@
+"""BlobStore: where file contents live under the storage path.
+
+    {root}/files/{file_id}.jsonl              uploaded files
+    {root}/incremental/{batch_id}.jsonl       a batch's output file, appended as requests finish
+    {root}/incremental/{batch_id}.errors.jsonl  a batch's error file
+    {root}/staging/                           uploads being received, moved into files/ when valid
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files_dir = root / "files"
+        self.incremental_dir = root / "incremental"
+        self.staging_dir = root / "staging"
+        for folder in (self.files_dir, self.incremental_dir, self.staging_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def upload_path(self, file_id: str) -> Path:
+        return self.files_dir / f"{file_id}.jsonl"
+
+    def output_path(self, batch_id: str) -> Path:
+        return self.incremental_dir / f"{batch_id}.jsonl"
+
+    def error_path(self, batch_id: str) -> Path:
+        return self.incremental_dir / f"{batch_id}.errors.jsonl"
+
+    def new_staging_path(self) -> Path:
+        return self.staging_dir / f"upload-{secrets.token_hex(8)}.part"
+
+    def clear_staging(self) -> None:
+        """Remove uploads a previous run left half received."""
+        for leftover in self.staging_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+    @staticmethod
+    def remove(path: str | os.PathLike[str]) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -1,0 +1,266 @@
+"""MetadataStore: files and batches in one SQLite database (WAL mode), through sqlite-utils.
+
+The interface is narrow on purpose (insert, get, save, list, delete) so another metadata store can
+replace this one without touching the scheduler. Rows keep an insertion sequence number, which
+gives lists a stable newest-first order and ``after`` cursors that survive equal timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from batchgen.core.models import (
+    Batch,
+    BatchErrorInfo,
+    BatchParameters,
+    BatchStatus,
+    FileObject,
+    RequestCounts,
+    Usage,
+)
+
+_FILE_COLUMNS = {
+    "seq": int,
+    "id": str,
+    "bytes": int,
+    "created_at": int,
+    "filename": str,
+    "purpose": str,
+    "path": str,
+    "line_count": int,
+    "url": str,
+    "expires_at": int,
+}
+
+_BATCH_COLUMNS = {
+    "seq": int,
+    "id": str,
+    "endpoint": str,
+    "input_file_id": str,
+    "completion_window": str,
+    "status": str,
+    "created_at": int,
+    "expires_at": int,
+    "model": str,
+    "max_decoding_length": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "metadata": str,
+    "output_file_id": str,
+    "error_file_id": str,
+    "total": int,
+    "completed": int,
+    "failed": int,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "error_code": str,
+    "error_message": str,
+    "in_progress_at": int,
+    "finalizing_at": int,
+    "completed_at": int,
+    "failed_at": int,
+    "expired_at": int,
+    "cancelling_at": int,
+    "cancelled_at": int,
+}
+
+ACTIVE_STATUSES = tuple(status.value for status in BatchStatus if status.is_active)
+
+
+def _batch_to_row(batch: Batch) -> dict[str, Any]:
+    return {
+        "id": batch.id,
+        "endpoint": batch.endpoint,
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": batch.status.value,
+        "created_at": batch.created_at,
+        "expires_at": batch.expires_at,
+        "model": batch.model,
+        "max_decoding_length": batch.parameters.max_decoding_length,
+        "temperature": batch.parameters.temperature,
+        "top_p": batch.parameters.top_p,
+        "top_k": batch.parameters.top_k,
+        "metadata": None if batch.metadata is None else json.dumps(batch.metadata),
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "total": batch.request_counts.total,
+        "completed": batch.request_counts.completed,
+        "failed": batch.request_counts.failed,
+        "prompt_tokens": batch.usage.prompt_tokens,
+        "completion_tokens": batch.usage.completion_tokens,
+        "error_code": None if batch.error is None else batch.error.code,
+        "error_message": None if batch.error is None else batch.error.message,
+        "in_progress_at": batch.in_progress_at,
+        "finalizing_at": batch.finalizing_at,
+        "completed_at": batch.completed_at,
+        "failed_at": batch.failed_at,
+        "expired_at": batch.expired_at,
+        "cancelling_at": batch.cancelling_at,
+        "cancelled_at": batch.cancelled_at,
+    }
+
+
+def _batch_from_row(row: dict[str, Any]) -> Batch:
+    error = None
+    if row["error_code"] is not None:
+        error = BatchErrorInfo(row["error_code"], row["error_message"] or "")
+    return Batch(
+        id=row["id"],
+        endpoint=row["endpoint"],
+        input_file_id=row["input_file_id"],
+        completion_window=row["completion_window"],
+        status=BatchStatus(row["status"]),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        model=row["model"],
+        parameters=BatchParameters(
+            max_decoding_length=row["max_decoding_length"],
+            temperature=row["temperature"],
+            top_p=row["top_p"],
+            top_k=row["top_k"],
+        ),
+        metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
+        output_file_id=row["output_file_id"],
+        error_file_id=row["error_file_id"],
+        request_counts=RequestCounts(row["total"], row["completed"], row["failed"]),
+        usage=Usage(row["prompt_tokens"], row["completion_tokens"]),
+        error=error,
+        in_progress_at=row["in_progress_at"],
+        finalizing_at=row["finalizing_at"],
+        completed_at=row["completed_at"],
+        failed_at=row["failed_at"],
+        expired_at=row["expired_at"],
+        cancelling_at=row["cancelling_at"],
+        cancelled_at=row["cancelled_at"],
+    )
+
+
+def _file_from_row(row: dict[str, Any]) -> FileObject:
+    return FileObject(
+        id=row["id"],
+        bytes=row["bytes"],
+        created_at=row["created_at"],
+        filename=row["filename"],
+        purpose=row["purpose"],
+        path=row["path"],
+        line_count=row["line_count"] or 0,
+        url=row["url"],
+        expires_at=row["expires_at"],
+    )
+
+
+class MetadataStore:
+    """Files and batches, persisted in SQLite at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = sqlite_utils.Database(connection)
+        self._db.enable_wal()
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._files = self._db.table("files")
+        self._batches = self._db.table("batches")
+        if not self._files.exists():
+            self._files.create(_FILE_COLUMNS, pk="id", not_null={"seq"})
+            self._files.create_index(["seq"], unique=True)
+        if not self._batches.exists():
+            self._batches.create(_BATCH_COLUMNS, pk="id", not_null={"seq"})
+            self._batches.create_index(["seq"], unique=True)
+            self._batches.create_index(["status"])
+            self._batches.create_index(["input_file_id"])
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _next_seq(self, table: str) -> int:
+        row = self._db.execute(f"SELECT COALESCE(MAX(seq), 0) + 1 FROM {table}").fetchone()
+        return int(row[0])
+
+    # --- files -----------------------------------------------------------------------------
+    def insert_file(self, file: FileObject) -> None:
+        row = {
+            "seq": self._next_seq("files"),
+            "id": file.id,
+            "bytes": file.bytes,
+            "created_at": file.created_at,
+            "filename": file.filename,
+            "purpose": file.purpose,
+            "path": file.path,
+            "line_count": file.line_count,
+            "url": file.url,
+            "expires_at": file.expires_at,
+        }
+        self._files.insert(row)
+
+    def get_file(self, file_id: str) -> FileObject | None:
+        rows = list(self._files.rows_where("id = ?", [file_id], limit=1))
+        return _file_from_row(rows[0]) if rows else None
+
+    def update_file_bytes(self, file_id: str, size: int) -> None:
+        self._files.update(file_id, {"bytes": size})
+
+    def delete_file(self, file_id: str) -> None:
+        self._files.delete_where("id = ?", [file_id])
+
+    def list_files(
+        self, *, after: str | None, limit: int, descending: bool, purpose: str | None
+    ) -> tuple[list[FileObject], bool]:
+        """Return up to ``limit`` files after the cursor, and whether more follow."""
+        clauses: list[str] = []
+        params: list[Any] = []
+        if purpose is not None:
+            clauses.append("purpose = ?")
+            params.append(purpose)
+        if after is not None:
+            clauses.append(f"seq {'<' if descending else '>'} (SELECT seq FROM files WHERE id = ?)")
+            params.append(after)
+        rows = list(
+            self._files.rows_where(
+                " AND ".join(clauses) or None,
+                params,
+                order_by=f"seq {'DESC' if descending else 'ASC'}",
+                limit=limit + 1,
+            )
+        )
+        return [_file_from_row(row) for row in rows[:limit]], len(rows) > limit
+
+    # --- batches ---------------------------------------------------------------------------
+    def insert_batch(self, batch: Batch) -> None:
+        self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
+
+    def save_batch(self, batch: Batch) -> None:
+        self._batches.update(batch.id, _batch_to_row(batch))
+
+    def get_batch(self, batch_id: str) -> Batch | None:
+        rows = list(self._batches.rows_where("id = ?", [batch_id], limit=1))
+        return _batch_from_row(rows[0]) if rows else None
+
+    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        """Newest first: up to ``limit`` batches after the cursor, and whether more follow."""
+        where = None
+        params: list[Any] = []
+        if after is not None:
+            where = "seq < (SELECT seq FROM batches WHERE id = ?)"
+            params.append(after)
+        rows = list(self._batches.rows_where(where, params, order_by="seq DESC", limit=limit + 1))
+        return [_batch_from_row(row) for row in rows[:limit]], len(rows) > limit
+
+    def active_batches(self) -> list[Batch]:
+        placeholders = ", ".join("?" for _ in ACTIVE_STATUSES)
+        rows = self._batches.rows_where(
+            f"status IN ({placeholders})", list(ACTIVE_STATUSES), order_by="seq"
+        )
+        return [_batch_from_row(row) for row in rows]
+
+    def batches_using_file(self, file_id: str) -> list[Batch]:
+        rows = self._batches.rows_where(
+            "input_file_id = ? OR output_file_id = ? OR error_file_id = ?",
+            [file_id, file_id, file_id],
+        )
+        return [_batch_from_row(row) for row in rows]

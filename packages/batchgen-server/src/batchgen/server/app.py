@@ -1,0 +1,47 @@
+"""``create_app``: the Litestar application, wired to one BatchService started in its lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+
+from batchgen.core.errors import BatchGenError
+from batchgen.core.service import BatchService
+from batchgen.server.controllers.batches import BatchesController
+from batchgen.server.controllers.files import FilesController
+from batchgen.server.controllers.monitoring import health, models, pool_status
+from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
+from batchgen.server.settings import ServerSettings
+
+
+def _provide_service(state: State) -> BatchService:
+    service: BatchService = state.service
+    return service
+
+
+def create_app(settings: ServerSettings | None = None, service: BatchService | None = None) -> Litestar:
+    """Build the app; the service (made from ``settings`` unless given) runs while the app does."""
+    settings = settings or ServerSettings()
+    service = service or BatchService(settings.service_settings(), settings.build_backend())
+
+    @asynccontextmanager
+    async def run_service(_: Litestar) -> AsyncIterator[None]:
+        async with service:
+            yield
+
+    return Litestar(
+        route_handlers=[FilesController, BatchesController, pool_status, health, models],
+        dependencies={"service": Provide(_provide_service, sync_to_thread=False)},
+        state=State({"service": service}),
+        lifespan=[run_service],
+        exception_handlers={
+            BatchGenError: handle_service_error,
+            HTTPException: handle_http_error,
+            Exception: handle_unexpected_error,
+        },
+    )

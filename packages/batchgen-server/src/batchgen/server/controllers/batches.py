@@ -1,0 +1,79 @@
+"""``/v1/batches``: create, retrieve, list (newest first) and cancel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, get, post
+
+from batchgen.core.errors import InvalidRequest
+from batchgen.core.models import BatchParameters
+from batchgen.core.service import BatchService
+from batchgen.server.pagination import list_page
+
+_ALLOWED_FIELDS = frozenset(
+    {
+        "input_file_id",
+        "endpoint",
+        "completion_window",
+        "metadata",
+        "max_decoding_length",
+        "temperature",
+        "top_p",
+        "top_k",
+        "output_expires_after",
+    }
+)
+
+
+def _parse_create_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw) if raw.strip() else None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    unknown = sorted(set(body) - _ALLOWED_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"Unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    for required in ("input_file_id", "endpoint"):
+        if not isinstance(body.get(required), str):
+            raise InvalidRequest(f"'{required}' is required and must be a string", param=required)
+    return body
+
+
+class BatchesController(Controller):
+    path = "/v1/batches"
+
+    @post("/", status_code=200)
+    async def create(self, request: Request[Any, Any, Any], service: BatchService) -> dict[str, Any]:
+        body = _parse_create_body(await request.body())
+        batch = await service.create_batch(
+            body["input_file_id"],
+            body["endpoint"],
+            completion_window=body.get("completion_window", "24h"),
+            metadata=body.get("metadata"),
+            parameters=BatchParameters(
+                max_decoding_length=body.get("max_decoding_length"),
+                temperature=body.get("temperature"),
+                top_p=body.get("top_p"),
+                top_k=body.get("top_k"),
+            ),
+        )
+        return batch.to_dict()
+
+    @get("/")
+    async def list_batches(
+        self, service: BatchService, after: str | None = None, limit: int = 20
+    ) -> dict[str, Any]:
+        batches, has_more = await service.list_batches(after=after, limit=limit)
+        return list_page([batch.to_dict() for batch in batches], has_more)
+
+    @get("/{batch_id:str}")
+    async def retrieve(self, batch_id: str, service: BatchService) -> dict[str, Any]:
+        return (await service.get_batch(batch_id)).to_dict()
+
+    @post("/{batch_id:str}/cancel", status_code=200)
+    async def cancel(self, batch_id: str, service: BatchService) -> dict[str, Any]:
+        return (await service.cancel_batch(batch_id)).to_dict()

@@ -1,0 +1,86 @@
+"""``/v1/files``: upload (streamed to disk), list, retrieve, delete, and download content."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from litestar import Controller, Request, delete, get, post
+from litestar.response import Stream
+
+from batchgen.core.errors import InvalidRequest, PayloadTooLarge
+from batchgen.core.service import BatchService
+from batchgen.server.pagination import list_page
+from batchgen.server.uploads import receive_upload
+
+#: Multipart framing allowed on top of the file itself before an upload is refused unread.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+CHUNK_BYTES = 256 * 1024
+
+
+async def _read_range(path: Path, size: int) -> AsyncIterator[bytes]:
+    remaining = size
+    async with await anyio.open_file(path, "rb") as stream:
+        while remaining > 0:
+            chunk = await stream.read(min(CHUNK_BYTES, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            yield chunk
+
+
+class FilesController(Controller):
+    path = "/v1/files"
+
+    @post("/", status_code=200, request_max_body_size=None)
+    async def upload(self, request: Request[Any, Any, Any], service: BatchService) -> dict[str, Any]:
+        limit = service.settings.max_upload_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
+            raise PayloadTooLarge(f"The upload is {declared} bytes; the limit is {limit} bytes.")
+        staging = service.new_upload_path()
+        try:
+            upload = await receive_upload(
+                request.headers.get("content-type", ""), request.stream(), staging, limit
+            )
+            purpose = upload.fields.get("purpose")
+            if not purpose:
+                raise InvalidRequest("the form field 'purpose' is required", param="purpose")
+            file = await service.add_file(
+                staging, filename=upload.filename or "upload.jsonl", purpose=purpose
+            )
+        finally:
+            service.blobs.remove(staging)
+        return file.to_dict()
+
+    @get("/")
+    async def list_files(
+        self,
+        service: BatchService,
+        after: str | None = None,
+        limit: int = 10000,
+        order: str = "desc",
+        purpose: str | None = None,
+    ) -> dict[str, Any]:
+        files, has_more = await service.list_files(after=after, limit=limit, order=order, purpose=purpose)
+        return list_page([file.to_dict() for file in files], has_more)
+
+    @get("/{file_id:str}")
+    async def retrieve(self, file_id: str, service: BatchService) -> dict[str, Any]:
+        return (await service.get_file(file_id)).to_dict()
+
+    @delete("/{file_id:str}", status_code=200)
+    async def delete_file(self, file_id: str, service: BatchService) -> dict[str, Any]:
+        await service.delete_file(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @get("/{file_id:str}/content")
+    async def content(self, file_id: str, service: BatchService) -> Stream:
+        path, size = await service.file_content(file_id)
+        return Stream(
+            _read_range(path, size),
+            media_type="application/octet-stream",
+            headers={"Content-Length": str(size)},
+        )

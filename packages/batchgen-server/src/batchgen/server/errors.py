@@ -1,0 +1,81 @@
+"""The one map from errors to OpenAI-shaped HTTP responses.
+
+Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the
+matching status, and ``Retry-After`` on 429 and 503. Controllers never build error responses.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from batchgen.core.errors import (
+    BatchGenError,
+    Conflict,
+    IntakeFull,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+
+logger = logging.getLogger("batchgen.server")
+
+_STATUS_AND_TYPE: tuple[tuple[type[BatchGenError], int, str], ...] = (
+    (NotFound, 404, "invalid_request_error"),
+    (InvalidRequest, 400, "invalid_request_error"),
+    (PayloadTooLarge, 413, "invalid_request_error"),
+    (Conflict, 409, "invalid_request_error"),
+    (IntakeFull, 429, "rate_limit_error"),
+    (ServiceUnavailable, 503, "server_error"),
+)
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str,
+    code: str | None,
+    param: str | None = None,
+    retry_after_s: int | None = None,
+) -> Response[dict[str, object]]:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return Response(body, status_code=status, headers=headers)
+
+
+def handle_service_error(_: Request, exc: Exception) -> Response[dict[str, object]]:
+    assert isinstance(exc, BatchGenError)
+    for kind, status, type_ in _STATUS_AND_TYPE:
+        if isinstance(exc, kind):
+            return error_response(
+                status,
+                exc.message,
+                type_=type_,
+                code=exc.code,
+                param=getattr(exc, "param", None),
+                retry_after_s=getattr(exc, "retry_after_s", None),
+            )
+    return handle_unexpected_error(_, exc)
+
+
+def handle_http_error(_: Request, exc: Exception) -> Response[dict[str, object]]:
+    assert isinstance(exc, HTTPException)
+    message = exc.detail or "HTTP error"
+    extra = getattr(exc, "extra", None)
+    if exc.status_code == 400 and isinstance(extra, list) and extra:
+        problems = "; ".join(
+            f"{item.get('key', '?')}: {item.get('message', '')}" if isinstance(item, dict) else str(item)
+            for item in extra
+        )
+        message = f"Invalid parameters: {problems}"
+    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(exc.status_code, message, type_=type_, code=None)
+
+
+def handle_unexpected_error(_: Request, exc: Exception) -> Response[dict[str, object]]:
+    logger.exception("unexpected error", exc_info=exc)
+    return error_response(500, "The server hit an internal error.", type_="server_error", code="internal_error")

@@ -1,0 +1,121 @@
+"""Receiving a multipart upload as a stream: the ``file`` part goes straight to disk.
+
+The request body is parsed chunk by chunk with python-multipart's streaming parser, so an upload
+never sits in memory whole, and an upload over the size limit is stopped as soon as it passes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import BinaryIO
+
+import attrs
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from batchgen.core.errors import InvalidRequest, PayloadTooLarge
+
+#: The largest plain form field (such as ``purpose``) accepted.
+MAX_FIELD_BYTES = 1024
+
+
+@attrs.define
+class ReceivedUpload:
+    fields: dict[str, str]
+    filename: str | None
+    size: int
+
+
+class _PartCollector:
+    """python-multipart callbacks that route the file part to disk and keep small fields."""
+
+    def __init__(self, destination: BinaryIO, max_file_bytes: int) -> None:
+        self._destination = destination
+        self._max_file_bytes = max_file_bytes
+        self._header_field = bytearray()
+        self._header_value = bytearray()
+        self._headers: dict[str, bytes] = {}
+        self._name: str | None = None
+        self._value = bytearray()
+        self._is_file = False
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.file_seen = False
+        self.size = 0
+
+    def callbacks(self) -> dict[str, object]:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": lambda data, start, end: self._header_field.extend(data[start:end]),
+            "on_header_value": lambda data, start, end: self._header_value.extend(data[start:end]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._headers = {}
+        self._name = None
+        self._value = bytearray()
+        self._is_file = False
+
+    def _header_end(self) -> None:
+        self._headers[bytes(self._header_field).decode("latin-1").lower()] = bytes(self._header_value)
+        self._header_field.clear()
+        self._header_value.clear()
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._headers.get("content-disposition", b""))
+        name = options.get(b"name")
+        self._name = name.decode("utf-8", "replace") if name is not None else None
+        if self._name == "file":
+            if self.file_seen:
+                raise InvalidRequest("only one 'file' part may be sent", param="file")
+            self.file_seen = True
+            self._is_file = True
+            raw_filename = options.get(b"filename")
+            self.filename = raw_filename.decode("utf-8", "replace") if raw_filename else None
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._is_file:
+            self.size += end - start
+            if self.size > self._max_file_bytes:
+                raise PayloadTooLarge(
+                    f"The upload is larger than the limit of {self._max_file_bytes} bytes."
+                )
+            self._destination.write(data[start:end])
+        else:
+            self._value.extend(data[start:end])
+            if len(self._value) > MAX_FIELD_BYTES:
+                raise InvalidRequest(f"form field {self._name!r} is too long", param=self._name)
+
+    def _part_end(self) -> None:
+        if not self._is_file and self._name is not None:
+            self.fields[self._name] = self._value.decode("utf-8", "replace")
+
+
+async def receive_upload(
+    content_type: str, body: AsyncIterator[bytes], destination: Path, max_file_bytes: int
+) -> ReceivedUpload:
+    """Stream a multipart body into ``destination``; return the form fields and file details."""
+    kind, options = parse_options_header(content_type)
+    boundary = options.get(b"boundary")
+    if kind != b"multipart/form-data" or not boundary:
+        raise InvalidRequest(
+            "uploads must be multipart/form-data with a 'file' part and a 'purpose' field",
+            param="file",
+        )
+    with open(destination, "wb") as stream:
+        collector = _PartCollector(stream, max_file_bytes)
+        parser = MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
+        try:
+            async for chunk in body:
+                parser.write(chunk)
+            parser.finalize()
+        except MultipartParseError as exc:
+            raise InvalidRequest(f"the multipart body is malformed: {exc}", param="file") from exc
+    if not collector.file_seen:
+        raise InvalidRequest("the upload has no 'file' part", param="file")
+    return ReceivedUpload(collector.fields, collector.filename, collector.size)
