@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Self
 
 import httpx
+
 from batchgen.client import _requests as req
 from batchgen.client._exceptions import APIStatusError, BatchWaitTimeout
 from batchgen.client._files import endpoint_of, partial_download
@@ -45,22 +46,16 @@ USER_AGENT = f"batchgen-client/{_VERSION}"
 class _BaseClient:
     """What both faces share and that does no I/O: configuration and the retry decision."""
 
-    def __init__(
-        self, base_url: str, *, retry: RetryPolicy, api_key: str | None
-    ) -> None:
+    def __init__(self, base_url: str, *, retry: RetryPolicy, api_key: str | None) -> None:
         self.base_url = req.normalize_base_url(base_url)
         self.retry = retry
         self._headers = {"User-Agent": USER_AGENT}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
-    def _retry_delay(
-        self, spec: RequestSpec, response: httpx.Response, attempt: int
-    ) -> float | None:
+    def _retry_delay(self, spec: RequestSpec, response: httpx.Response, attempt: int) -> float | None:
         """Seconds to wait before retrying `attempt` (1-based), or None to give up."""
-        if not spec.retry or not should_retry(
-            self.retry, response.status_code, attempt
-        ):
+        if not spec.retry or not should_retry(self.retry, response.status_code, attempt):
             return None
         delay = next_delay(self.retry, attempt, response.headers)
         logger.info(
@@ -73,19 +68,13 @@ class _BaseClient:
         )
         return delay
 
-    def _error(
-        self, spec: RequestSpec, response: httpx.Response, attempts: int
-    ) -> APIStatusError:
+    def _error(self, spec: RequestSpec, response: httpx.Response, attempts: int) -> APIStatusError:
         exhausted = spec.retry and is_retryable(self.retry, response.status_code)
-        return req.error_from_response(
-            spec, response, attempts=attempts, exhausted=exhausted
-        )
+        return req.error_from_response(spec, response, attempts=attempts, exhausted=exhausted)
 
     def _log_poll(self, batch: JSONObject) -> None:
         counts = batch.get("request_counts")
-        logger.debug(
-            "batch %s is %s %s", batch.get("id"), batch.get("status"), counts or ""
-        )
+        logger.debug("batch %s is %s %s", batch.get("id"), batch.get("status"), counts or "")
 
 
 class BatchGenHttpClient(_BaseClient):
@@ -223,9 +212,7 @@ class BatchGenHttpClient(_BaseClient):
     def get_batch(self, batch_id: str) -> JSONObject:
         return self._call(req.get_batch(batch_id))
 
-    def list_batches(
-        self, after: str | None = None, limit: int | None = None
-    ) -> JSONObject:
+    def list_batches(self, after: str | None = None, limit: int | None = None) -> JSONObject:
         return self._call(req.list_batches(after, limit))
 
     def cancel_batch(self, batch_id: str) -> JSONObject:
@@ -298,9 +285,7 @@ class BatchGenHttpClient(_BaseClient):
             poll_interval=poll_interval,
             timeout=timeout,
         )
-        for file_id, path in req.result_downloads(
-            batch, output_file_path, error_file_path
-        ):
+        for file_id, path in req.result_downloads(batch, output_file_path, error_file_path):
             self.download_file_to(file_id, path)
         return req.finish_wait(batch, raise_on_failure=raise_on_failure)
 
@@ -449,9 +434,7 @@ class AsyncBatchGenClient(_BaseClient):
     async def get_batch(self, batch_id: str) -> JSONObject:
         return await self._call(req.get_batch(batch_id))
 
-    async def list_batches(
-        self, after: str | None = None, limit: int | None = None
-    ) -> JSONObject:
+    async def list_batches(self, after: str | None = None, limit: int | None = None) -> JSONObject:
         return await self._call(req.list_batches(after, limit))
 
     async def cancel_batch(self, batch_id: str) -> JSONObject:
@@ -524,9 +507,7 @@ class AsyncBatchGenClient(_BaseClient):
             poll_interval=poll_interval,
             timeout=timeout,
         )
-        for file_id, path in req.result_downloads(
-            batch, output_file_path, error_file_path
-        ):
+        for file_id, path in req.result_downloads(batch, output_file_path, error_file_path):
             await self.download_file_to(file_id, path)
         return req.finish_wait(batch, raise_on_failure=raise_on_failure)
 

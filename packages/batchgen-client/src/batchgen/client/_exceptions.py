@@ -101,9 +101,7 @@ class BatchWaitTimeout(BatchGenClientError, TimeoutError):
     """`wait_for_batch` gave up after its timeout; `batch` is the last object seen (still running)."""
 
     def __init__(self, batch_id: str, timeout: float, batch: dict[str, Any]) -> None:
-        super().__init__(
-            f"batch {batch_id} still {batch.get('status')!s} after waiting {timeout:g} s"
-        )
+        super().__init__(f"batch {batch_id} still {batch.get('status')!s} after waiting {timeout:g} s")
         self.batch_id = batch_id
         self.timeout = timeout
         self.batch = batch

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+
 from batchgen.client._exceptions import (
     APIConnectionError,
     APIStatusError,
@@ -91,9 +92,7 @@ def upload_file(path: StrPath, purpose: str) -> RequestSpec:
     return RequestSpec("POST", "/v1/files", upload=Upload(Path(path), purpose))
 
 
-def list_files(
-    after: str | None, limit: int | None, order: str | None, purpose: str | None
-) -> RequestSpec:
+def list_files(after: str | None, limit: int | None, order: str | None, purpose: str | None) -> RequestSpec:
     params = _params(after=after, limit=limit, order=order, purpose=purpose)
     return RequestSpec("GET", "/v1/files", params=params)
 
@@ -242,13 +241,10 @@ def error_from_response(
     detail = _error_message(body)
     if exhausted:
         message = (
-            f"{spec.describe()} returned HTTP {status} after {attempts} attempts "
-            f"({attempts - 1} retries)"
+            f"{spec.describe()} returned HTTP {status} after {attempts} attempts ({attempts - 1} retries)"
         )
         message = f"{message}: {detail}" if detail else message
-        return RetriesExhausted(
-            message, status_code=status, attempts=attempts, body=body, response=response
-        )
+        return RetriesExhausted(message, status_code=status, attempts=attempts, body=body, response=response)
     message = f"{spec.describe()} returned HTTP {status}"
     message = f"{message}: {detail}" if detail else message
     return APIStatusError(message, status_code=status, body=body, response=response)
@@ -296,9 +292,7 @@ def check_poll_interval(poll_interval: float) -> None:
         raise ValueError(f"poll_interval must be >= 0, not {poll_interval}")
 
 
-def poll_delay(
-    poll_interval: float, deadline: float | None, now: float
-) -> float | None:
+def poll_delay(poll_interval: float, deadline: float | None, now: float) -> float | None:
     """Seconds to sleep before the next poll, or None if the deadline (monotonic) has passed."""
     if deadline is None:
         return poll_interval
@@ -315,9 +309,7 @@ def object_id(obj: Mapping[str, Any], kind: str) -> str:
     """The `id` of a file or batch object the server returned."""
     value = obj.get("id")
     if not isinstance(value, str) or not value:
-        raise BatchGenClientError(
-            f"the server returned a {kind} object without an id: {obj!r}"
-        )
+        raise BatchGenClientError(f"the server returned a {kind} object without an id: {obj!r}")
     return value
 
 

@@ -53,12 +53,8 @@ class RetryPolicy:
     max_delay: float = 60.0
     jitter: float = 0.0
     retry_statuses: frozenset[int] = frozenset({429, 503})
-    sleep: Callable[[float], None] = field(
-        default=time.sleep, compare=False, repr=False
-    )
-    async_sleep: Callable[[float], Awaitable[None]] = field(
-        default=asyncio.sleep, compare=False, repr=False
-    )
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+    async_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -81,9 +77,7 @@ def should_retry(policy: RetryPolicy, status_code: int, attempt: int) -> bool:
     return is_retryable(policy, status_code) and attempt <= policy.max_retries
 
 
-def backoff_delay(
-    policy: RetryPolicy, attempt: int, *, rand: Callable[[], float] = random.random
-) -> float:
+def backoff_delay(policy: RetryPolicy, attempt: int, *, rand: Callable[[], float] = random.random) -> float:
     """Seconds to wait before retry number `attempt` (1-based) when the server gave no Retry-After.
 
     1, 2, 4, 8, 16, 32, 60, 60, … with the default policy. Jitter, when configured, adds a random

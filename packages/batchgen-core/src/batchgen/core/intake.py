@@ -28,7 +28,7 @@ class IntakeEntry:
 
 
 class _BatchQueue:
-    __slots__ = ("index", "pending", "cursor")
+    __slots__ = ("cursor", "index", "pending")
 
     def __init__(self, index: LineIndex, pending: array) -> None:
         self.index = index

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 
-class BatchStatus(str, enum.Enum):
+class BatchStatus(enum.StrEnum):
     """The OpenAI batch lifecycle."""
 
     VALIDATING = "validating"

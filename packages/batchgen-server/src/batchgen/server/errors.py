@@ -43,7 +43,7 @@ def error_response(
     retry_after_s: int | None = None,
 ) -> Response[dict[str, object]]:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    body: dict[str, object] = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return Response(body, status_code=status, headers=headers)
 
 

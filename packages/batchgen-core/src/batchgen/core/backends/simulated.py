@@ -22,10 +22,7 @@ from batchgen.core.backends.base import (
 )
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
-_WORDS = (
-    "the answer is four because two and two make four so we add them together and check "
-    "each step carefully before giving a short clear reply to the question that was asked"
-).split()
+_WORDS = ["the", "answer", "is", "four", "because", "two", "and", "two", "make", "four", "so", "we", "add", "them", "together", "and", "check", "each", "step", "carefully", "before", "giving", "a", "short", "clear", "reply", "to", "the", "question", "that", "was", "asked"]
 
 #: Tokens a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3

@@ -1,0 +1,33 @@
+"""Shared fixtures: real ``batchgen-server`` processes on 127.0.0.1, each with its own storage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.live import LiveServer, start_server
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
+    """Start servers with custom flags; each is stopped at the end of the test."""
+    servers: list[LiveServer] = []
+
+    def make(*flags: str, storage: str = "storage") -> LiveServer:
+        server = start_server(tmp_path / storage, *flags)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One default server (simulated backend) shared by a test module."""
+    server = start_server(tmp_path_factory.mktemp("live") / "storage")
+    yield server
+    server.stop()
