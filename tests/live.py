@@ -50,8 +50,18 @@ def start_server(storage_path: Path, *flags: str, timeout_s: float = 60.0) -> Li
     log_path = storage_path.parent / f"server-{port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - handed to the child process
     process = subprocess.Popen(
-        [sys.executable, "-m", "batchgen.server.cli", "--port", str(port), "--storage-path", str(storage_path),
-         "--log-level", "warning", *flags],
+        [
+            sys.executable,
+            "-m",
+            "batchgen.server.cli",
+            "--port",
+            str(port),
+            "--storage-path",
+            str(storage_path),
+            "--log-level",
+            "warning",
+            *flags,
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -35,7 +35,9 @@ def _read_lines(path: Path) -> list[dict]:
 async def test_pipeline_runs_a_batch_without_http(tmp_path: Path) -> None:
     settings = ServiceSettings(storage_path=tmp_path)
     async with BatchService(settings, load_backend("simulated", seed=7)) as service:
-        file = await service.create_file(b"".join(_line(f"q{i}", f"prompt {i}") for i in range(100)), filename="in.jsonl")
+        file = await service.create_file(
+            b"".join(_line(f"q{i}", f"prompt {i}") for i in range(100)), filename="in.jsonl"
+        )
         assert (file.line_count, file.url) == (100, "/v1/chat/completions")
         batch = await service.create_batch(file.id, "/v1/chat/completions")
         batch = await service.wait_for_batch(batch.id)
@@ -54,9 +56,13 @@ async def test_pipeline_runs_a_batch_without_http(tmp_path: Path) -> None:
 async def test_same_seed_gives_the_same_text(tmp_path: Path) -> None:
     texts = []
     for run in range(2):
-        async with BatchService(ServiceSettings(storage_path=tmp_path / str(run)), load_backend("simulated", seed=3)) as service:
+        async with BatchService(
+            ServiceSettings(storage_path=tmp_path / str(run)), load_backend("simulated", seed=3)
+        ) as service:
             file = await service.create_file(_line("only", "tell me a story"))
-            batch = await service.wait_for_batch((await service.create_batch(file.id, "/v1/chat/completions")).id)
+            batch = await service.wait_for_batch(
+                (await service.create_batch(file.id, "/v1/chat/completions")).id
+            )
             path, _ = await service.file_content(batch.output_file_id or "")
             texts.append(_read_lines(path)[0]["response"]["body"]["choices"][0]["message"]["content"])
     assert texts[0] == texts[1] and texts[0]
@@ -76,8 +82,14 @@ async def test_output_limit_priority_body_then_batch_then_server(tmp_path: Path)
         )
         batch = await service.wait_for_batch(batch.id)
         path, _ = await service.file_content(batch.output_file_id or "")
-        usage = {line["custom_id"]: line["response"]["body"]["usage"]["completion_tokens"] for line in _read_lines(path)}
-        finish = {line["custom_id"]: line["response"]["body"]["choices"][0]["finish_reason"] for line in _read_lines(path)}
+        usage = {
+            line["custom_id"]: line["response"]["body"]["usage"]["completion_tokens"]
+            for line in _read_lines(path)
+        }
+        finish = {
+            line["custom_id"]: line["response"]["body"]["choices"][0]["finish_reason"]
+            for line in _read_lines(path)
+        }
         assert usage == {"body-max-completion": 1, "body-max-tokens": 3, "batch-level": 4}
         assert set(finish.values()) == {"length"}
 
@@ -88,7 +100,9 @@ async def test_output_limit_priority_body_then_batch_then_server(tmp_path: Path)
 
 
 async def test_prompt_too_long_is_an_error_line_and_the_batch_goes_on(tmp_path: Path) -> None:
-    async with BatchService(ServiceSettings(storage_path=tmp_path), load_backend("simulated", context_length=50)) as service:
+    async with BatchService(
+        ServiceSettings(storage_path=tmp_path), load_backend("simulated", context_length=50)
+    ) as service:
         long_prompt = " ".join(["word"] * 200)
         file = await service.create_file(_line("short") + _line("long", long_prompt) + _line("short-2"))
         batch = await service.wait_for_batch((await service.create_batch(file.id, "/v1/chat/completions")).id)
@@ -107,9 +121,13 @@ async def test_prompt_too_long_is_an_error_line_and_the_batch_goes_on(tmp_path: 
 
 
 @pytest.mark.parametrize("failure_rate", [0.3, 1.0])
-async def test_injected_failures_are_retried_then_written_as_errors(tmp_path: Path, failure_rate: float) -> None:
+async def test_injected_failures_are_retried_then_written_as_errors(
+    tmp_path: Path, failure_rate: float
+) -> None:
     backend = load_backend("simulated", failure_rate=failure_rate, seed=1)
-    async with BatchService(ServiceSettings(storage_path=tmp_path, max_request_attempts=3), backend) as service:
+    async with BatchService(
+        ServiceSettings(storage_path=tmp_path, max_request_attempts=3), backend
+    ) as service:
         file = await service.create_file(b"".join(_line(f"r{i}") for i in range(200)))
         batch = await service.wait_for_batch((await service.create_batch(file.id, "/v1/chat/completions")).id)
         assert batch.status is BatchStatus.COMPLETED

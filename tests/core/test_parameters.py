@@ -32,13 +32,20 @@ def test_body_overrides_the_batch_level() -> None:
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    sampling = resolve_sampling({"max_completion_tokens": 5, "max_tokens": 9}, BatchParameters(max_decoding_length=64), DEFAULTS)
+    sampling = resolve_sampling(
+        {"max_completion_tokens": 5, "max_tokens": 9}, BatchParameters(max_decoding_length=64), DEFAULTS
+    )
     assert sampling.max_tokens == 5
 
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"temperature": "hot"}, "temperature"), ({"max_tokens": 1.5}, "max_tokens"), ({"stop": [1]}, "stop"), ({"max_tokens": 0}, "max_tokens")],
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"stop": [1]}, "stop"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
 )
 def test_malformed_values_name_the_parameter(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:

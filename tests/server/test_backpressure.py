@@ -47,7 +47,9 @@ def test_full_intake_pool_gives_429_then_accepts_after_draining(server_factory, 
         assert client.get("/v1/pool/status").json() == idle
         retried = _create(client, tmp_path, "third", 5)
         assert retried.status_code == 200
-        assert wait_for_status(client, retried.json()["id"], {"completed"})["request_counts"]["completed"] == 5
+        assert (
+            wait_for_status(client, retried.json()["id"], {"completed"})["request_counts"]["completed"] == 5
+        )
 
 
 def test_batch_larger_than_the_intake_pool_fails_with_capacity_exceeded(server_factory, tmp_path) -> None:

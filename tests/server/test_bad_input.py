@@ -24,7 +24,9 @@ def _server_stays_healthy(http: httpx.Client) -> Iterator[None]:
 
 
 def _jsonl(*lines: object) -> bytes:
-    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+    return b"".join(
+        (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
+    )
 
 
 def _upload(http: httpx.Client, content: bytes, purpose: str = "batch") -> httpx.Response:
@@ -49,12 +51,21 @@ def _file_count(http: httpx.Client) -> int:
         (b"this is not json\n", "line 1: not valid JSON"),
         (_jsonl(chat_line("a")) + b"\xff\xfe{}\n", "line 2: not valid UTF-8"),
         (_jsonl(chat_line("a"), [1, 2]), "line 2: a line must be a JSON object"),
-        (_jsonl({k: v for k, v in chat_line("a").items() if k != "custom_id"}), "line 1: missing 'custom_id'"),
-        (_jsonl(chat_line("same"), chat_line("other"), chat_line("same")), "line 3: duplicate custom_id 'same'"),
+        (
+            _jsonl({k: v for k, v in chat_line("a").items() if k != "custom_id"}),
+            "line 1: missing 'custom_id'",
+        ),
+        (
+            _jsonl(chat_line("same"), chat_line("other"), chat_line("same")),
+            "line 3: duplicate custom_id 'same'",
+        ),
         (_jsonl({**chat_line("a"), "method": "GET"}), "line 1: 'method' must be \"POST\""),
         (_jsonl({**chat_line("a"), "url": "/v1/embeddings"}), "line 1: 'url' must be one of"),
         (
-            _jsonl(chat_line("a"), {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+            _jsonl(
+                chat_line("a"),
+                {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
+            ),
             "line 2: 'url' '/v1/completions' differs",
         ),
         (_jsonl({**chat_line("a"), "body": "hello"}), "line 1: 'body' must be a JSON object"),
@@ -63,11 +74,23 @@ def _file_count(http: httpx.Client) -> int:
         (b"\n  \n", "the file contains no requests"),
     ],
     ids=[
-        "not-json", "not-utf8", "not-object", "missing-custom-id", "duplicate-custom-id", "wrong-method",
-        "unknown-url", "mixed-urls", "body-not-object", "empty-messages", "empty-file", "blank-file",
+        "not-json",
+        "not-utf8",
+        "not-object",
+        "missing-custom-id",
+        "duplicate-custom-id",
+        "wrong-method",
+        "unknown-url",
+        "mixed-urls",
+        "body-not-object",
+        "empty-messages",
+        "empty-file",
+        "blank-file",
     ],
 )
-def test_invalid_batch_file_is_rejected_with_line_numbers(http: httpx.Client, content: bytes, expected: str) -> None:
+def test_invalid_batch_file_is_rejected_with_line_numbers(
+    http: httpx.Client, content: bytes, expected: str
+) -> None:
     before = _file_count(http)
     error = _error(_upload(http, content), 400)
     assert expected in str(error["message"])
@@ -93,7 +116,10 @@ def test_oversized_upload_is_413(server_factory, tmp_path) -> None:
         assert client.get("/v1/files").json()["data"] == []
         assert list((server.storage_path / "staging").iterdir()) == []
         ok = _jsonl(chat_line("fits"))
-        assert client.post("/v1/files", files={"file": ("in.jsonl", ok)}, data={"purpose": "batch"}).status_code == 200
+        assert (
+            client.post("/v1/files", files={"file": ("in.jsonl", ok)}, data={"purpose": "batch"}).status_code
+            == 200
+        )
 
 
 @pytest.mark.parametrize(
@@ -101,7 +127,10 @@ def test_oversized_upload_is_413(server_factory, tmp_path) -> None:
     [
         ({"files": {"purpose": (None, "batch")}}, "no 'file' part"),
         ({"files": {"file": ("in.jsonl", _jsonl(chat_line("a")))}}, "'purpose' is required"),
-        ({"files": {"file": ("in.jsonl", _jsonl(chat_line("a")))}, "data": {"purpose": "bogus"}}, "purpose must be one of"),
+        (
+            {"files": {"file": ("in.jsonl", _jsonl(chat_line("a")))}, "data": {"purpose": "bogus"}},
+            "purpose must be one of",
+        ),
         ({"content": b"{}", "headers": {"content-type": "application/json"}}, "multipart/form-data"),
     ],
     ids=["no-file", "no-purpose", "bad-purpose", "not-multipart"],
@@ -133,7 +162,11 @@ def chat_file_id(http: httpx.Client) -> str:
         (b"not json", "not valid JSON", None),
         (b"[1, 2]", "must be a JSON object", None),
         (b"{}", "'input_file_id' is required", "input_file_id"),
-        ({"input_file_id": "file-nope", "endpoint": "/v1/chat/completions"}, "No file with id 'file-nope'", "input_file_id"),
+        (
+            {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions"},
+            "No file with id 'file-nope'",
+            "input_file_id",
+        ),
         ({"endpoint": "/v1/embeddings"}, "endpoint must be one of", "endpoint"),
         ({"endpoint": "/v1/completions"}, "requests use '/v1/chat/completions'", "endpoint"),
         ({"completion_window": "tomorrow"}, "completion_window must look like", "completion_window"),
@@ -146,9 +179,20 @@ def chat_file_id(http: httpx.Client) -> str:
         ({"surprise": True}, "Unknown field(s): surprise", "surprise"),
     ],
     ids=[
-        "not-json", "not-object", "empty", "unknown-file", "unsupported-endpoint", "endpoint-mismatch",
-        "bad-window", "bad-metadata-value", "too-much-metadata", "bad-temperature", "bad-top-p",
-        "bad-max-decoding", "string-max-decoding", "unknown-field",
+        "not-json",
+        "not-object",
+        "empty",
+        "unknown-file",
+        "unsupported-endpoint",
+        "endpoint-mismatch",
+        "bad-window",
+        "bad-metadata-value",
+        "too-much-metadata",
+        "bad-temperature",
+        "bad-top-p",
+        "bad-max-decoding",
+        "string-max-decoding",
+        "unknown-field",
     ],
 )
 def test_malformed_create_batch(
@@ -178,7 +222,9 @@ def test_bad_list_parameters(http: httpx.Client) -> None:
 
 def test_cancel_of_a_finished_batch_is_409(http: httpx.Client) -> None:
     file_id = _upload(http, _jsonl(chat_line("only"))).json()["id"]
-    batch = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}).json()
+    batch = http.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    ).json()
     for _ in range(200):
         if http.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed":
             break

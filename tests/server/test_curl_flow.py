@@ -11,7 +11,9 @@ from tests.live import LiveServer, chat_line, write_jsonl
 
 
 def curl(*args: str) -> str:
-    result = subprocess.run(["curl", "-sS", "--fail-with-body", *args], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        ["curl", "-sS", "--fail-with-body", *args], capture_output=True, text=True, check=True
+    )
     return result.stdout
 
 
@@ -20,12 +22,20 @@ def test_guide_curl_flow(live_server: LiveServer, tmp_path: Path) -> None:
     write_jsonl(tmp_path / "input.jsonl", [chat_line(f"request-{i}") for i in range(1, 6)])
 
     # Upload
-    uploaded = json.loads(curl("-X", "POST", f"{base}/v1/files", "-F", f"file=@{tmp_path / 'input.jsonl'}", "-F", "purpose=batch"))
+    uploaded = json.loads(
+        curl(
+            "-X", "POST", f"{base}/v1/files", "-F", f"file=@{tmp_path / 'input.jsonl'}", "-F", "purpose=batch"
+        )
+    )
     assert uploaded["object"] == "file" and uploaded["id"].startswith("file-")
 
     # Create batch
     body = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "max_decoding_length": 4096}
-    created = json.loads(curl("-X", "POST", f"{base}/v1/batches", "-H", "Content-Type: application/json", "-d", json.dumps(body)))
+    created = json.loads(
+        curl(
+            "-X", "POST", f"{base}/v1/batches", "-H", "Content-Type: application/json", "-d", json.dumps(body)
+        )
+    )
     assert created["object"] == "batch" and created["max_decoding_length"] == 4096
 
     # Check status
@@ -48,8 +58,13 @@ def test_guide_curl_flow(live_server: LiveServer, tmp_path: Path) -> None:
     # Monitoring
     pool = json.loads(curl(f"{base}/v1/pool/status"))
     assert set(pool) == {
-        "intake_pool_size", "intake_pool_capacity", "scheduling_pool_active", "scheduling_pool_free",
-        "scheduling_pool_capacity", "active_batches", "pool_mode",
+        "intake_pool_size",
+        "intake_pool_capacity",
+        "scheduling_pool_active",
+        "scheduling_pool_free",
+        "scheduling_pool_capacity",
+        "active_batches",
+        "pool_mode",
     }
     assert json.loads(curl(f"{base}/health")) == {"status": "healthy"}
     models = json.loads(curl(f"{base}/v1/models"))

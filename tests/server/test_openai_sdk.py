@@ -73,7 +73,9 @@ def test_batch_runs_to_completion_with_output_lines(
     assert output[0]["response"]["status_code"] == 200
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
-    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert (
+        body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    )
     # The output file is the incremental file on disk, not a copy.
     incremental = live_server.storage_path / "incremental" / f"{batch.id}.jsonl"
     assert incremental.read_bytes() == content
@@ -83,9 +85,11 @@ def test_batches_list_pages_newest_first(client: openai.OpenAI, tmp_path: Path) 
     created = []
     for n in range(5):
         file_id = _upload(client, write_jsonl(tmp_path / f"in-{n}.jsonl", [chat_line("only")]))
-        created.append(client.batches.create(
-            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-        ).id)
+        created.append(
+            client.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            ).id
+        )
     first_page = client.batches.list(limit=2)
     assert [batch.id for batch in first_page.data] == created[::-1][:2]
     assert first_page.has_more is True
@@ -98,7 +102,9 @@ def test_cancel_running_batch(live_server: LiveServer, server_factory, tmp_path:
     slow = server_factory("--simulated-latency-s", "0.2", "--max-pool-size", "2")
     with openai.OpenAI(base_url=slow.api_url, api_key="unused", max_retries=0) as sdk:
         file_id = _upload(sdk, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(200)]))
-        batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = sdk.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         while sdk.batches.retrieve(batch.id).request_counts.completed < 2:  # type: ignore[union-attr]
             pass
         cancelled = sdk.batches.cancel(batch.id)
@@ -122,8 +128,12 @@ def test_cancel_running_batch(live_server: LiveServer, server_factory, tmp_path:
 
 def test_completions_endpoint(client: openai.OpenAI, tmp_path: Path) -> None:
     lines = [
-        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "any", "prompt": f"Once upon a time {i}", "max_tokens": 5}}
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "any", "prompt": f"Once upon a time {i}", "max_tokens": 5},
+        }
         for i in range(4)
     ]
     file_id = _upload(client, write_jsonl(tmp_path / "in.jsonl", lines))

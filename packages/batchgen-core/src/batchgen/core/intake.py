@@ -76,8 +76,7 @@ class IntakePool:
         pending = array("l", range(len(index)) if lines is None else lines)
         if len(pending) > self.free:
             raise IntakeFull(
-                f"The intake pool has room for {self.free} more requests; "
-                f"this batch has {len(pending)}.",
+                f"The intake pool has room for {self.free} more requests; this batch has {len(pending)}.",
                 retry_after_s=30,
             )
         if not pending:

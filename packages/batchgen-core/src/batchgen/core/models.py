@@ -34,9 +34,7 @@ class BatchStatus(enum.StrEnum):
         return not self.is_terminal
 
 
-_TERMINAL = frozenset(
-    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
-)
+_TERMINAL = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
 
 #: The two endpoints a batch line may target.
 CHAT_COMPLETIONS = "/v1/chat/completions"

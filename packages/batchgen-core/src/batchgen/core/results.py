@@ -22,9 +22,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
 
-def _response_body(
-    endpoint: str, model: str, result: GenerationResult, created: int
-) -> dict[str, Any]:
+def _response_body(endpoint: str, model: str, result: GenerationResult, created: int) -> dict[str, Any]:
     usage = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,

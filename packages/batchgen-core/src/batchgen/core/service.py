@@ -387,9 +387,7 @@ class BatchService:
         self._running[batch.id] = running
         return running
 
-    async def _start_batch(
-        self, running: _RunningBatch, file: FileObject, done: set[str] | None
-    ) -> None:
+    async def _start_batch(self, running: _RunningBatch, file: FileObject, done: set[str] | None) -> None:
         """Index the input, queue what is still to run, and move the batch to in_progress."""
         try:
             index = await anyio.to_thread.run_sync(index_batch_file, file.path)
@@ -399,7 +397,10 @@ class BatchService:
         except OSError as exc:
             self._fail(running, "batch_failed", f"Could not read the input file: {exc}")
             return
-        if running.batch.status is not BatchStatus.VALIDATING and running.batch.status is not BatchStatus.IN_PROGRESS:
+        if (
+            running.batch.status is not BatchStatus.VALIDATING
+            and running.batch.status is not BatchStatus.IN_PROGRESS
+        ):
             return  # cancelled while indexing
         pending = len(index) if lines is None else len(lines)
         if pending > self.intake.free:
@@ -415,9 +416,7 @@ class BatchService:
             output = self._new_output_file(running.batch.id, running.output.path, "output")
             running.batch = attrs.evolve(running.batch, output_file_id=output.id)
         if running.batch.status is BatchStatus.VALIDATING:
-            running.batch = attrs.evolve(
-                running.batch, status=BatchStatus.IN_PROGRESS, in_progress_at=_now()
-            )
+            running.batch = attrs.evolve(running.batch, status=BatchStatus.IN_PROGRESS, in_progress_at=_now())
         self._persist(running)
         self.intake.add(running.batch.id, index, lines)
         self.scheduler.notify()
@@ -449,8 +448,7 @@ class BatchService:
             raise InvalidRequest("limit must be between 1 and 100", param="limit")
         batches, has_more = self.metadata.list_batches(after=after, limit=limit)
         live = [
-            self._running[batch.id].snapshot() if batch.id in self._running else batch
-            for batch in batches
+            self._running[batch.id].snapshot() if batch.id in self._running else batch for batch in batches
         ]
         return live, has_more
 
@@ -498,7 +496,12 @@ class BatchService:
 
     def models(self) -> list[dict[str, Any]]:
         return [
-            {"id": self.backend.model_name, "object": "model", "created": self._started_at, "owned_by": "batchgen"}
+            {
+                "id": self.backend.model_name,
+                "object": "model",
+                "created": self._started_at,
+                "owned_by": "batchgen",
+            }
         ]
 
     # --- running requests -----------------------------------------------------------------
@@ -533,7 +536,9 @@ class BatchService:
             self._fail(running, "batch_failed", f"The inference backend became unavailable: {exc}")
         else:
             running.output.append(
-                output_line(custom_id, request.request_id, request.endpoint, self.backend.model_name, result, _now())
+                output_line(
+                    custom_id, request.request_id, request.endpoint, self.backend.model_name, result, _now()
+                )
             )
             running.completed += 1
             running.prompt_tokens += result.prompt_tokens
@@ -585,9 +590,7 @@ class BatchService:
         self.intake.drop(running.batch.id)
         for request_id in list(running.in_flight):
             self.tasks.start_soon(self.backend.abort, request_id)
-        self._end(
-            running, status=BatchStatus.FAILED, failed_at=_now(), error=BatchErrorInfo(code, message)
-        )
+        self._end(running, status=BatchStatus.FAILED, failed_at=_now(), error=BatchErrorInfo(code, message))
 
     def _end(self, running: _RunningBatch, **changes: Any) -> None:
         """Move a batch to a terminal status: sync its files, persist, stop tracking it."""
@@ -619,7 +622,9 @@ class BatchService:
         """Resume every batch a previous run left unfinished, skipping lines already written."""
         for batch in self.metadata.active_batches():
             if batch.status is BatchStatus.CANCELLING:
-                self.metadata.save_batch(attrs.evolve(batch, status=BatchStatus.CANCELLED, cancelled_at=_now()))
+                self.metadata.save_batch(
+                    attrs.evolve(batch, status=BatchStatus.CANCELLED, cancelled_at=_now())
+                )
                 continue
             file = self.metadata.get_file(batch.input_file_id)
             running = self._track(batch)

@@ -129,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from batchgen.server.app import create_app
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = create_app(settings)
     print(
         f"BatchGen listening on http://{settings.host}:{settings.port} "

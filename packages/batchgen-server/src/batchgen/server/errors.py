@@ -78,4 +78,6 @@ def handle_http_error(_: Request, exc: Exception) -> Response[dict[str, object]]
 
 def handle_unexpected_error(_: Request, exc: Exception) -> Response[dict[str, object]]:
     logger.exception("unexpected error", exc_info=exc)
-    return error_response(500, "The server hit an internal error.", type_="server_error", code="internal_error")
+    return error_response(
+        500, "The server hit an internal error.", type_="server_error", code="internal_error"
+    )

@@ -82,9 +82,7 @@ class _PartCollector:
         if self._is_file:
             self.size += end - start
             if self.size > self._max_file_bytes:
-                raise PayloadTooLarge(
-                    f"The upload is larger than the limit of {self._max_file_bytes} bytes."
-                )
+                raise PayloadTooLarge(f"The upload is larger than the limit of {self._max_file_bytes} bytes.")
             self._destination.write(data[start:end])
         else:
             self._value.extend(data[start:end])

@@ -1,10 +1,10 @@
 """The Backend protocol every inference engine implements, and the errors ``generate`` may raise.
 
-    RequestRejected        this request can never succeed (e.g. context_length_exceeded): write
-                           an error line, do not retry
-    TransientBackendError  this attempt failed; a retry may succeed
-    RequestAborted         the request was aborted through ``abort``
-    BackendUnavailable     the engine is gone; the service reports itself unhealthy
+RequestRejected        this request can never succeed (e.g. context_length_exceeded): write
+                       an error line, do not retry
+TransientBackendError  this attempt failed; a retry may succeed
+RequestAborted         the request was aborted through ``abort``
+BackendUnavailable     the engine is gone; the service reports itself unhealthy
 """
 
 from __future__ import annotations

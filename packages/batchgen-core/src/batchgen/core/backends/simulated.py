@@ -22,7 +22,40 @@ from batchgen.core.backends.base import (
 )
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
-_WORDS = ["the", "answer", "is", "four", "because", "two", "and", "two", "make", "four", "so", "we", "add", "them", "together", "and", "check", "each", "step", "carefully", "before", "giving", "a", "short", "clear", "reply", "to", "the", "question", "that", "was", "asked"]
+_WORDS = [
+    "the",
+    "answer",
+    "is",
+    "four",
+    "because",
+    "two",
+    "and",
+    "two",
+    "make",
+    "four",
+    "so",
+    "we",
+    "add",
+    "them",
+    "together",
+    "and",
+    "check",
+    "each",
+    "step",
+    "carefully",
+    "before",
+    "giving",
+    "a",
+    "short",
+    "clear",
+    "reply",
+    "to",
+    "the",
+    "question",
+    "that",
+    "was",
+    "asked",
+]
 
 #: Tokens a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
@@ -32,9 +65,7 @@ def _message_text(content: object) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
-        return " ".join(
-            part.get("text", "") for part in content if isinstance(part, dict)
-        )
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
     return ""
 
 

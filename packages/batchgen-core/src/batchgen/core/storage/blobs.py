@@ -1,9 +1,9 @@
 """BlobStore: where file contents live under the storage path.
 
-    {root}/files/{file_id}.jsonl              uploaded files
-    {root}/incremental/{batch_id}.jsonl       a batch's output file, appended as requests finish
-    {root}/incremental/{batch_id}.errors.jsonl  a batch's error file
-    {root}/staging/                           uploads being received, moved into files/ when valid
+{root}/files/{file_id}.jsonl              uploaded files
+{root}/incremental/{batch_id}.jsonl       a batch's output file, appended as requests finish
+{root}/incremental/{batch_id}.errors.jsonl  a batch's error file
+{root}/staging/                           uploads being received, moved into files/ when valid
 """
 
 from __future__ import annotations

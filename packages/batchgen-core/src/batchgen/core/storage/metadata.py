@@ -253,9 +253,7 @@ class MetadataStore:
 
     def active_batches(self) -> list[Batch]:
         placeholders = ", ".join("?" for _ in ACTIVE_STATUSES)
-        rows = self._batches.rows_where(
-            f"status IN ({placeholders})", list(ACTIVE_STATUSES), order_by="seq"
-        )
+        rows = self._batches.rows_where(f"status IN ({placeholders})", list(ACTIVE_STATUSES), order_by="seq")
         return [_batch_from_row(row) for row in rows]
 
     def batches_using_file(self, file_id: str) -> list[Batch]:
