@@ -161,3 +161,24 @@ async def test_output_of_a_running_batch_has_the_lines_written_so_far(tmp_path: 
         assert pool.scheduling_pool_active == 4 and pool.intake_pool_size > 0
         batch = await service.cancel_batch(batch.id)
         assert (await service.wait_for_batch(batch.id)).status is BatchStatus.CANCELLED
+
+
+async def test_reopening_the_storage_resumes_an_unfinished_batch_exactly_once(tmp_path: Path) -> None:
+    settings = ServiceSettings(storage_path=tmp_path, max_pool_size=8)
+    async with BatchService(settings, load_backend("simulated", latency_s=0.02)) as service:
+        file = await service.create_file(b"".join(_line(f"r{i}") for i in range(300)))
+        batch = await service.create_batch(file.id, "/v1/chat/completions")
+        while (await service.get_batch(batch.id)).request_counts.completed < 40:
+            await anyio.sleep(0.01)
+    output = service.blobs.output_path(batch.id)
+    before = output.read_bytes()
+    assert 40 <= len(before.splitlines()) < 300
+
+    async with BatchService(settings, load_backend("simulated")) as service:
+        resumed = await service.wait_for_batch(batch.id)
+    assert resumed.status is BatchStatus.COMPLETED
+    after = output.read_bytes()
+    assert after.startswith(before), "lines written before the restart are unchanged"
+    ids = [line["custom_id"] for line in _read_lines(output)]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(300))
+    assert resumed.request_counts.completed == 300

@@ -148,3 +148,28 @@ def test_completions_endpoint(client: openai.OpenAI, tmp_path: Path) -> None:
         assert body["object"] == "text_completion"
         assert body["usage"]["completion_tokens"] <= 5
         assert body["choices"][0]["finish_reason"] in {"stop", "length"}
+
+
+def test_batch_level_parameters_through_extra_body(client: openai.OpenAI, tmp_path: Path) -> None:
+    file_id = _upload(
+        client, write_jsonl(tmp_path / "in.jsonl", [chat_line("a"), chat_line("b", max_tokens=2)])
+    )
+    batch = client.batches.create(
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        extra_body={"max_decoding_length": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 20},
+    )
+    extra = batch.model_extra or {}
+    assert (extra["max_decoding_length"], extra["temperature"], extra["top_p"], extra["top_k"]) == (
+        3,
+        0.5,
+        0.9,
+        20,
+    )
+    while batch.status != "completed":
+        batch = client.batches.retrieve(batch.id)
+    assert batch.output_file_id is not None
+    lines = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines()]
+    tokens = {line["custom_id"]: line["response"]["body"]["usage"]["completion_tokens"] for line in lines}
+    assert tokens == {"a": 3, "b": 2}  # simulated answers are 4+ tokens long, so both limits bind
