@@ -29,11 +29,13 @@ class Scheduler:
         self._run_request = run_request
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
+        #: While True nothing new is admitted (used to drain before shutdown).
+        self.paused = False
 
     def admit(self) -> list[IntakeEntry]:
         """Take queued requests into free slots, in the intake pool's fair order."""
         admitted: list[IntakeEntry] = []
-        while self.slots.free and self.intake.size:
+        while not self.paused and self.slots.free and self.intake.size:
             entry = self.intake.pop()
             assert entry is not None
             self.slots.acquire(entry.batch_id)

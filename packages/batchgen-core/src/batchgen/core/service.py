@@ -15,6 +15,7 @@ moment it finishes, and on start resumes batches a previous run left unfinished.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -69,9 +70,22 @@ from batchgen.core.storage import BlobStore, MetadataStore, OutputWriter, read_f
 logger = logging.getLogger("batchgen.service")
 
 _decode = msgspec.json.Decoder().decode
-_WINDOW = re.compile(r"^([1-9][0-9]*)([mhd])$")
-_WINDOW_SECONDS = {"m": 60, "h": 3600, "d": 86400}
+_WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+_WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_METADATA_PAIRS = 16
+MAX_FILE_EXPIRY_S = 30 * 86400
+
+
+def _fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _now() -> int:
@@ -89,6 +103,10 @@ class ServiceSettings:
     default_max_tokens: int = 256
     max_request_attempts: int = 3
     counters_flush_interval_s: float = 0.5
+    fsync_interval_ms: int = 1000
+    shutdown_grace_s: float = 10.0
+    file_expiry_s: int | None = None
+    maintenance_interval_s: float = 0.5
 
 
 @attrs.define(eq=False)
@@ -123,7 +141,7 @@ def parse_completion_window(window: str) -> int:
     match = _WINDOW.match(window) if isinstance(window, str) else None
     if match is None:
         raise InvalidRequest(
-            f"completion_window must look like '24h' (a number and m, h or d), got {window!r}",
+            f"completion_window must look like '24h' (a number and s, m, h or d), got {window!r}",
             param="completion_window",
         )
     return int(match.group(1)) * _WINDOW_SECONDS[match.group(2)]
@@ -184,11 +202,24 @@ class BatchService:
         self._tasks = await self._task_group.__aenter__()
         await self._tasks.start(self.scheduler.run)
         self._tasks.start_soon(self._flush_counters_periodically)
+        self._tasks.start_soon(self._sync_outputs_periodically)
+        self._tasks.start_soon(self._expire_periodically)
         await self._recover()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Stop admitting, give running requests ``shutdown_grace_s`` to finish, persist, stop.
+
+        Requests still running after the grace period are abandoned without a line; the next
+        start queues them again.
+        """
         assert self._tasks is not None
+        self.scheduler.paused = True
+        with anyio.move_on_after(self.settings.shutdown_grace_s):
+            while self.slots.active:
+                await anyio.sleep(0.02)
+        if self.slots.active:
+            logger.warning("shutting down with %d requests still running; they will rerun", self.slots.active)
         self._tasks.cancel_scope.cancel()
         with contextlib.suppress(BaseException):
             await self._task_group.__aexit__(None, None, None)
@@ -230,9 +261,33 @@ class BatchService:
             name = filename or Path(content).name
         return await self.add_file(staging, filename=name, purpose=purpose)
 
-    async def add_file(self, staging_path: Path, *, filename: str, purpose: str) -> FileObject:
-        """Validate a file received into ``staging_path`` and store it; the staging file is consumed."""
+    async def add_file(
+        self,
+        staging_path: Path,
+        *,
+        filename: str,
+        purpose: str,
+        expires_after_s: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> FileObject:
+        """Validate a file received into ``staging_path`` and store it; the staging file is consumed.
+
+        ``expires_after_s`` (else the server's ``file_expiry_s``) deletes the file that long after
+        its creation. With ``idempotency_key``, the same upload again returns the first file.
+        """
         try:
+            if expires_after_s is not None and not 1 <= expires_after_s <= MAX_FILE_EXPIRY_S:
+                raise InvalidRequest(
+                    f"expires_after seconds must be between 1 and {MAX_FILE_EXPIRY_S}", param="expires_after"
+                )
+            fingerprint = ""
+            if idempotency_key is not None:
+                digest = await anyio.to_thread.run_sync(_file_digest, staging_path)
+                fingerprint = _fingerprint(digest, filename, purpose, expires_after_s)
+                earlier = self._replay(idempotency_key, "file", fingerprint)
+                if earlier is not None:
+                    self.blobs.remove(staging_path)
+                    return await self.get_file(earlier)
             if purpose not in UPLOAD_PURPOSES:
                 raise InvalidRequest(
                     f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}",
@@ -253,18 +308,44 @@ class BatchService:
         except BaseException:
             self.blobs.remove(staging_path)
             raise
+        now = _now()
+        lifetime = expires_after_s or self.settings.file_expiry_s
         file = FileObject(
             id=file_id,
             bytes=size,
-            created_at=_now(),
+            created_at=now,
             filename=filename,
             purpose=purpose,
             path=str(path),
             line_count=line_count,
             url=url,
+            expires_at=None if lifetime is None else now + lifetime,
         )
+        if idempotency_key is not None:
+            try:  # a twin upload with the same key may have finished while this one validated
+                earlier = self._replay(idempotency_key, "file", fingerprint)
+            except Conflict:
+                self.blobs.remove(path)
+                raise
+            if earlier is not None:
+                self.blobs.remove(path)
+                return await self.get_file(earlier)
+            self.metadata.put_idempotency_key(idempotency_key, "file", fingerprint, file.id, now)
         self.metadata.insert_file(file)
         return file
+
+    def _replay(self, key: str, scope: str, fingerprint: str) -> str | None:
+        """The id an earlier call with this idempotency key made, or None; Conflict on a mismatch."""
+        recorded = self.metadata.get_idempotency_key(key)
+        if recorded is None:
+            return None
+        recorded_scope, recorded_fingerprint, object_id = recorded
+        if recorded_scope != scope or recorded_fingerprint != fingerprint:
+            raise Conflict(
+                f"Idempotency-Key '{key}' was already used with a different request; "
+                "use a new key for a new request."
+            )
+        return object_id
 
     def _file_or_404(self, file_id: str) -> FileObject:
         file = self.metadata.get_file(file_id)
@@ -321,9 +402,19 @@ class BatchService:
         completion_window: str = "24h",
         metadata: dict[str, str] | None = None,
         parameters: BatchParameters | None = None,
+        idempotency_key: str | None = None,
     ) -> Batch:
-        """Accept a batch over an uploaded ``batch`` file; it starts in the background."""
+        """Accept a batch over an uploaded ``batch`` file; it starts in the background.
+
+        With ``idempotency_key``, a repeat of the same call returns the batch the first call
+        created, and the same key with different arguments raises Conflict.
+        """
         parameters = parameters or BatchParameters()
+        fingerprint = _fingerprint(input_file_id, endpoint, completion_window, metadata, parameters.to_dict())
+        if idempotency_key is not None:
+            earlier = self._replay(idempotency_key, "batch", fingerprint)
+            if earlier is not None:
+                return await self.get_batch(earlier)
         if endpoint not in SUPPORTED_ENDPOINTS:
             raise InvalidRequest(
                 f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {endpoint!r}",
@@ -374,6 +465,8 @@ class BatchService:
             request_counts=RequestCounts(total=file.line_count),
         )
         self.metadata.insert_batch(batch)
+        if idempotency_key is not None:
+            self.metadata.put_idempotency_key(idempotency_key, "batch", fingerprint, batch.id, now)
         running = self._track(batch)
         self.tasks.start_soon(self._start_batch, running, file, None)
         return running.snapshot()
@@ -423,10 +516,13 @@ class BatchService:
         self._maybe_finish(running)
 
     def _new_output_file(self, batch_id: str, path: Path, kind: str) -> FileObject:
+        now = _now()
+        lifetime = self.settings.file_expiry_s
         file = FileObject(
             id=new_id("file-"),
             bytes=0,
-            created_at=_now(),
+            created_at=now,
+            expires_at=None if lifetime is None else now + lifetime,
             filename=f"{batch_id}_{kind}.jsonl",
             purpose=OUTPUT_PURPOSE,
             path=str(path),
@@ -463,10 +559,8 @@ class BatchService:
         if running.batch.status is BatchStatus.FINALIZING:
             raise Conflict(f"Batch '{batch_id}' is finalizing and cannot be cancelled.")
         running.batch = attrs.evolve(running.batch, status=BatchStatus.CANCELLING, cancelling_at=_now())
-        self.intake.drop(batch_id)
         self._persist(running)
-        for request_id in list(running.in_flight):
-            await self.backend.abort(request_id)
+        self._stop_work(running)
         self._maybe_finish(running)
         return running.snapshot()
 
@@ -531,22 +625,37 @@ class BatchService:
         except RequestRejected as exc:
             self._record_error(running, custom_id, exc.code, exc.message)
         except RequestAborted:
-            pass  # cancelled: the request ends with no line
+            pass  # cancelled or expired: the request ends with no line
         except BackendUnavailable as exc:
             self._fail(running, "batch_failed", f"The inference backend became unavailable: {exc}")
         else:
-            running.output.append(
-                output_line(
-                    custom_id, request.request_id, request.endpoint, self.backend.model_name, result, _now()
-                )
+            if running.batch.status.is_terminal:
+                return  # the batch ended (expired, failed) while this request ran
+            line = output_line(
+                custom_id, request.request_id, request.endpoint, self.backend.model_name, result, _now()
             )
-            running.completed += 1
-            running.prompt_tokens += result.prompt_tokens
-            running.completion_tokens += result.completion_tokens
-            running.dirty = True
+            if self._write(running, running.output, line):
+                running.completed += 1
+                running.prompt_tokens += result.prompt_tokens
+                running.completion_tokens += result.completion_tokens
+                running.dirty = True
         finally:
             running.in_flight.discard(request.request_id)
             self._maybe_finish(running)
+
+    def _write(self, running: _RunningBatch, writer: OutputWriter, line: bytes) -> bool:
+        """Append a result line; on a storage fault fail the batch (earlier lines stay intact)."""
+        try:
+            writer.append(line)
+        except OSError as exc:
+            self._fail(
+                running,
+                "batch_failed",
+                f"Could not write results to {writer.path}: {exc.strerror or exc}. "
+                "Lines written before this are kept.",
+            )
+            return False
+        return True
 
     async def _generate(self, request: GenerationRequest) -> Any:
         attempts = self.settings.max_request_attempts
@@ -563,13 +672,15 @@ class BatchService:
         raise AssertionError("unreachable")
 
     def _record_error(self, running: _RunningBatch, custom_id: str, code: str, message: str) -> None:
+        if running.batch.status.is_terminal:
+            return
         if running.batch.error_file_id is None:
             errors = self._new_output_file(running.batch.id, running.errors.path, "error")
             running.batch = attrs.evolve(running.batch, error_file_id=errors.id)
             self._persist(running)
-        running.errors.append(error_line(custom_id, code, message))
-        running.failed += 1
-        running.dirty = True
+        if self._write(running, running.errors, error_line(custom_id, code, message)):
+            running.failed += 1
+            running.dirty = True
 
     def _maybe_finish(self, running: _RunningBatch) -> None:
         status = running.batch.status
@@ -587,10 +698,14 @@ class BatchService:
         if running.batch.status.is_terminal:
             return
         logger.warning("batch %s failed: %s", running.batch.id, message)
+        self._stop_work(running)
+        self._end(running, status=BatchStatus.FAILED, failed_at=_now(), error=BatchErrorInfo(code, message))
+
+    def _stop_work(self, running: _RunningBatch) -> None:
+        """Drop the batch's queued requests and abort those in flight (they end with no line)."""
         self.intake.drop(running.batch.id)
         for request_id in list(running.in_flight):
             self.tasks.start_soon(self.backend.abort, request_id)
-        self._end(running, status=BatchStatus.FAILED, failed_at=_now(), error=BatchErrorInfo(code, message))
 
     def _end(self, running: _RunningBatch, **changes: Any) -> None:
         """Move a batch to a terminal status: sync its files, persist, stop tracking it."""
@@ -600,8 +715,11 @@ class BatchService:
         self._running.pop(running.batch.id, None)
 
     def _close(self, running: _RunningBatch) -> None:
-        running.output.close()
-        running.errors.close()
+        for writer in (running.output, running.errors):
+            try:
+                writer.close()
+            except OSError:
+                logger.exception("closing %s failed", writer.path)
         if running.input_fd is not None:
             os.close(running.input_fd)
             running.input_fd = None
@@ -617,6 +735,33 @@ class BatchService:
                 if running.dirty:
                     self._persist(running)
 
+    async def _sync_outputs_periodically(self) -> None:
+        """Group commit: one fsync per open result file per interval, never one per request."""
+        while True:
+            await anyio.sleep(self.settings.fsync_interval_ms / 1000)
+            writers = [w for r in self._running.values() for w in (r.output, r.errors) if w.opened]
+            if writers:
+                await anyio.to_thread.run_sync(_sync_all, writers)
+
+    async def _expire_periodically(self) -> None:
+        while True:
+            await anyio.sleep(self.settings.maintenance_interval_s)
+            self.expire_due()
+
+    def expire_due(self) -> None:
+        """End batches past their completion window as ``expired``, and delete expired files."""
+        now = _now()
+        for running in list(self._running.values()):
+            if running.batch.expires_at <= now and not running.batch.status.is_terminal:
+                logger.info("batch %s expired with %d of %d done", running.batch.id, running.finished,
+                            running.batch.request_counts.total)
+                self._stop_work(running)
+                self._end(running, status=BatchStatus.EXPIRED, expired_at=now)
+        for file in self.metadata.expired_files(now):
+            if not any(b.status.is_active for b in self.metadata.batches_using_file(file.id)):
+                self.metadata.delete_file(file.id)
+                self.blobs.remove(file.path)
+
     # --- recovery -------------------------------------------------------------------------
     async def _recover(self) -> None:
         """Resume every batch a previous run left unfinished, skipping lines already written."""
@@ -631,15 +776,25 @@ class BatchService:
             if file is None:
                 self._fail(running, "batch_failed", "The batch's input file is gone.")
                 continue
+            # Counters are rebuilt from the files, the record of what really finished.
             written = read_finished_lines(running.output.path)
             failed = read_finished_lines(running.errors.path)
-            running.completed, running.failed = len(written), len(failed)
-            running.prompt_tokens = batch.usage.prompt_tokens
-            running.completion_tokens = batch.usage.completion_tokens
+            running.completed, running.failed = len(written.custom_ids), len(failed.custom_ids)
+            running.prompt_tokens = written.prompt_tokens
+            running.completion_tokens = written.completion_tokens
             if batch.status is BatchStatus.FINALIZING:
                 running.batch = attrs.evolve(batch, status=BatchStatus.IN_PROGRESS)
             logger.info("resuming batch %s: %d lines already written", batch.id, running.finished)
-            self.tasks.start_soon(self._start_batch, running, file, set(written) | set(failed))
+            done = set(written.custom_ids) | set(failed.custom_ids)
+            self.tasks.start_soon(self._start_batch, running, file, done)
+
+
+def _sync_all(writers: list[OutputWriter]) -> None:
+    for writer in writers:
+        try:
+            writer.sync()
+        except (OSError, ValueError):
+            logger.exception("fsync of %s failed", writer.path)
 
 
 def _lines_not_done(path: str, index: Any, done: set[str]) -> list[int]:

@@ -86,6 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.default_max_tokens,
         help="output token limit when neither the request nor the batch sets one",
     )
+    parser.add_argument(
+        "--fsync-interval-ms",
+        type=_positive_int,
+        default=_DEFAULTS.fsync_interval_ms,
+        help="how often result files are fsynced. Every finished line is written to the OS at once, "
+        "so a crash of the server process loses none; a power loss or OS crash can lose at most the "
+        "lines of this last interval",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=_non_negative_float,
+        default=_DEFAULTS.shutdown_grace_s,
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before the server exits; "
+        "unfinished ones run again on the next start",
+    )
+    parser.add_argument(
+        "--file-expiry-s",
+        type=_positive_int,
+        default=None,
+        help="delete files (uploads and batch results) this many seconds after creation, unless an "
+        "upload sets its own expires_after (default: keep files until deleted)",
+    )
     simulated = parser.add_argument_group("simulated backend")
     simulated.add_argument(
         "--simulated-latency-s",

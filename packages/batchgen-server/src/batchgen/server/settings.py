@@ -21,6 +21,9 @@ class ServerSettings:
     max_context_length: int | None = None
     max_upload_bytes: int = 512 * 1024 * 1024
     default_max_tokens: int = 256
+    fsync_interval_ms: int = 1000
+    shutdown_grace_s: float = 10.0
+    file_expiry_s: int | None = None
     simulated_latency_s: float = 0.0
     simulated_token_latency_s: float = 0.0
     simulated_failure_rate: float = 0.0
@@ -34,6 +37,9 @@ class ServerSettings:
             max_pool_size=self.max_pool_size,
             max_upload_bytes=self.max_upload_bytes,
             default_max_tokens=self.default_max_tokens,
+            fsync_interval_ms=self.fsync_interval_ms,
+            shutdown_grace_s=self.shutdown_grace_s,
+            file_expiry_s=self.file_expiry_s,
         )
 
     def build_backend(self) -> Backend:

@@ -2,6 +2,6 @@
 
 from batchgen.core.storage.blobs import BlobStore
 from batchgen.core.storage.metadata import MetadataStore
-from batchgen.core.storage.output import OutputWriter, read_finished_lines
+from batchgen.core.storage.output import FinishedLines, OutputWriter, read_finished_lines
 
-__all__ = ["BlobStore", "MetadataStore", "OutputWriter", "read_finished_lines"]
+__all__ = ["BlobStore", "FinishedLines", "MetadataStore", "OutputWriter", "read_finished_lines"]

@@ -169,6 +169,11 @@ class MetadataStore:
         if not self._files.exists():
             self._files.create(_FILE_COLUMNS, pk="id", not_null={"seq"})
             self._files.create_index(["seq"], unique=True)
+        self._idempotency = self._db.table("idempotency_keys")
+        if not self._idempotency.exists():
+            self._idempotency.create(
+                {"key": str, "scope": str, "fingerprint": str, "object_id": str, "created_at": int}, pk="key"
+            )
         if not self._batches.exists():
             self._batches.create(_BATCH_COLUMNS, pk="id", not_null={"seq"})
             self._batches.create_index(["seq"], unique=True)
@@ -205,6 +210,10 @@ class MetadataStore:
     def update_file_bytes(self, file_id: str, size: int) -> None:
         self._files.update(file_id, {"bytes": size})
 
+    def expired_files(self, now: int) -> list[FileObject]:
+        rows = self._files.rows_where("expires_at IS NOT NULL AND expires_at <= ?", [now], order_by="seq")
+        return [_file_from_row(row) for row in rows]
+
     def delete_file(self, file_id: str) -> None:
         self._files.delete_where("id = ?", [file_id])
 
@@ -229,6 +238,19 @@ class MetadataStore:
             )
         )
         return [_file_from_row(row) for row in rows[:limit]], len(rows) > limit
+
+    # --- idempotency keys ------------------------------------------------------------------
+    def get_idempotency_key(self, key: str) -> tuple[str, str, str] | None:
+        """(scope, fingerprint, object_id) recorded for ``key``, if any."""
+        rows = list(self._idempotency.rows_where("key = ?", [key], limit=1))
+        if not rows:
+            return None
+        return rows[0]["scope"], rows[0]["fingerprint"], rows[0]["object_id"]
+
+    def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
+        self._idempotency.insert(
+            {"key": key, "scope": scope, "fingerprint": fingerprint, "object_id": object_id, "created_at": now}
+        )
 
     # --- batches ---------------------------------------------------------------------------
     def insert_batch(self, batch: Batch) -> None:

@@ -1,17 +1,22 @@
 """Append-only result files: writing one JSON line per finished request, and reading them back.
 
-A line is written whole and flushed to the operating system as soon as its request finishes, so a
-crash of the process loses no finished line. ``sync`` pushes written lines to the disk (fsync); the
-service calls it when a batch ends. ``read_finished_lines`` is the recovery side: it truncates a
-torn last line and returns the custom_ids already written.
+Durability policy. Each line is handed to the operating system with one ``write`` the moment its
+request finishes, so a crash of the process loses no finished line. ``sync`` (fsync) makes the
+lines written so far survive a power loss too; the service calls it for every open file on a timer
+(``fsync_interval_ms``, grouped across requests) and when a batch ends, never per request.
+
+A write that fails (a full disk, say) is undone: the file is cut back to its last complete line, so
+no written line is ever damaged. ``read_finished_lines`` is the recovery side: it cuts off a torn
+last line left by a crash and returns what the complete lines record.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
-from typing import BinaryIO
 
+import attrs
 import msgspec
 
 _decode = msgspec.json.Decoder().decode
@@ -22,44 +27,79 @@ class OutputWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stream: BinaryIO | None = None
+        self._fd: int | None = None
+        self._size = 0
+        self._unsynced = False
+        self.closed = False
         self.lines_written = 0
 
     @property
     def opened(self) -> bool:
-        return self._stream is not None
+        return self._fd is not None
 
     def append(self, line: bytes) -> None:
-        """Write one complete line (ending in a newline) and flush it to the OS."""
-        if self._stream is None:
-            self._stream = open(self.path, "ab")  # noqa: SIM115 - held open for the batch's life
-        self._stream.write(line)
-        self._stream.flush()
+        """Write one complete line (ending in a newline); raise OSError, leaving the file whole."""
+        if self.closed:
+            raise ValueError(f"{self.path} is closed")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += written
+        self._unsynced = True
         self.lines_written += 1
 
     def sync(self) -> None:
-        if self._stream is not None:
-            os.fsync(self._stream.fileno())
+        """fsync what was written since the last sync (a no-op when nothing was)."""
+        if self._fd is not None and self._unsynced:
+            os.fsync(self._fd)
+            self._unsynced = False
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.flush()
-            os.fsync(self._stream.fileno())
-            self._stream.close()
-            self._stream = None
+        """Sync and close; later appends raise. Closing twice is harmless."""
+        self.closed = True
+        if self._fd is not None:
+            try:
+                self.sync()
+            finally:
+                os.close(self._fd)
+                self._fd = None
 
 
-def read_finished_lines(path: Path) -> list[str]:
-    """Return the custom_ids of the complete lines in ``path``, cutting off a torn last line."""
+@attrs.frozen
+class FinishedLines:
+    """What the complete lines of an output or error file record."""
+
+    custom_ids: list[str]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def read_finished_lines(path: Path) -> FinishedLines:
+    """Read the complete lines of ``path``, first cutting off a torn last line."""
     if not path.exists():
-        return []
+        return FinishedLines([])
     with open(path, "r+b") as stream:
         data = stream.read()
         end = data.rfind(b"\n") + 1
         if end != len(data):
             stream.truncate(end)
     custom_ids: list[str] = []
+    prompt_tokens = completion_tokens = 0
     for raw in data[:end].splitlines():
-        if raw.strip():
-            custom_ids.append(_decode(raw)["custom_id"])
-    return custom_ids
+        if not raw.strip():
+            continue
+        line = _decode(raw)
+        custom_ids.append(line["custom_id"])
+        response = line.get("response")
+        if response:
+            usage = response["body"].get("usage") or {}
+            prompt_tokens += usage.get("prompt_tokens", 0)
+            completion_tokens += usage.get("completion_tokens", 0)
+    return FinishedLines(custom_ids, prompt_tokens, completion_tokens)

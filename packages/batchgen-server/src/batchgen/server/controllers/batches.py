@@ -22,7 +22,6 @@ _ALLOWED_FIELDS = frozenset(
         "temperature",
         "top_p",
         "top_k",
-        "output_expires_after",
     }
 )
 
@@ -60,6 +59,7 @@ class BatchesController(Controller):
                 top_p=body.get("top_p"),
                 top_k=body.get("top_k"),
             ),
+            idempotency_key=request.headers.get("idempotency-key"),
         )
         return batch.to_dict()
 

@@ -31,6 +31,19 @@ async def _read_range(path: Path, size: int) -> AsyncIterator[bytes]:
             yield chunk
 
 
+def _expires_after_seconds(fields: dict[str, str]) -> int | None:
+    """OpenAI's ``expires_after[anchor]=created_at`` and ``expires_after[seconds]=N`` form fields."""
+    anchor = fields.get("expires_after[anchor]")
+    seconds = fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor not in (None, "created_at"):
+        raise InvalidRequest("expires_after[anchor] must be 'created_at'", param="expires_after")
+    if seconds is None or not seconds.strip().isdigit():
+        raise InvalidRequest("expires_after[seconds] must be a whole number of seconds", param="expires_after")
+    return int(seconds)
+
+
 class FilesController(Controller):
     path = "/v1/files"
 
@@ -49,7 +62,11 @@ class FilesController(Controller):
             if not purpose:
                 raise InvalidRequest("the form field 'purpose' is required", param="purpose")
             file = await service.add_file(
-                staging, filename=upload.filename or "upload.jsonl", purpose=purpose
+                staging,
+                filename=upload.filename or "upload.jsonl",
+                purpose=purpose,
+                expires_after_s=_expires_after_seconds(upload.fields),
+                idempotency_key=request.headers.get("idempotency-key"),
             )
         finally:
             service.blobs.remove(staging)
