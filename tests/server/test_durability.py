@@ -1,0 +1,204 @@
+"""Nothing finished is lost: kills and restarts, fast cancellation, expiry, idempotency, full disks.
+
+Every test runs real ``batchgen-server`` processes on 127.0.0.1 over one storage folder.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live import LiveServer, chat_line, wait_for_status, write_jsonl
+
+TERMINAL = {"completed", "failed", "cancelled", "expired"}
+
+
+def _upload(client: httpx.Client, path: Path, **headers: str) -> dict:
+    with path.open("rb") as stream:
+        response = client.post("/v1/files", files={"file": stream}, data={"purpose": "batch"}, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _create(client: httpx.Client, file_id: str, **extra: object) -> dict:
+    response = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def _persisted_completed(storage: Path, batch_id: str) -> int:
+    with sqlite3.connect(storage / "metadata.sqlite3") as db:
+        return int(db.execute("SELECT completed FROM batches WHERE id = ?", [batch_id]).fetchone()[0])
+
+
+def _complete_prefix(path: Path) -> bytes:
+    data = path.read_bytes() if path.exists() else b""
+    return data[: data.rfind(b"\n") + 1]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_stopped_at_random_points_every_request_ends_exactly_once(
+    server_factory: Callable[..., LiveServer], tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    flags = ("--simulated-latency-s", "0.05", "--max-pool-size", "32", "--fsync-interval-ms", "50")
+    total = 3000
+    input_path = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}", f"prompt {i}") for i in range(total)])
+    rng = random.Random(1234)
+    server = server_factory(*flags, storage="durable")
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        batch_id = _create(client, _upload(client, input_path)["id"])["id"]
+    output = server.storage_path / "incremental" / f"{batch_id}.jsonl"
+
+    kept: bytes = b""
+    for _ in range(3):
+        time.sleep(rng.uniform(0.2, 0.6))
+        server.process.send_signal(stop_signal)
+        server.process.wait(timeout=30)
+        written = _complete_prefix(output)
+        if stop_signal == signal.SIGTERM:
+            # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit.
+            assert server.process.returncode in (0, -signal.SIGTERM), server.log_path.read_text()
+            assert output.read_bytes() == written, "a graceful stop leaves no torn line"
+            assert _persisted_completed(server.storage_path, batch_id) == len(written.splitlines()), (
+                "a graceful stop persists the counters"
+            )
+        assert written.startswith(kept), "a line written before a stop changed"
+        kept = written
+        assert len(kept.splitlines()) < total, "the batch finished before the stop; the test proves nothing"
+        server = server_factory(*flags, storage="durable")
+
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        batch = wait_for_status(client, batch_id, TERMINAL, timeout_s=120)
+    assert batch["status"] == "completed"
+    assert output.read_bytes().startswith(kept)
+    ids = [line["custom_id"] for line in _lines(output)]
+    assert len(ids) == len(set(ids)) == total, "every request ends with exactly one line"
+    assert set(ids) == {f"r{i}" for i in range(total)}
+    assert batch["request_counts"] == {"total": total, "completed": total, "failed": 0}
+    assert batch["usage"]["output_tokens"] == sum(
+        line["response"]["body"]["usage"]["completion_tokens"] for line in _lines(output)
+    )
+
+
+def test_cancel_aborts_in_flight_requests_within_seconds(server_factory, tmp_path: Path) -> None:
+    server = server_factory("--simulated-latency-s", "60", "--max-pool-size", "8")
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        batch = _create(client, _upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(50)]))["id"])
+        wait_for_status(client, batch["id"], {"in_progress"})
+        deadline = time.monotonic() + 10
+        while client.get("/v1/pool/status").json()["scheduling_pool_active"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = time.monotonic()
+        client.post(f"/v1/batches/{batch['id']}/cancel").raise_for_status()
+        cancelled = wait_for_status(client, batch["id"], {"cancelled"}, timeout_s=10)
+        assert time.monotonic() - started < 3, "in-flight requests were not aborted"
+        assert cancelled["request_counts"] == {"total": 50, "completed": 0, "failed": 0}
+        pool = client.get("/v1/pool/status").json()
+        assert pool["scheduling_pool_active"] == 0 and pool["intake_pool_size"] == 0
+
+
+def test_batch_past_its_window_expires_with_partial_results(server_factory, tmp_path: Path) -> None:
+    server = server_factory("--simulated-latency-s", "0.3", "--max-pool-size", "1")
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        path = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(40)])
+        batch = _create(client, _upload(client, path)["id"], completion_window="2s")
+        expired = wait_for_status(client, batch["id"], {"expired", "completed"}, timeout_s=20)
+        assert expired["status"] == "expired"
+        assert expired["expired_at"] is not None and expired["expired_at"] >= expired["expires_at"]
+        done = expired["request_counts"]["completed"]
+        assert 1 <= done < 40
+        content = client.get(f"/v1/files/{expired['output_file_id']}/content").content
+        assert len(content.splitlines()) == done
+        time.sleep(0.5)
+        assert client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == done
+
+
+def test_idempotency_key_returns_the_same_objects(live_server: LiveServer, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", [chat_line("a"), chat_line("b")])
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
+        first_file = _upload(client, path, **{"Idempotency-Key": "file-key-1"})
+        assert _upload(client, path, **{"Idempotency-Key": "file-key-1"})["id"] == first_file["id"]
+        other = write_jsonl(tmp_path / "other.jsonl", [chat_line("c")])
+        with other.open("rb") as stream:
+            clash = client.post(
+                "/v1/files", files={"file": stream}, data={"purpose": "batch"}, headers={"Idempotency-Key": "file-key-1"}
+            )
+        assert clash.status_code == 409 and "Idempotency-Key" in clash.json()["error"]["message"]
+
+        body = {"input_file_id": first_file["id"], "endpoint": "/v1/chat/completions"}
+        headers = {"Idempotency-Key": "batch-key-1"}
+        first = client.post("/v1/batches", json=body, headers=headers).json()
+        again = client.post("/v1/batches", json=body, headers=headers)
+        assert again.status_code == 200 and again.json()["id"] == first["id"]
+        changed = client.post("/v1/batches", json={**body, "metadata": {"x": "y"}}, headers=headers)
+        assert changed.status_code == 409
+        batches = [b["id"] for b in client.get("/v1/batches").json()["data"] if b["input_file_id"] == first_file["id"]]
+        assert batches == [first["id"]]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 96 KiB tmpfs mounted where the server writes result files."""
+    incremental = tmp_path / "disk" / "incremental"
+    incremental.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(incremental)], check=True)
+    try:
+        yield tmp_path / "disk"
+    finally:
+        subprocess.run(["umount", "-l", str(incremental)], check=False)
+
+
+def test_full_disk_fails_the_batch_keeps_lines_and_the_server(server_factory, small_disk: Path, tmp_path: Path) -> None:
+    server = server_factory("--fsync-interval-ms", "50", storage="disk")
+    assert server.storage_path.resolve() == small_disk.resolve()
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        big = _create(client, _upload(client, write_jsonl(tmp_path / "big.jsonl", [chat_line(f"r{i}") for i in range(3000)]))["id"])
+        failed = wait_for_status(client, big["id"], TERMINAL, timeout_s=60)
+        assert failed["status"] == "failed"
+        assert failed["error"]["code"] == "batch_failed"
+        assert "No space left on device" in failed["error"]["message"]
+        output = small_disk / "incremental" / f"{big['id']}.jsonl"
+        lines = _lines(output)  # every line written is whole JSON
+        assert 0 < len(lines) == failed["request_counts"]["completed"] < 3000
+        assert client.get("/health").json() == {"status": "healthy"}
+
+        assert client.delete(f"/v1/files/{failed['output_file_id']}").status_code == 200
+        small = _create(client, _upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("x"), chat_line("y")]))["id"])
+        assert wait_for_status(client, small["id"], TERMINAL)["status"] == "completed"
+
+
+def test_files_expire_and_free_their_disk(server_factory, tmp_path: Path) -> None:
+    server = server_factory("--file-expiry-s", "2")
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        path = write_jsonl(tmp_path / "in.jsonl", [chat_line("a")])
+        with path.open("rb") as stream:
+            short = client.post(
+                "/v1/files",
+                files={"file": stream},
+                data={"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "1"},
+            ).json()
+        assert short["expires_at"] == short["created_at"] + 1
+        default = _upload(client, path)
+        assert default["expires_at"] == default["created_at"] + 2
+        batch = wait_for_status(client, _create(client, default["id"])["id"], TERMINAL)
+        output = client.get(f"/v1/files/{batch['output_file_id']}").json()
+        assert output["expires_at"] is not None
+        time.sleep(3.5)
+        for file_id in (short["id"], default["id"], batch["output_file_id"]):
+            assert client.get(f"/v1/files/{file_id}").status_code == 404
+        assert list((server.storage_path / "files").iterdir()) == []
+        assert not (server.storage_path / "incremental" / f"{batch['id']}.jsonl").exists()
+        assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed"
