@@ -1,0 +1,332 @@
+"""Stateful tests of the intake pool, the scheduling pool and the scheduler's decisions.
+
+``SchedulerMachine`` drives the real ``IntakePool``, ``SchedulingPool`` and ``Scheduler`` with
+random batches (some given as an explicit subset of lines, as after a restart), admissions,
+finishes and cancels, and checks them against a plain model of which (batch, line) requests are
+queued, running, finished or dropped. It states the invariants of ARCHITECTURE.md that these
+classes own:
+
+1. Conservation: every request of an accepted batch ends exactly once, admitted (then finished)
+   or dropped by a cancel; none is duplicated or lost.
+2. Capacity: the intake never holds more than its capacity, and a rejected batch changes nothing;
+   running requests never exceed the slots; finishing a request frees its slot.
+3. Fairness: if batch A is admitted at one step and again at a later step, every other batch that
+   had queued work at the first admission, and was not cancelled since, was admitted in between.
+4. Cancellation: once a batch is cancelled, none of its queued requests is admitted.
+5. Offsets: an admitted entry carries the offset and length of its line in that batch's LineIndex.
+
+``test_run_loop_runs_each_entry_once_and_releases_every_slot`` runs the real async ``run`` loop
+with a runner that succeeds, raises or sleeps at random, and checks that each request ran exactly
+once and every slot came back.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections import Counter
+
+import anyio
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from batchgen.core.batch_file import LineIndex
+from batchgen.core.errors import IntakeFull
+from batchgen.core.intake import IntakeEntry, IntakePool
+from batchgen.core.scheduler import Scheduler
+from batchgen.core.scheduling import SchedulingPool
+
+Request = tuple[str, int]  # (batch_id, line)
+
+
+def make_index(base: int, lengths: list[int]) -> LineIndex:
+    """A LineIndex of consecutive lines starting at byte ``base``, one newline between lines."""
+    offsets = array("q")
+    position = base
+    for length in lengths:
+        offsets.append(position)
+        position += length + 1
+    return LineIndex(offsets=offsets, lengths=array("l", lengths))
+
+
+async def _not_run(entry: IntakeEntry) -> None:
+    raise AssertionError("the state machine never starts the run loop")
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The real pools and scheduler decisions, checked against a model of every request."""
+
+    @initialize(intake_capacity=st.integers(1, 60), slot_count=st.integers(1, 8))
+    def setup(self, intake_capacity: int, slot_count: int) -> None:
+        self.intake = IntakePool(intake_capacity)
+        self.slots = SchedulingPool(slot_count)
+        self.scheduler = Scheduler(self.intake, self.slots, _not_run)
+        self.batch_count = 0
+        self.indexes: dict[str, LineIndex] = {}
+        # The model: each added request is in exactly one of queued, running, finished, dropped.
+        self.added: set[Request] = set()
+        self.queued: dict[str, set[int]] = {}  # only batches with queued work
+        self.running: list[IntakeEntry] = []
+        self.finished: set[Request] = set()
+        self.dropped: set[Request] = set()
+        self.admitted: set[Request] = set()
+        self.cancelled: set[str] = set()
+        # owed[a]: batches that had queued work when ``a`` was last admitted and have been neither
+        # admitted nor cancelled since. It must be empty when ``a`` is admitted again.
+        self.owed: dict[str, set[str]] = {}
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @rule(data=st.data(), size=st.integers(0, 50))
+    def add_batch(self, data: st.DataObject, size: int) -> None:
+        """Add a new batch: all its lines, or an explicit subset (as when resuming after a restart)."""
+        batch_id = f"batch_{self.batch_count}"
+        self.batch_count += 1
+        index = make_index(
+            self.batch_count * 1_000_000,
+            data.draw(st.lists(st.integers(1, 5_000), min_size=size, max_size=size)),
+        )
+        lines: list[int] | None = None
+        if size and data.draw(st.booleans(), label="explicit lines"):
+            lines = data.draw(st.lists(st.integers(0, size - 1), unique=True), label="lines")
+        wanted = list(range(size)) if lines is None else lines
+        fits = len(wanted) <= self.intake.capacity - self.intake.size
+        before = self._intake_snapshot()
+
+        try:
+            # A one-shot iterator is a valid ``Iterable[int]`` too.
+            queued = self.intake.add(batch_id, index, None if lines is None else iter(lines))
+        except IntakeFull:
+            assert not fits, f"{len(wanted)} requests fit in {self.intake.free} free places but were refused"
+            assert self._intake_snapshot() == before, "a refused batch changed the intake pool"
+            assert batch_id not in self.intake
+            return
+        assert fits, f"{len(wanted)} requests were accepted with only {before[1]} free places"
+        assert queued == len(wanted)
+
+        self.indexes[batch_id] = index
+        self.added.update((batch_id, line) for line in wanted)
+        if wanted:
+            self.queued[batch_id] = set(wanted)
+
+    @rule()
+    def admit(self) -> None:
+        self._admit()
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        entry = data.draw(st.sampled_from(self.running), label="finished entry")
+        self._finish(entry)
+
+    @precondition(lambda self: self.indexes)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        """Cancel a batch (queued, drained, already cancelled, or one the pool never saw)."""
+        batch_id = data.draw(st.sampled_from([*sorted(self.indexes), "never_added"]), label="cancelled batch")
+        running_before = self.slots.active_for(batch_id)
+        remaining = self.queued.pop(batch_id, set())
+
+        assert self.intake.drop(batch_id) == len(remaining)
+
+        assert self.intake.queued(batch_id) == 0
+        assert batch_id not in self.intake
+        assert self.slots.active_for(batch_id) == running_before, "cancel must not touch running requests"
+        self.dropped.update((batch_id, line) for line in remaining)
+        self.cancelled.add(batch_id)
+        self.owed.pop(batch_id, None)
+        for waiting in self.owed.values():
+            waiting.discard(batch_id)
+
+    @precondition(lambda self: self.intake.size == 0)
+    @rule()
+    def pop_from_empty_intake(self) -> None:
+        assert self.intake.pop() is None
+
+    @rule()
+    def release_unheld_slot_is_refused(self) -> None:
+        """Releasing a slot the batch does not hold raises and changes nothing."""
+        active = self.slots.active
+        stray = IntakeEntry("never_added", 0, 0, 1)
+        try:
+            self.scheduler.finish(stray)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("a slot that was never acquired was released")
+        assert self.slots.active == active
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def intake_matches_model_and_capacity(self) -> None:
+        assert 0 <= self.intake.size <= self.intake.capacity
+        assert self.intake.free == self.intake.capacity - self.intake.size
+        assert self.intake.size == sum(len(lines) for lines in self.queued.values())
+        for batch_id in self.indexes:
+            assert self.intake.queued(batch_id) == len(self.queued.get(batch_id, ()))
+            assert (batch_id in self.intake) == (batch_id in self.queued)
+
+    @invariant()
+    def slots_match_model_and_capacity(self) -> None:
+        assert 0 <= self.slots.active <= self.slots.capacity
+        assert self.slots.active == len(self.running)
+        assert self.slots.free == self.slots.capacity - self.slots.active
+        per_batch = Counter(entry.batch_id for entry in self.running)
+        for batch_id in [*self.indexes, "never_added"]:
+            assert self.slots.active_for(batch_id) == per_batch[batch_id]
+
+    @invariant()
+    def every_request_is_in_exactly_one_state(self) -> None:
+        queued = {(batch_id, line) for batch_id, lines in self.queued.items() for line in lines}
+        running = {(entry.batch_id, entry.line) for entry in self.running}
+        parts = [queued, running, self.finished, self.dropped]
+        assert sum(len(part) for part in parts) == len(self.added), "a request is in two states"
+        assert set().union(*parts) == self.added, "a request was lost or invented"
+        assert len(running) == len(self.running), "a request runs twice"
+        assert running | self.finished == self.admitted
+
+    def teardown(self) -> None:
+        """Drain what is left: every accepted request then ended exactly once, every slot is free."""
+        if not hasattr(self, "intake"):
+            return
+        while self.intake.size or self.running:
+            self._admit()
+            for entry in list(self.running):
+                self._finish(entry)
+        assert self.finished | self.dropped == self.added
+        assert not self.finished & self.dropped
+        assert self.slots.active == 0 and self.slots.free == self.slots.capacity
+        assert self.intake.size == 0 and self.intake.pop() is None
+
+    # -- shared steps --------------------------------------------------------------------------
+
+    def _intake_snapshot(self) -> tuple[int, int, dict[str, int]]:
+        return (
+            self.intake.size,
+            self.intake.free,
+            {batch_id: self.intake.queued(batch_id) for batch_id in self.indexes},
+        )
+
+    def _admit(self) -> None:
+        expected = min(self.slots.free, self.intake.size)
+        admitted = self.scheduler.admit()
+        assert len(admitted) == expected, f"admitted {len(admitted)}, but {expected} could start"
+        for entry in admitted:  # in the order the intake pool handed them out
+            self._check_admission(entry)
+
+    def _check_admission(self, entry: IntakeEntry) -> None:
+        batch_id, line = entry.batch_id, entry.line
+        assert batch_id not in self.cancelled, f"{batch_id} was cancelled but line {line} was admitted"
+        assert (batch_id, line) not in self.admitted, f"{batch_id} line {line} was admitted twice"
+        assert line in self.queued.get(batch_id, ()), f"{batch_id} line {line} was admitted but not queued"
+
+        index = self.indexes[batch_id]
+        assert (entry.offset, entry.length) == (index.offsets[line], index.lengths[line])
+
+        skipped = self.owed.get(batch_id, set())
+        assert not skipped, f"{batch_id} was admitted twice while {sorted(skipped)} waited with queued work"
+        for waiting in self.owed.values():
+            waiting.discard(batch_id)
+        self.owed[batch_id] = {other for other in self.queued if other != batch_id}
+
+        self.queued[batch_id].discard(line)
+        if not self.queued[batch_id]:
+            del self.queued[batch_id]
+            del self.owed[batch_id]  # no queued work left, so no further admission to check
+        self.admitted.add((batch_id, line))
+        self.running.append(entry)
+
+    def _finish(self, entry: IntakeEntry) -> None:
+        free, held = self.slots.free, self.slots.active_for(entry.batch_id)
+        self.scheduler.finish(entry)
+        assert self.slots.free == free + 1, "finishing a request did not free its slot"
+        assert self.slots.active_for(entry.batch_id) == held - 1
+        self.running.remove(entry)
+        self.finished.add((entry.batch_id, entry.line))
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+# -- the async run loop ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", range(4))
+async def test_run_loop_runs_each_entry_once_and_releases_every_slot(seed: int) -> None:
+    rng = random.Random(seed)
+    intake = IntakePool(40)
+    slots = SchedulingPool(5)
+    indexes: dict[str, LineIndex] = {}
+    started: Counter[Request] = Counter()
+    wrong_offsets: list[IntakeEntry] = []
+    outcomes: Counter[str] = Counter()
+    in_flight = 0
+    peak = 0
+
+    async def run_request(entry: IntakeEntry) -> None:
+        # The scheduler swallows exceptions from the runner, so record problems and check later.
+        nonlocal in_flight, peak
+        started[(entry.batch_id, entry.line)] += 1
+        index = indexes[entry.batch_id]
+        if (entry.offset, entry.length) != (index.offsets[entry.line], index.lengths[entry.line]):
+            wrong_offsets.append(entry)
+        in_flight += 1
+        peak = max(peak, in_flight, slots.active)
+        try:
+            roll = rng.random()
+            if roll < 0.25:
+                outcomes["raised at once"] += 1
+                raise RuntimeError("the backend failed")
+            await anyio.sleep(rng.uniform(0, 0.002))
+            if roll < 0.45:
+                outcomes["raised after sleeping"] += 1
+                raise ValueError("the backend failed late")
+            outcomes["succeeded"] += 1
+        finally:
+            in_flight -= 1
+
+    scheduler = Scheduler(intake, slots, run_request)
+    expected: set[Request] = set()
+    cancelled = "batch_5"
+    dropped = 0
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(scheduler.run)
+        for number in range(25):
+            batch_id = f"batch_{number}"
+            size = rng.randint(1, 25)
+            indexes[batch_id] = make_index(number * 1_000_000, [rng.randint(1, 500) for _ in range(size)])
+            with anyio.fail_after(10):
+                while True:
+                    try:
+                        intake.add(batch_id, indexes[batch_id])
+                        break
+                    except IntakeFull:
+                        await anyio.sleep(0.001)  # wait for running requests to make room
+            scheduler.notify()
+            expected.update((batch_id, line) for line in range(size))
+            if number == 8:  # cancel an earlier batch, which may be queued, running or done
+                dropped = intake.drop(cancelled)
+            await anyio.sleep(rng.uniform(0, 0.002))
+        with anyio.fail_after(10):
+            await scheduler.wait_until_idle()
+        tasks.cancel_scope.cancel()
+
+    assert slots.active == 0 and slots.free == slots.capacity
+    assert intake.size == 0
+    assert all(count == 1 for count in started.values()), [r for r, n in started.items() if n > 1]
+    assert set(started) <= expected
+    assert sum(1 for batch_id, _ in started if batch_id == cancelled) == len(indexes[cancelled]) - dropped
+    assert {r for r in expected if r[0] != cancelled} <= set(started), "a request never ran"
+    assert not wrong_offsets
+    assert 1 < peak <= slots.capacity
+    assert outcomes["raised at once"] and outcomes["raised after sleeping"] and outcomes["succeeded"]
