@@ -24,13 +24,17 @@ TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
 def _upload(client: httpx.Client, path: Path, **headers: str) -> dict:
     with path.open("rb") as stream:
-        response = client.post("/v1/files", files={"file": stream}, data={"purpose": "batch"}, headers=headers)
+        response = client.post(
+            "/v1/files", files={"file": stream}, data={"purpose": "batch"}, headers=headers
+        )
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def _create(client: httpx.Client, file_id: str, **extra: object) -> dict:
-    response = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", **extra})
+    response = client.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", **extra}
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -96,10 +100,17 @@ def test_stopped_at_random_points_every_request_ends_exactly_once(
 def test_cancel_aborts_in_flight_requests_within_seconds(server_factory, tmp_path: Path) -> None:
     server = server_factory("--simulated-latency-s", "60", "--max-pool-size", "8")
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        batch = _create(client, _upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(50)]))["id"])
+        batch = _create(
+            client,
+            _upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(50)]))[
+                "id"
+            ],
+        )
         wait_for_status(client, batch["id"], {"in_progress"})
         deadline = time.monotonic() + 10
-        while client.get("/v1/pool/status").json()["scheduling_pool_active"] < 8 and time.monotonic() < deadline:
+        while (
+            client.get("/v1/pool/status").json()["scheduling_pool_active"] < 8 and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         started = time.monotonic()
         client.post(f"/v1/batches/{batch['id']}/cancel").raise_for_status()
@@ -134,7 +145,10 @@ def test_idempotency_key_returns_the_same_objects(live_server: LiveServer, tmp_p
         other = write_jsonl(tmp_path / "other.jsonl", [chat_line("c")])
         with other.open("rb") as stream:
             clash = client.post(
-                "/v1/files", files={"file": stream}, data={"purpose": "batch"}, headers={"Idempotency-Key": "file-key-1"}
+                "/v1/files",
+                files={"file": stream},
+                data={"purpose": "batch"},
+                headers={"Idempotency-Key": "file-key-1"},
             )
         assert clash.status_code == 409 and "Idempotency-Key" in clash.json()["error"]["message"]
 
@@ -145,7 +159,11 @@ def test_idempotency_key_returns_the_same_objects(live_server: LiveServer, tmp_p
         assert again.status_code == 200 and again.json()["id"] == first["id"]
         changed = client.post("/v1/batches", json={**body, "metadata": {"x": "y"}}, headers=headers)
         assert changed.status_code == 409
-        batches = [b["id"] for b in client.get("/v1/batches").json()["data"] if b["input_file_id"] == first_file["id"]]
+        batches = [
+            b["id"]
+            for b in client.get("/v1/batches").json()["data"]
+            if b["input_file_id"] == first_file["id"]
+        ]
         assert batches == [first["id"]]
 
 
@@ -161,11 +179,18 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(incremental)], check=False)
 
 
-def test_full_disk_fails_the_batch_keeps_lines_and_the_server(server_factory, small_disk: Path, tmp_path: Path) -> None:
+def test_full_disk_fails_the_batch_keeps_lines_and_the_server(
+    server_factory, small_disk: Path, tmp_path: Path
+) -> None:
     server = server_factory("--fsync-interval-ms", "50", storage="disk")
     assert server.storage_path.resolve() == small_disk.resolve()
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        big = _create(client, _upload(client, write_jsonl(tmp_path / "big.jsonl", [chat_line(f"r{i}") for i in range(3000)]))["id"])
+        big = _create(
+            client,
+            _upload(client, write_jsonl(tmp_path / "big.jsonl", [chat_line(f"r{i}") for i in range(3000)]))[
+                "id"
+            ],
+        )
         failed = wait_for_status(client, big["id"], TERMINAL, timeout_s=60)
         assert failed["status"] == "failed"
         assert failed["error"]["code"] == "batch_failed"
@@ -176,7 +201,10 @@ def test_full_disk_fails_the_batch_keeps_lines_and_the_server(server_factory, sm
         assert client.get("/health").json() == {"status": "healthy"}
 
         assert client.delete(f"/v1/files/{failed['output_file_id']}").status_code == 200
-        small = _create(client, _upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("x"), chat_line("y")]))["id"])
+        small = _create(
+            client,
+            _upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("x"), chat_line("y")]))["id"],
+        )
         assert wait_for_status(client, small["id"], TERMINAL)["status"] == "completed"
 
 
@@ -188,7 +216,11 @@ def test_files_expire_and_free_their_disk(server_factory, tmp_path: Path) -> Non
             short = client.post(
                 "/v1/files",
                 files={"file": stream},
-                data={"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "1"},
+                data={
+                    "purpose": "batch",
+                    "expires_after[anchor]": "created_at",
+                    "expires_after[seconds]": "1",
+                },
             ).json()
         assert short["expires_at"] == short["created_at"] + 1
         default = _upload(client, path)

@@ -1,15 +1,17 @@
 """The two faces of the client: `BatchGenHttpClient` (sync) and `AsyncBatchGenClient` (async).
 
-Both only send. Request building and response reading live in `_requests`, the retry decision in
-`_retry`, local files in `_files`; what remains here is the send loop (written once per face) and
-one short method per API call, with the same names and parameters on both faces.
+Both only send and sleep. Request building and response reading live in `_requests`, the retry
+decision in `_retry`, the polling decisions in `_wait` and `_follow`, the progress line in
+`_progress`, local files in `_files`. What remains here is `_BaseClient` (configuration, and what
+to do after a failed attempt), then per face the send loop and one short method per API call,
+with the same names and parameters on both faces.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import ExitStack
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -19,8 +21,8 @@ from typing import Self
 import httpx
 
 from batchgen.client import _requests as req
-from batchgen.client._exceptions import APIStatusError, BatchWaitTimeout
 from batchgen.client._files import endpoint_of, partial_download
+from batchgen.client._follow import ResultFollower, ResultTail
 from batchgen.client._requests import (
     DEFAULT_BASE_URL,
     DEFAULT_TIMEOUT,
@@ -28,7 +30,15 @@ from batchgen.client._requests import (
     RequestSpec,
     StrPath,
 )
-from batchgen.client._retry import RetryPolicy, is_retryable, next_delay, should_retry
+from batchgen.client._retry import (
+    RetryPolicy,
+    error_delay,
+    is_retryable,
+    next_delay,
+    should_retry,
+    should_retry_error,
+)
+from batchgen.client._wait import Wait, check_poll_interval, finish_wait, is_terminal
 
 __all__ = ["AsyncBatchGenClient", "BatchGenHttpClient"]
 
@@ -42,9 +52,14 @@ except PackageNotFoundError:  # running from a source tree
     _VERSION = "0+unknown"
 USER_AGENT = f"batchgen-client/{_VERSION}"
 
+ProgressCallback = Callable[[JSONObject], object]
+"""`on_progress`: called with the batch object after each poll (the async client awaits a
+coroutine function's result)."""
+
 
 class _BaseClient:
-    """What both faces share and that does no I/O: configuration and the retry decision."""
+    """What both faces share and that does no I/O: configuration, and after a failed attempt,
+    how long to wait before the next one or which exception to raise."""
 
     def __init__(self, base_url: str, *, retry: RetryPolicy, api_key: str | None) -> None:
         self.base_url = req.normalize_base_url(base_url)
@@ -53,36 +68,46 @@ class _BaseClient:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
-    def _retry_delay(self, spec: RequestSpec, response: httpx.Response, attempt: int) -> float | None:
-        """Seconds to wait before retrying `attempt` (1-based), or None to give up."""
-        if not spec.retry or not should_retry(self.retry, response.status_code, attempt):
-            return None
+    def _delay_after_status(self, spec: RequestSpec, response: httpx.Response, attempt: int) -> float:
+        """Seconds to wait before retrying an error response (its body read); or raise its error."""
+        status = response.status_code
+        if not spec.retry or not should_retry(self.retry, status, attempt):
+            exhausted = spec.retry and is_retryable(self.retry, status)
+            raise req.error_from_response(spec, response, attempts=attempt, exhausted=exhausted)
         delay = next_delay(self.retry, attempt, response.headers)
+        self._log_retry(spec, f"returned HTTP {status}", attempt, delay)
+        return delay
+
+    def _delay_after_error(self, spec: RequestSpec, error: httpx.TransportError, attempt: int) -> float:
+        """Seconds to wait before retrying a request that got no response; or raise the error."""
+        if not spec.retry or not should_retry_error(self.retry, error, attempt):
+            raise req.transport_error(spec, error, attempts=attempt) from error
+        delay = error_delay(self.retry, attempt)
+        self._log_retry(spec, f"failed ({error!r})", attempt, delay)
+        return delay
+
+    def _log_retry(self, spec: RequestSpec, outcome: str, attempt: int, delay: float) -> None:
         logger.info(
-            "%s returned HTTP %d; retry %d of %d in %.1f s",
+            "%s %s; retry %d of %d in %.1f s",
             spec.describe(),
-            response.status_code,
+            outcome,
             attempt,
             self.retry.max_retries,
             delay,
         )
-        return delay
 
-    def _error(self, spec: RequestSpec, response: httpx.Response, attempts: int) -> APIStatusError:
-        exhausted = spec.retry and is_retryable(self.retry, response.status_code)
-        return req.error_from_response(spec, response, attempts=attempts, exhausted=exhausted)
-
-    def _log_poll(self, batch: JSONObject) -> None:
-        counts = batch.get("request_counts")
-        logger.debug("batch %s is %s %s", batch.get("id"), batch.get("status"), counts or "")
+    @staticmethod
+    def _log_response(spec: RequestSpec, response: httpx.Response) -> None:
+        logger.debug("%s -> HTTP %d", spec.describe(), response.status_code)
 
 
 class BatchGenHttpClient(_BaseClient):
     """Synchronous client for a BatchGen server. Use it as a context manager, or call `close()`.
 
-    Every method returns the server's JSON object as a dict (`batch["status"]`). Responses with a
-    retryable status (429, 503) are retried per `retry`; other error statuses raise
-    `APIStatusError`, and exhausted retries raise `RetriesExhausted` (a RuntimeError).
+    Every method returns the server's JSON object as a dict (`batch["status"]`). A retryable
+    status (429, 503), a connection error or a timeout is retried per `retry`; other error
+    statuses raise `APIStatusError`; when retries run out, `RetriesExhausted` (a status) or
+    `APIConnectionError` (no answer) is raised, both RuntimeErrors.
     `transport` is handed to httpx (tests pass an `httpx.MockTransport`).
     """
 
@@ -128,18 +153,21 @@ class BatchGenHttpClient(_BaseClient):
     def _send(self, spec: RequestSpec, *, stream: bool = False) -> httpx.Response:
         attempt = 1
         while True:
-            with ExitStack() as stack, req.translate_transport_errors(spec):
-                request = req.build_request(self._http, spec, stack)
-                response = self._http.send(request, stream=stream)
-            if spec.accepts(response.status_code):
-                return response
-            if stream:
-                with req.translate_transport_errors(spec):
-                    response.read()
-                response.close()
-            delay = self._retry_delay(spec, response, attempt)
-            if delay is None:
-                raise self._error(spec, response, attempt)
+            try:
+                with ExitStack() as stack:
+                    request = req.build_request(self._http, spec, stack)
+                    response = self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                delay = self._delay_after_error(spec, exc, attempt)
+            else:
+                self._log_response(spec, response)
+                if spec.accepts(response.status_code):
+                    return response
+                if stream:
+                    with req.translate_transport_errors(spec):
+                        response.read()
+                    response.close()
+                delay = self._delay_after_status(spec, response, attempt)
             self.retry.sleep(delay)
             attempt += 1
 
@@ -195,8 +223,11 @@ class BatchGenHttpClient(_BaseClient):
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> JSONObject:
-        """Create a batch. One Idempotency-Key (uuid4) is sent on every retry of this call."""
+        """Create a batch. Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
+        fresh uuid4 per call, so a create retried after a lost response is not run twice."""
         spec = req.create_batch(
             input_file_id,
             endpoint,
@@ -206,6 +237,7 @@ class BatchGenHttpClient(_BaseClient):
             temperature,
             top_p,
             top_k,
+            idempotency_key=idempotency_key,
         )
         return self._call(spec)
 
@@ -225,23 +257,55 @@ class BatchGenHttpClient(_BaseClient):
         timeout: float | None = None,
         *,
         raise_on_failure: bool = False,
+        progress: bool | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> JSONObject:
         """Poll until the batch is completed, failed, expired or cancelled, and return it.
 
         With `raise_on_failure`, an ending other than completed raises `BatchFailed`. If `timeout`
-        seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running).
+        seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running). `progress`
+        draws a progress line on stderr (None: only if stderr is a terminal); `on_progress` is
+        called with the batch after every poll.
         """
-        req.check_poll_interval(poll_interval)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
+            while True:
+                batch = self.get_batch(batch_id)
+                if on_progress is not None:
+                    on_progress(batch)
+                delay = wait.next_delay(batch)
+                if delay is None:
+                    return finish_wait(batch, raise_on_failure=raise_on_failure)
+                self.retry.sleep(delay)
+
+    def follow_results(
+        self, batch_id: str, *, poll_interval: float = 2.0, errors: bool = False
+    ) -> Iterator[str]:
+        """Yield the batch's output lines (JSON text) as the server writes them, until it has ended.
+
+        Each poll fetches only the part of the output file not read yet. With `errors`, lines of
+        the error file are yielded too. Ends once the batch is terminal and every line was yielded.
+        """
+        check_poll_interval(poll_interval)
+        follower = ResultFollower(errors=errors)
         while True:
             batch = self.get_batch(batch_id)
-            self._log_poll(batch)
-            if req.is_terminal(batch):
-                return req.finish_wait(batch, raise_on_failure=raise_on_failure)
-            delay = req.poll_delay(poll_interval, deadline, time.monotonic())
-            if delay is None:
-                raise BatchWaitTimeout(batch_id, timeout or 0.0, batch)
-            self.retry.sleep(delay)
+            for tail in follower.tails(batch):
+                yield from self._read_new_lines(tail)
+            if is_terminal(batch):
+                yield from follower.finish()
+                return
+            self.retry.sleep(poll_interval)
+
+    def _read_new_lines(self, tail: ResultTail) -> Iterator[str]:
+        spec = tail.request()
+        response = self._send(spec, stream=True)
+        try:
+            tail.start(response.status_code)
+            with req.translate_transport_errors(spec):
+                for chunk in response.iter_bytes():
+                    yield from tail.feed(chunk)
+        finally:
+            response.close()
 
     def submit_batch(
         self,
@@ -259,14 +323,17 @@ class BatchGenHttpClient(_BaseClient):
         top_k: int | None = None,
         error_file_path: StrPath | None = None,
         raise_on_failure: bool = False,
+        progress: bool | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> JSONObject:
         """Upload → create → wait → download; returns the final batch.
 
         `endpoint` None means the `url` of the file's first request. The output (and, if
         `error_file_path` is given, the error file) is downloaded whenever the final batch names
-        one — a failed or cancelled batch may carry partial results.
+        one — a failed or cancelled batch may carry partial results. `progress` and `on_progress`
+        are `wait_for_batch`'s.
         """
-        req.check_poll_interval(poll_interval)
+        check_poll_interval(poll_interval)
         if endpoint is None:
             endpoint = endpoint_of(input_file_path)
         uploaded = self.upload_file(input_file_path, purpose="batch")
@@ -284,10 +351,12 @@ class BatchGenHttpClient(_BaseClient):
             req.object_id(created, "batch"),
             poll_interval=poll_interval,
             timeout=timeout,
+            progress=progress,
+            on_progress=on_progress,
         )
         for file_id, path in req.result_downloads(batch, output_file_path, error_file_path):
             self.download_file_to(file_id, path)
-        return req.finish_wait(batch, raise_on_failure=raise_on_failure)
+        return finish_wait(batch, raise_on_failure=raise_on_failure)
 
     # --- server ---------------------------------------------------------------------------------
 
@@ -350,18 +419,21 @@ class AsyncBatchGenClient(_BaseClient):
     async def _send(self, spec: RequestSpec, *, stream: bool = False) -> httpx.Response:
         attempt = 1
         while True:
-            with ExitStack() as stack, req.translate_transport_errors(spec):
-                request = req.build_request(self._http, spec, stack)
-                response = await self._http.send(request, stream=stream)
-            if spec.accepts(response.status_code):
-                return response
-            if stream:
-                with req.translate_transport_errors(spec):
-                    await response.aread()
-                await response.aclose()
-            delay = self._retry_delay(spec, response, attempt)
-            if delay is None:
-                raise self._error(spec, response, attempt)
+            try:
+                with ExitStack() as stack:
+                    request = req.build_request(self._http, spec, stack)
+                    response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                delay = self._delay_after_error(spec, exc, attempt)
+            else:
+                self._log_response(spec, response)
+                if spec.accepts(response.status_code):
+                    return response
+                if stream:
+                    with req.translate_transport_errors(spec):
+                        await response.aread()
+                    await response.aclose()
+                delay = self._delay_after_status(spec, response, attempt)
             await self.retry.async_sleep(delay)
             attempt += 1
 
@@ -417,8 +489,11 @@ class AsyncBatchGenClient(_BaseClient):
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> JSONObject:
-        """Create a batch. One Idempotency-Key (uuid4) is sent on every retry of this call."""
+        """Create a batch. Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
+        fresh uuid4 per call, so a create retried after a lost response is not run twice."""
         spec = req.create_batch(
             input_file_id,
             endpoint,
@@ -428,6 +503,7 @@ class AsyncBatchGenClient(_BaseClient):
             temperature,
             top_p,
             top_k,
+            idempotency_key=idempotency_key,
         )
         return await self._call(spec)
 
@@ -447,23 +523,60 @@ class AsyncBatchGenClient(_BaseClient):
         timeout: float | None = None,
         *,
         raise_on_failure: bool = False,
+        progress: bool | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> JSONObject:
         """Poll until the batch is completed, failed, expired or cancelled, and return it.
 
         With `raise_on_failure`, an ending other than completed raises `BatchFailed`. If `timeout`
-        seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running).
+        seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running). `progress`
+        draws a progress line on stderr (None: only if stderr is a terminal); `on_progress` is
+        called with the batch after every poll, and awaited if it returns an awaitable.
         """
-        req.check_poll_interval(poll_interval)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
+            while True:
+                batch = await self.get_batch(batch_id)
+                if on_progress is not None:
+                    result = on_progress(batch)
+                    if inspect.isawaitable(result):
+                        await result
+                delay = wait.next_delay(batch)
+                if delay is None:
+                    return finish_wait(batch, raise_on_failure=raise_on_failure)
+                await self.retry.async_sleep(delay)
+
+    async def follow_results(
+        self, batch_id: str, *, poll_interval: float = 2.0, errors: bool = False
+    ) -> AsyncIterator[str]:
+        """Yield the batch's output lines (JSON text) as the server writes them, until it has ended.
+
+        Each poll fetches only the part of the output file not read yet. With `errors`, lines of
+        the error file are yielded too. Ends once the batch is terminal and every line was yielded.
+        """
+        check_poll_interval(poll_interval)
+        follower = ResultFollower(errors=errors)
         while True:
             batch = await self.get_batch(batch_id)
-            self._log_poll(batch)
-            if req.is_terminal(batch):
-                return req.finish_wait(batch, raise_on_failure=raise_on_failure)
-            delay = req.poll_delay(poll_interval, deadline, time.monotonic())
-            if delay is None:
-                raise BatchWaitTimeout(batch_id, timeout or 0.0, batch)
-            await self.retry.async_sleep(delay)
+            for tail in follower.tails(batch):
+                async for line in self._read_new_lines(tail):
+                    yield line
+            if is_terminal(batch):
+                for line in follower.finish():
+                    yield line
+                return
+            await self.retry.async_sleep(poll_interval)
+
+    async def _read_new_lines(self, tail: ResultTail) -> AsyncIterator[str]:
+        spec = tail.request()
+        response = await self._send(spec, stream=True)
+        try:
+            tail.start(response.status_code)
+            with req.translate_transport_errors(spec):
+                async for chunk in response.aiter_bytes():
+                    for line in tail.feed(chunk):
+                        yield line
+        finally:
+            await response.aclose()
 
     async def submit_batch(
         self,
@@ -481,14 +594,17 @@ class AsyncBatchGenClient(_BaseClient):
         top_k: int | None = None,
         error_file_path: StrPath | None = None,
         raise_on_failure: bool = False,
+        progress: bool | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> JSONObject:
         """Upload → create → wait → download; returns the final batch.
 
         `endpoint` None means the `url` of the file's first request. The output (and, if
         `error_file_path` is given, the error file) is downloaded whenever the final batch names
-        one — a failed or cancelled batch may carry partial results.
+        one — a failed or cancelled batch may carry partial results. `progress` and `on_progress`
+        are `wait_for_batch`'s.
         """
-        req.check_poll_interval(poll_interval)
+        check_poll_interval(poll_interval)
         if endpoint is None:
             endpoint = endpoint_of(input_file_path)
         uploaded = await self.upload_file(input_file_path, purpose="batch")
@@ -506,10 +622,12 @@ class AsyncBatchGenClient(_BaseClient):
             req.object_id(created, "batch"),
             poll_interval=poll_interval,
             timeout=timeout,
+            progress=progress,
+            on_progress=on_progress,
         )
         for file_id, path in req.result_downloads(batch, output_file_path, error_file_path):
             await self.download_file_to(file_id, path)
-        return req.finish_wait(batch, raise_on_failure=raise_on_failure)
+        return finish_wait(batch, raise_on_failure=raise_on_failure)
 
     # --- server ---------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The exceptions batchgen.client raises; every one is a `BatchGenClientError`, hence a RuntimeError.
 
     BatchGenClientError (RuntimeError)
-    ├── APIConnectionError          the request did not get an HTTP answer (connect, read, protocol)
+    ├── APIConnectionError          the request got no HTTP answer (connect, read, protocol), even
+    │   │                           after the retries the policy allows
     │   └── APITimeoutError         … because a timeout elapsed (also a TimeoutError)
     ├── APIStatusError              the server answered with an error status; carries its error body
     │   └── RetriesExhausted        … a retryable status (429, 503) persisted through every retry
@@ -34,7 +35,14 @@ class BatchGenClientError(RuntimeError):
 
 
 class APIConnectionError(BatchGenClientError):
-    """The request got no HTTP response: the server is unreachable or the connection broke."""
+    """The request got no HTTP response: the server is unreachable or the connection broke.
+
+    `attempts` is how many times the request was sent (1 when it was not retried).
+    """
+
+    def __init__(self, message: str, *, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.attempts = attempts
 
 
 class APITimeoutError(APIConnectionError, TimeoutError):

@@ -1,6 +1,5 @@
 """What the sync and async clients share and that does no network I/O: one `RequestSpec` per API
-call, turning a spec into an `httpx.Request`, reading responses and error bodies, and the small
-decisions of `wait_for_batch`.
+call, turning a spec into an `httpx.Request`, and reading responses, error bodies and errors.
 
 The clients only send: each public method is `parse_object(send(<spec builder>(...)))`.
 """
@@ -23,7 +22,6 @@ from batchgen.client._exceptions import (
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
-    BatchFailed,
     BatchGenClientError,
     RetriesExhausted,
 )
@@ -39,6 +37,7 @@ ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 IDEMPOTENCY_KEY = "Idempotency-Key"
 UPLOAD_CONTENT_TYPE = "application/jsonl"
+RANGE_NOT_SATISFIABLE = 416
 
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 """Statuses after which a batch never changes again; `wait_for_batch` returns on these."""
@@ -105,8 +104,21 @@ def delete_file(file_id: str) -> RequestSpec:
     return RequestSpec("DELETE", f"/v1/files/{_segment(file_id)}")
 
 
-def file_content(file_id: str) -> RequestSpec:
-    return RequestSpec("GET", f"/v1/files/{_segment(file_id)}/content")
+def file_content(file_id: str, start: int = 0) -> RequestSpec:
+    """GET a file's content; from byte `start` on, asked for with a `Range` header.
+
+    A server that ignores `Range` answers 200 with the whole file (the caller skips `start`
+    bytes); 416 (nothing at or after `start` yet) is an answer, not an error.
+    """
+    path = f"/v1/files/{_segment(file_id)}/content"
+    if start <= 0:
+        return RequestSpec("GET", path)
+    return RequestSpec(
+        "GET",
+        path,
+        headers={"Range": f"bytes={start}-"},
+        accept_statuses=frozenset({RANGE_NOT_SATISFIABLE}),
+    )
 
 
 def create_batch(
@@ -200,15 +212,23 @@ def build_request(
     )
 
 
+def transport_error(spec: RequestSpec, error: httpx.TransportError, *, attempts: int) -> APIConnectionError:
+    """This package's exception for an httpx transport error (raise it `from error`)."""
+    tries = f" after {attempts} attempts ({attempts - 1} retries)" if attempts > 1 else ""
+    if isinstance(error, httpx.TimeoutException):
+        return APITimeoutError(f"{spec.describe()} timed out{tries}: {error!r}", attempts=attempts)
+    return APIConnectionError(f"{spec.describe()} failed{tries}: {error!r}", attempts=attempts)
+
+
 @contextmanager
 def translate_transport_errors(spec: RequestSpec) -> Iterator[None]:
-    """Re-raise httpx's transport errors as this package's, keeping the original as __cause__."""
+    """Re-raise httpx's transport errors as this package's, keeping the original as __cause__.
+
+    For errors while reading a response body, which are not retried."""
     try:
         yield
-    except httpx.TimeoutException as exc:
-        raise APITimeoutError(f"{spec.describe()} timed out: {exc!r}") from exc
     except httpx.TransportError as exc:
-        raise APIConnectionError(f"{spec.describe()} failed: {exc!r}") from exc
+        raise transport_error(spec, exc, attempts=1) from exc
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -271,35 +291,6 @@ def _error_message(body: object) -> str:
     if isinstance(body, str):
         return body[:500]
     return ""
-
-
-# --- wait_for_batch -----------------------------------------------------------------------------
-
-
-def is_terminal(batch: Mapping[str, Any]) -> bool:
-    return batch.get("status") in TERMINAL_STATUSES
-
-
-def finish_wait(batch: JSONObject, *, raise_on_failure: bool) -> JSONObject:
-    """The batch `wait_for_batch` returns, or BatchFailed if asked to raise on a failed ending."""
-    if raise_on_failure and batch.get("status") in FAILED_STATUSES:
-        raise BatchFailed(batch)
-    return batch
-
-
-def check_poll_interval(poll_interval: float) -> None:
-    if poll_interval < 0:
-        raise ValueError(f"poll_interval must be >= 0, not {poll_interval}")
-
-
-def poll_delay(poll_interval: float, deadline: float | None, now: float) -> float | None:
-    """Seconds to sleep before the next poll, or None if the deadline (monotonic) has passed."""
-    if deadline is None:
-        return poll_interval
-    remaining = deadline - now
-    if remaining <= 0:
-        return None
-    return min(poll_interval, remaining)
 
 
 # --- submit_batch -------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
-"""The retry decision, as pure functions: which statuses are retried, how long to wait, `Retry-After`.
+"""The retry decision, as pure functions: what is retried, how long to wait, `Retry-After`.
 
-Nothing here does I/O. The clients ask `should_retry` and `next_delay` after each response and
-then call the policy's `sleep` (or `async_sleep`) hook, which tests replace so nothing sleeps.
+Nothing here does I/O. After each response the clients ask `should_retry` and `next_delay`; after
+a connection error or timeout, `should_retry_error` and `error_delay`. Then they call the policy's
+`sleep` (or `async_sleep`) hook, which tests replace so nothing sleeps.
 
 The schedule is the user guide's: 5 retries, waiting 1, 2, 4, 8, 16 s (doubling, capped at 60 s),
-or exactly what the server's `Retry-After` header says when it sends one.
+or exactly what the server's `Retry-After` header says when it sends one. Connection errors and
+timeouts follow the same schedule with jitter added (by default up to half of each delay), so that
+many clients cut off by one server restart do not all come back at the same instant.
 """
 
 from __future__ import annotations
@@ -18,29 +21,42 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
+import httpx
+
 __all__ = [
     "RETRY_AFTER",
     "RetryPolicy",
     "backoff_delay",
+    "error_delay",
     "is_retryable",
+    "is_retryable_error",
     "next_delay",
     "parse_retry_after",
     "should_retry",
+    "should_retry_error",
 ]
 
 RETRY_AFTER = "Retry-After"
 
 _DELAY_SECONDS = re.compile(r"\d+(\.\d+)?")
 
+_RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+"""Transport errors worth another try: timeouts, refused or broken connections, and a server that
+closed the connection without answering. Not retried: invalid URLs, proxy or TLS setup errors."""
+
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How the clients retry a request the server answered with a retryable status.
+    """How the clients retry a request that got a retryable status, a connection error or a timeout.
 
     `max_retries` counts retries, not attempts: with 5, a request is sent at most 6 times.
     The n-th retry waits `base_delay * multiplier ** (n - 1)` seconds, capped at `max_delay`,
     plus up to `jitter` times that (a fraction; 0 means none, the guide's exact schedule) — unless
     the response carries `Retry-After`, whose value is used as is.
+
+    With `retry_connection_errors` (the default), a request that got no answer at all (refused
+    or reset connection, timeout) is retried on the same schedule, with `connection_jitter` in
+    place of `jitter`. Set it False to fail at once instead.
 
     `sleep` and `async_sleep` are how the clients wait, between retries and between the polls of
     `wait_for_batch`; tests pass recorders so no time passes. `async_sleep` defaults to
@@ -53,6 +69,8 @@ class RetryPolicy:
     max_delay: float = 60.0
     jitter: float = 0.0
     retry_statuses: frozenset[int] = frozenset({429, 503})
+    retry_connection_errors: bool = True
+    connection_jitter: float = 0.5
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
     async_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep, compare=False, repr=False)
 
@@ -63,8 +81,8 @@ class RetryPolicy:
             raise ValueError("base_delay and max_delay must be >= 0")
         if self.multiplier < 1:
             raise ValueError(f"multiplier must be >= 1, not {self.multiplier}")
-        if self.jitter < 0:
-            raise ValueError(f"jitter must be >= 0, not {self.jitter}")
+        if self.jitter < 0 or self.connection_jitter < 0:
+            raise ValueError("jitter and connection_jitter must be >= 0")
 
 
 def is_retryable(policy: RetryPolicy, status_code: int) -> bool:
@@ -77,11 +95,27 @@ def should_retry(policy: RetryPolicy, status_code: int, attempt: int) -> bool:
     return is_retryable(policy, status_code) and attempt <= policy.max_retries
 
 
-def backoff_delay(policy: RetryPolicy, attempt: int, *, rand: Callable[[], float] = random.random) -> float:
+def is_retryable_error(policy: RetryPolicy, error: BaseException) -> bool:
+    """Whether a request that raised this httpx error (it got no response) may be retried."""
+    return policy.retry_connection_errors and isinstance(error, _RETRYABLE_ERRORS)
+
+
+def should_retry_error(policy: RetryPolicy, error: BaseException, attempt: int) -> bool:
+    """Whether to retry after `attempt` (1-based) raised `error` instead of getting a response."""
+    return is_retryable_error(policy, error) and attempt <= policy.max_retries
+
+
+def backoff_delay(
+    policy: RetryPolicy,
+    attempt: int,
+    *,
+    jitter: float | None = None,
+    rand: Callable[[], float] = random.random,
+) -> float:
     """Seconds to wait before retry number `attempt` (1-based) when the server gave no Retry-After.
 
-    1, 2, 4, 8, 16, 32, 60, 60, … with the default policy. Jitter, when configured, adds a random
-    fraction (at most `policy.jitter`) of the delay; the result never exceeds `max_delay`.
+    1, 2, 4, 8, 16, 32, 60, 60, … with the default policy. Jitter (`policy.jitter` unless given)
+    adds a random fraction, at most `jitter`, of the delay; the result never exceeds `max_delay`.
     """
     if attempt < 1:
         raise ValueError(f"attempt is 1-based, not {attempt}")
@@ -90,9 +124,17 @@ def backoff_delay(policy: RetryPolicy, attempt: int, *, rand: Callable[[], float
     except OverflowError:  # a huge attempt number: the cap applies anyway
         raw = policy.max_delay if policy.base_delay else 0.0
     delay = min(raw, policy.max_delay)
-    if policy.jitter:
-        delay = min(delay * (1 + policy.jitter * rand()), policy.max_delay)
+    if jitter is None:
+        jitter = policy.jitter
+    if jitter:
+        delay = min(delay * (1 + jitter * rand()), policy.max_delay)
     return delay
+
+
+def error_delay(policy: RetryPolicy, attempt: int, *, rand: Callable[[], float] = random.random) -> float:
+    """Seconds to wait before retry number `attempt` after a connection error or timeout:
+    the backoff schedule with `policy.connection_jitter`."""
+    return backoff_delay(policy, attempt, jitter=policy.connection_jitter, rand=rand)
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:

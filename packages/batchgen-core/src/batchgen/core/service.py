@@ -753,8 +753,12 @@ class BatchService:
         now = _now()
         for running in list(self._running.values()):
             if running.batch.expires_at <= now and not running.batch.status.is_terminal:
-                logger.info("batch %s expired with %d of %d done", running.batch.id, running.finished,
-                            running.batch.request_counts.total)
+                logger.info(
+                    "batch %s expired with %d of %d done",
+                    running.batch.id,
+                    running.finished,
+                    running.batch.request_counts.total,
+                )
                 self._stop_work(running)
                 self._end(running, status=BatchStatus.EXPIRED, expired_at=now)
         for file in self.metadata.expired_files(now):

@@ -249,7 +249,13 @@ class MetadataStore:
 
     def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
         self._idempotency.insert(
-            {"key": key, "scope": scope, "fingerprint": fingerprint, "object_id": object_id, "created_at": now}
+            {
+                "key": key,
+                "scope": scope,
+                "fingerprint": fingerprint,
+                "object_id": object_id,
+                "created_at": now,
+            }
         )
 
     # --- batches ---------------------------------------------------------------------------

@@ -40,7 +40,9 @@ def _expires_after_seconds(fields: dict[str, str]) -> int | None:
     if anchor not in (None, "created_at"):
         raise InvalidRequest("expires_after[anchor] must be 'created_at'", param="expires_after")
     if seconds is None or not seconds.strip().isdigit():
-        raise InvalidRequest("expires_after[seconds] must be a whole number of seconds", param="expires_after")
+        raise InvalidRequest(
+            "expires_after[seconds] must be a whole number of seconds", param="expires_after"
+        )
     return int(seconds)
 
 
