@@ -12,6 +12,7 @@ last line left by a crash and returns what the complete lines record.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -49,7 +50,8 @@ class OutputWriter:
             if written != len(line):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError:
-            os.ftruncate(self._fd, self._size)
+            with contextlib.suppress(OSError):  # undo a partial line; the original error matters
+                os.ftruncate(self._fd, self._size)
             raise
         self._size += written
         self._unsynced = True
