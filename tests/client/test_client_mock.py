@@ -7,8 +7,11 @@ for the REST API (files, batches going validating → in_progress → completed)
 from __future__ import annotations
 
 import email.policy
+import io
 import json
 import logging
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -118,7 +121,8 @@ class FakeServer:
 
     A new batch is `validating`; each GET of it moves it along `lifecycle`. On reaching the
     final status it writes the output file: one result line per input line (and an error file
-    if `fail_custom_ids` names any).
+    if `fail_custom_ids` names any). An upload or create with an `Idempotency-Key` seen before
+    returns the object the first one made.
     """
 
     def __init__(
@@ -135,10 +139,20 @@ class FakeServer:
         self.seen_statuses: list[str] = []
         self.create_bodies: list[dict[str, Any]] = []
         self.requests: list[httpx.Request] = []
+        self.made_by_key: dict[str, dict[str, Any]] = {}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         method, parts = request.method, request.url.path.strip("/").split("/")
+        key = request.headers.get("idempotency-key")
+        if method == "POST" and key in self.made_by_key:
+            return httpx.Response(200, json=self.made_by_key[key])
+        response = self._route(request, method, parts)
+        if method == "POST" and key is not None and response.status_code == 200:
+            self.made_by_key[key] = response.json()
+        return response
+
+    def _route(self, request: httpx.Request, method: str, parts: list[str]) -> httpx.Response:
         if (method, parts) == ("POST", ["v1", "files"]):
             fields = multipart_fields(request)
             filename, content = fields["file"]
@@ -259,6 +273,20 @@ def test_guide_import_path_and_namespace_package() -> None:
     assert batchgen.batchgen_client.BatchGenHttpClient is BatchGenHttpClient
     assert batchgen.batchgen_client.AsyncBatchGenClient is AsyncBatchGenClient
     assert getattr(batchgen, "__file__", None) is None  # PEP 420: no batchgen/__init__.py
+
+
+def test_importing_the_client_is_light() -> None:
+    """Neither the server, the core, torch nor sglang is imported, by the package or its command."""
+    code = (
+        "import json, sys\n"
+        "import batchgen.client, batchgen.batchgen_client, batchgen.client.cli\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = json.loads(result.stdout)
+    assert "batchgen.client" in modules and "httpx" in modules
+    heavy = ("batchgen.core", "batchgen.server", "torch", "sglang", "litestar", "msgspec")
+    assert [m for m in modules if m.split(".")[0] in heavy or m.startswith(heavy)] == []
 
 
 def test_exception_tree() -> None:
@@ -586,6 +614,120 @@ def test_timeout_is_translated(client_for: Callable[..., BatchGenHttpClient]) ->
     assert isinstance(info.value, RuntimeError)
 
 
+class FailingThen(Script):
+    """Raises each of `failures` in turn (the request got no response), then answers `reply`."""
+
+    def __init__(self, failures: list[Exception], reply: Reply) -> None:
+        super().__init__(reply)
+        self.failures = list(failures)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.failures:
+            self.requests.append(request)
+            raise self.failures.pop(0)
+        return super().__call__(request)
+
+
+def test_connection_errors_and_timeouts_are_retried_with_jitter(
+    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+) -> None:
+    failures: list[Exception] = [
+        httpx.ConnectError("connection refused"),
+        httpx.ReadTimeout("slow"),
+        httpx.RemoteProtocolError("server disconnected without sending a response"),
+    ]
+    script = FailingThen(failures, (200, {"intake_pool_size": 0}))
+    assert client_for(script).pool_status() == {"intake_pool_size": 0}
+    assert len(script.requests) == 4
+    assert len(sleeps) == 3
+    for wait, base in zip(sleeps, [1, 2, 4], strict=True):
+        assert base <= wait <= base * 1.5  # the schedule plus up to 50 % jitter
+
+
+def test_connection_retries_exhausted(client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps) -> None:
+    script = FailingThen([httpx.ConnectTimeout("no answer")] * 6, (200, {}))
+    with pytest.raises(APITimeoutError) as info:
+        client_for(script).get_batch("batch_1")
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.attempts == 6
+    assert "GET /v1/batches/batch_1 timed out after 6 attempts" in str(info.value)
+    assert isinstance(info.value.__cause__, httpx.ConnectTimeout)
+    assert len(script.requests) == 6 and len(sleeps) == 5
+
+
+def test_connection_retries_can_be_turned_off(
+    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+) -> None:
+    script = FailingThen([httpx.ConnectError("refused")], (200, {}))
+    client = client_for(script, retry=sleeps.policy(retry_connection_errors=False))
+    with pytest.raises(APIConnectionError) as info:
+        client.pool_status()
+    assert info.value.attempts == 1
+    assert len(script.requests) == 1 and sleeps == []
+
+
+def test_transport_errors_that_retrying_cannot_fix_are_raised_at_once(
+    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+) -> None:
+    script = FailingThen([httpx.UnsupportedProtocol("ftp://")], (200, {}))
+    with pytest.raises(APIConnectionError):
+        client_for(script).pool_status()
+    assert len(script.requests) == 1 and sleeps == []
+
+
+def test_connection_retries_are_logged(
+    client_for: Callable[..., BatchGenHttpClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    script = FailingThen([httpx.ConnectError("refused")], (200, {}))
+    with caplog.at_level(logging.INFO, logger="batchgen.client"):
+        client_for(script).pool_status()
+    [message] = [r.getMessage() for r in caplog.records if r.name == "batchgen.client"]
+    assert message.startswith("GET /v1/pool/status failed (ConnectError('refused')); retry 1 of 5 in 1.")
+
+
+def test_every_request_is_logged_at_debug(
+    client_for: Callable[..., BatchGenHttpClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="batchgen.client"):
+        client_for(Script((429, FULL), (200, {}))).pool_status()
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert debug == ["GET /v1/pool/status -> HTTP 429", "GET /v1/pool/status -> HTTP 200"]
+
+
+def test_upload_and_create_retried_after_lost_responses_make_one_of_each(
+    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
+) -> None:
+    """The server acts on the first attempt but its answer is lost (a read timeout): the retry
+    carries the same Idempotency-Key, so the server hands back what it made the first time."""
+    server = FakeServer()
+    lost: set[str] = set()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        response = server(request)
+        if request.method == "POST" and request.url.path not in lost:
+            lost.add(request.url.path)
+            raise httpx.ReadTimeout("the response was lost", request=request)
+        return response
+
+    client = client_for(handler)
+    file_obj = client.upload_file(requests_file(tmp_path))
+    batch = client.create_batch(file_obj["id"])
+    assert list(server.files) == [file_obj["id"]]
+    assert list(server.batches) == [batch["id"]]
+    for path in ("/v1/files", "/v1/batches"):
+        attempts = [r for r in server.requests if r.url.path == path]
+        assert len(attempts) == 2
+        assert len({r.headers["idempotency-key"] for r in attempts}) == 1
+
+
+def test_a_given_idempotency_key_is_sent(client_for: Callable[..., BatchGenHttpClient], tmp_path: Path) -> None:
+    script = Script((200, {"id": "x"}))
+    client = client_for(script)
+    client.upload_file(requests_file(tmp_path), idempotency_key="upload-1")
+    client.create_batch("file-1", idempotency_key="create-1")
+    assert [r.headers["idempotency-key"] for r in script.requests] == ["upload-1", "create-1"]
+
+
 # --- downloads ----------------------------------------------------------------------------------
 
 
@@ -716,6 +858,170 @@ def test_health_returns_the_unhealthy_body_without_retrying(
     assert client_for(script).health() == {"status": "unhealthy", "reason": "worker down"}
     assert len(script.requests) == 1
     assert sleeps == []
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+def counted_script(*steps: tuple[str, int, int]) -> Script:
+    """Polls of batch_1 going through (status, completed, failed) of 4 requests."""
+    replies: list[Reply] = []
+    for status, completed, failed in steps:
+        counts = {"total": 4, "completed": completed, "failed": failed}
+        replies.append((200, {"id": "batch_1", "status": status, "request_counts": counts}))
+    return Script(*replies)
+
+
+STEPS = (("validating", 0, 0), ("in_progress", 1, 0), ("in_progress", 2, 1), ("completed", 3, 1))
+
+
+def test_on_progress_gets_every_polled_batch(client_for: Callable[..., BatchGenHttpClient]) -> None:
+    seen: list[dict[str, Any]] = []
+    client_for(counted_script(*STEPS)).wait_for_batch("batch_1", 1.0, on_progress=seen.append)
+    assert [(b["status"], b["request_counts"]["completed"]) for b in seen] == [
+        ("validating", 0),
+        ("in_progress", 1),
+        ("in_progress", 2),
+        ("completed", 3),
+    ]
+
+
+def test_progress_is_off_by_default_when_stderr_is_not_a_terminal(
+    client_for: Callable[..., BatchGenHttpClient], capsys: pytest.CaptureFixture[str]
+) -> None:
+    client_for(counted_script(*STEPS)).wait_for_batch("batch_1", 1.0)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_when_asked_prints_a_line_per_change(
+    client_for: Callable[..., BatchGenHttpClient], capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps = (STEPS[0], STEPS[1], STEPS[1], STEPS[2], STEPS[3])  # one poll with no change
+    client_for(counted_script(*steps)).wait_for_batch("batch_1", 1.0, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["validating", "in_progress", "in_progress", "completed"]
+    assert "3/4 done, 1 failed" in lines[2]
+    assert "4/4 done, 1 failed" in lines[3] and " in " in lines[3]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_redrawn_in_place(
+    client_for: Callable[..., BatchGenHttpClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    client_for(counted_script(*STEPS)).wait_for_batch("batch_1", 1.0)  # progress=None: on
+    text = terminal.getvalue()
+    assert text.count("\r") == 4 and text.count("\x1b[K") == 4
+    assert text.endswith("\n") and text.count("\n") == 1  # ended once, when the wait ended
+    assert "completed" in text.rsplit("\r", 1)[1]
+
+
+def test_progress_line_is_ended_when_the_wait_fails(
+    client_for: Callable[..., BatchGenHttpClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    script = Script(counted_script(*STEPS).replies[1], (404, error_body("No batch", "not_found")))
+    with pytest.raises(APIStatusError):
+        client_for(script).wait_for_batch("batch_1", 1.0)
+    assert terminal.getvalue().endswith("\n")
+
+
+def test_submit_batch_passes_progress_on(
+    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[str] = []
+    client_for(FakeServer()).submit_batch(
+        requests_file(tmp_path), poll_interval=1, progress=True, on_progress=lambda b: seen.append(b["status"])
+    )
+    assert seen == ["validating", "in_progress", "completed"]
+    assert len(capsys.readouterr().err.splitlines()) == 3
+
+
+# --- following results ---------------------------------------------------------------------------
+
+
+class GrowingFile:
+    """batch_1 and its output (and error) file, which grow by a piece on every poll.
+
+    `ranges` says whether content requests honour `Range` (206, or 416 past the end); when not,
+    the whole file is sent each time.
+    """
+
+    def __init__(self, pieces: list[bytes], *, ranges: bool, errors: bytes = b"") -> None:
+        self.pieces = pieces
+        self.ranges = ranges
+        self.errors = errors
+        self.polls = 0
+        self.range_headers: list[str | None] = []
+
+    def output(self) -> bytes:
+        return b"".join(self.pieces[: self.polls])
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/batches/batch_1":
+            self.polls += 1
+            ended = self.polls >= len(self.pieces)
+            batch = {"id": "batch_1", "status": "completed" if ended else "in_progress"}
+            batch["output_file_id"] = "file-out"
+            if self.errors:
+                batch["error_file_id"] = "file-err"
+            return httpx.Response(200, json=batch)
+        content = self.output() if path == "/v1/files/file-out/content" else self.errors
+        header = request.headers.get("range")
+        self.range_headers.append(header)
+        if not (self.ranges and header):
+            return httpx.Response(200, content=content)
+        start = int(header.removeprefix("bytes=").removesuffix("-"))
+        if start >= len(content):
+            return httpx.Response(416, json=error_body("Range not satisfiable", "range"))
+        return httpx.Response(206, content=content[start:])
+
+
+def result(custom_id: str) -> bytes:
+    return json.dumps({"custom_id": custom_id, "error": None}).encode() + b"\n"
+
+
+PIECES = [
+    result("a") + result("b")[:7],  # the second line is cut in half
+    result("b")[7:],
+    b"",
+    result("c") + result("d"),
+]
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_follow_results_yields_each_complete_line_once(
+    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps, ranges: bool
+) -> None:
+    server = GrowingFile(PIECES, ranges=ranges)
+    lines = list(client_for(server).follow_results("batch_1", poll_interval=0.5))
+    assert [json.loads(line)["custom_id"] for line in lines] == ["a", "b", "c", "d"]
+    assert sleeps == [0.5, 0.5, 0.5]
+    offsets = [0, len(result("a")), len(result("a") + result("b")), len(result("a") + result("b"))]
+    expected = [None] + [f"bytes={n}-" for n in offsets[1:]]
+    assert server.range_headers == expected  # each poll asks only for what it has not read
+
+
+def test_follow_results_with_errors_and_a_last_line_without_newline(
+    client_for: Callable[..., BatchGenHttpClient],
+) -> None:
+    server = GrowingFile([result("a"), result("b").rstrip(b"\n")], ranges=True, errors=result("e"))
+    lines = list(client_for(server).follow_results("batch_1", poll_interval=0, errors=True))
+    assert [json.loads(line)["custom_id"] for line in lines] == ["a", "e", "b"]
+
+
+def test_follow_results_of_a_batch_without_output(client_for: Callable[..., BatchGenHttpClient]) -> None:
+    errors = {"data": [{"code": "capacity_exceeded", "message": "full"}]}
+    script = batch_script("validating", "failed", errors=errors)
+    assert list(client_for(script).follow_results("batch_1", poll_interval=0)) == []
+    assert len(script.requests) == 2
 
 
 # --- submit_batch -------------------------------------------------------------------------------
@@ -958,3 +1264,40 @@ async def test_async_submit_batch_end_to_end(sleeps: Sleeps, tmp_path: Path) -> 
     assert server.create_bodies[0]["endpoint"] == "/v1/completions"
     assert server.create_bodies[0]["max_decoding_length"] == 64
     assert output_custom_ids(output_path) == [f"request-{i}" for i in range(4)]
+
+
+@pytest.mark.anyio
+async def test_async_connection_errors_are_retried(sleeps: Sleeps) -> None:
+    script = FailingThen([httpx.ConnectError("refused"), httpx.ReadTimeout("slow")], (200, {}))
+    async with async_client(script, sleeps) as client:
+        assert await client.list_models() == {}
+    assert len(script.requests) == 3 and 1 <= sleeps[0] <= 1.5 and 2 <= sleeps[1] <= 3
+    script = FailingThen([httpx.ConnectError("refused")] * 6, (200, {}))
+    async with async_client(script, sleeps) as client:
+        with pytest.raises(APIConnectionError) as info:
+            await client.list_models()
+    assert info.value.attempts == 6
+
+
+@pytest.mark.anyio
+async def test_async_on_progress_may_be_a_coroutine_function(sleeps: Sleeps) -> None:
+    seen: list[str] = []
+
+    async def record(batch: dict[str, Any]) -> None:
+        seen.append(batch["status"])
+
+    async with async_client(counted_script(*STEPS), sleeps) as client:
+        await client.wait_for_batch("batch_1", 1.0, on_progress=record)
+    async with async_client(counted_script(*STEPS), sleeps) as client:
+        await client.wait_for_batch("batch_1", 1.0, on_progress=lambda b: seen.append("sync"))
+    assert seen == ["validating", "in_progress", "in_progress", "completed"] + ["sync"] * 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ranges", [True, False])
+async def test_async_follow_results(sleeps: Sleeps, ranges: bool) -> None:
+    server = GrowingFile(PIECES, ranges=ranges, errors=result("e"))
+    async with async_client(server, sleeps) as client:
+        lines = [line async for line in client.follow_results("batch_1", poll_interval=0.5, errors=True)]
+    assert [json.loads(line)["custom_id"] for line in lines] == ["a", "e", "b", "c", "d"]
+    assert sleeps == [0.5, 0.5, 0.5]

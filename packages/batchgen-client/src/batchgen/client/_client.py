@@ -176,9 +176,12 @@ class BatchGenHttpClient(_BaseClient):
 
     # --- files ----------------------------------------------------------------------------------
 
-    def upload_file(self, path: StrPath, purpose: str = "batch") -> JSONObject:
-        """Upload a file (streamed from disk; re-read from the start on a retry)."""
-        return self._call(req.upload_file(path, purpose))
+    def upload_file(
+        self, path: StrPath, purpose: str = "batch", *, idempotency_key: str | None = None
+    ) -> JSONObject:
+        """Upload a file, streamed from disk and re-read from the start on a retry. Every attempt
+        sends one `Idempotency-Key` (as `create_batch` does), so a retry never stores it twice."""
+        return self._call(req.upload_file(path, purpose, idempotency_key=idempotency_key))
 
     def list_files(
         self,
@@ -442,9 +445,12 @@ class AsyncBatchGenClient(_BaseClient):
 
     # --- files ----------------------------------------------------------------------------------
 
-    async def upload_file(self, path: StrPath, purpose: str = "batch") -> JSONObject:
-        """Upload a file (streamed from disk; re-read from the start on a retry)."""
-        return await self._call(req.upload_file(path, purpose))
+    async def upload_file(
+        self, path: StrPath, purpose: str = "batch", *, idempotency_key: str | None = None
+    ) -> JSONObject:
+        """Upload a file, streamed from disk and re-read from the start on a retry. Every attempt
+        sends one `Idempotency-Key` (as `create_batch` does), so a retry never stores it twice."""
+        return await self._call(req.upload_file(path, purpose, idempotency_key=idempotency_key))
 
     async def list_files(
         self,

@@ -87,8 +87,10 @@ def normalize_base_url(base_url: str) -> str:
 # --- one spec per API call ----------------------------------------------------------------------
 
 
-def upload_file(path: StrPath, purpose: str) -> RequestSpec:
-    return RequestSpec("POST", "/v1/files", upload=Upload(Path(path), purpose))
+def upload_file(path: StrPath, purpose: str, *, idempotency_key: str | None = None) -> RequestSpec:
+    """POST /v1/files, with an Idempotency-Key (see `create_batch`)."""
+    upload = Upload(Path(path), purpose)
+    return RequestSpec("POST", "/v1/files", headers=_idempotency(idempotency_key), upload=upload)
 
 
 def list_files(after: str | None, limit: int | None, order: str | None, purpose: str | None) -> RequestSpec:
@@ -134,7 +136,8 @@ def create_batch(
     idempotency_key: str | None = None,
 ) -> RequestSpec:
     """POST /v1/batches; fields left None are omitted. The Idempotency-Key is a fresh uuid4
-    unless given, and belongs to the spec, so every retry of this call sends the same one."""
+    unless given, and belongs to the spec, so every retry of this call sends the same one: a
+    retry after a lost response gets the object the first attempt made, not a second one."""
     body: dict[str, Any] = {
         "input_file_id": input_file_id,
         "endpoint": endpoint,
@@ -148,8 +151,7 @@ def create_batch(
         "top_k": top_k,
     }
     body.update({key: value for key, value in optional.items() if value is not None})
-    key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())
-    return RequestSpec("POST", "/v1/batches", json=body, headers={IDEMPOTENCY_KEY: key})
+    return RequestSpec("POST", "/v1/batches", json=body, headers=_idempotency(idempotency_key))
 
 
 def get_batch(batch_id: str) -> RequestSpec:
@@ -175,6 +177,10 @@ def health() -> RequestSpec:
 
 def list_models() -> RequestSpec:
     return RequestSpec("GET", "/v1/models")
+
+
+def _idempotency(key: str | None) -> dict[str, str]:
+    return {IDEMPOTENCY_KEY: key if key is not None else str(uuid.uuid4())}
 
 
 def _segment(identifier: str) -> str:
@@ -214,7 +220,7 @@ def build_request(
 
 def transport_error(spec: RequestSpec, error: httpx.TransportError, *, attempts: int) -> APIConnectionError:
     """This package's exception for an httpx transport error (raise it `from error`)."""
-    tries = f" after {attempts} attempts ({attempts - 1} retries)" if attempts > 1 else ""
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
     if isinstance(error, httpx.TimeoutException):
         return APITimeoutError(f"{spec.describe()} timed out{tries}: {error!r}", attempts=attempts)
     return APIConnectionError(f"{spec.describe()} failed{tries}: {error!r}", attempts=attempts)

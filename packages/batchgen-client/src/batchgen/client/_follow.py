@@ -1,0 +1,102 @@
+"""Following a batch's result files while the server writes them, for `follow_results`.
+
+The server appends one JSON line per finished request to a batch's output file (and, for failed
+requests, its error file) and serves what is there so far at `GET /v1/files/{id}/content`. A
+`ResultTail` remembers how far into one file it has handed out lines, asks for the rest with a
+`Range` header, and cuts what arrives into complete lines; an unfinished last line waits for the
+next poll. A server that ignores `Range` sends the whole file again, and the tail skips the part
+it has already read, so only the network pays for it, not memory.
+
+No I/O here: the clients send `tail.request()`, then call `start` with the status and `feed` with
+each chunk of the body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from batchgen.client import _requests as req
+from batchgen.client._requests import RequestSpec
+
+__all__ = ["ResultFollower", "ResultTail"]
+
+PARTIAL_CONTENT = 206
+
+
+class ResultTail:
+    """The lines of one growing file not handed out yet."""
+
+    def __init__(self, file_id: str) -> None:
+        self.file_id = file_id
+        self.offset = 0
+        """Bytes handed out as lines so far; always just after a newline."""
+        self._skip = 0
+        self._pending = bytearray()
+
+    def request(self) -> RequestSpec:
+        """The request for everything after `offset`."""
+        return req.file_content(self.file_id, self.offset)
+
+    def start(self, status_code: int) -> None:
+        """Begin reading a response to `request()` with this (accepted) status."""
+        self._pending.clear()
+        if status_code == PARTIAL_CONTENT:
+            self._skip = 0  # the body starts at `offset`
+        elif status_code == req.RANGE_NOT_SATISFIABLE:
+            self._skip = -1  # nothing new; the body is not file content
+        else:
+            self._skip = self.offset  # the whole file: skip what was read before
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The complete lines that `chunk` (the next piece of the body) finishes."""
+        if self._skip < 0:
+            return []
+        if self._skip:
+            dropped = min(self._skip, len(chunk))
+            self._skip -= dropped
+            chunk = chunk[dropped:]
+        self._pending += chunk
+        end = self._pending.rfind(b"\n") + 1
+        if not end:
+            return []
+        complete = bytes(self._pending[:end])
+        del self._pending[:end]
+        self.offset += end
+        return _lines(complete)
+
+    def finish(self) -> list[str]:
+        """The unfinished last line as a line of its own; for when the file will not grow."""
+        rest = bytes(self._pending)
+        self._pending.clear()
+        self.offset += len(rest)
+        return _lines(rest)
+
+
+class ResultFollower:
+    """The tails of a batch's output file and, with `errors`, of its error file.
+
+    A batch names its files only once it has them (the error file when a request first fails),
+    so `tails` is asked again after each poll.
+    """
+
+    def __init__(self, *, errors: bool = False) -> None:
+        self._keys = ("output_file_id", "error_file_id") if errors else ("output_file_id",)
+        self._tails: dict[str, ResultTail] = {}
+
+    def tails(self, batch: Mapping[str, Any]) -> list[ResultTail]:
+        """The tails to read after this poll of the batch, output file first."""
+        for key in self._keys:
+            file_id = batch.get(key)
+            if isinstance(file_id, str) and file_id and key not in self._tails:
+                self._tails[key] = ResultTail(file_id)
+        return [self._tails[key] for key in self._keys if key in self._tails]
+
+    def finish(self) -> list[str]:
+        """Every tail's unfinished last line; once the batch has ended and all was read."""
+        return [line for tail in self._tails.values() for line in tail.finish()]
+
+
+def _lines(data: bytes) -> list[str]:
+    text = data.decode("utf-8", errors="replace")
+    return [line for line in (raw.rstrip("\r") for raw in text.split("\n")) if line.strip()]

@@ -1,0 +1,372 @@
+"""The `batchgen` command: submit a batch and wait for it, look at batches, fetch and follow results.
+
+    batchgen submit input.jsonl -o output.jsonl --max-decoding-length 512
+    batchgen status batch_abc            # the batch object, as JSON on stdout
+    batchgen tail batch_abc --errors     # result lines as the server writes them
+    batchgen download batch_abc -o output.jsonl
+
+The server is `--base-url`, else $BATCHGEN_BASE_URL, else http://localhost:10900. JSON and result
+lines go to stdout; progress, notices and errors go to stderr.
+
+Exit status:
+    0    success
+    1    the batch ended failed, expired or cancelled (submit, tail), or has no such result
+         file (download)
+    2    usage error: bad arguments, an input file that cannot be read, an output folder that
+         does not exist
+    3    the server answered with an error (its message is printed) or with something unreadable
+    4    the server could not be reached, even after retrying
+    130  interrupted (Ctrl-C); a submitted batch keeps running on the server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from batchgen.client._client import BatchGenHttpClient
+from batchgen.client._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    BatchGenClientError,
+    batch_error_summary,
+)
+from batchgen.client._requests import DEFAULT_BASE_URL, ENDPOINTS, JSONObject
+from batchgen.client._retry import RetryPolicy
+
+__all__ = [
+    "BASE_URL_ENV",
+    "EXIT_BATCH_FAILED",
+    "EXIT_CANNOT_CONNECT",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_SERVER_ERROR",
+    "EXIT_USAGE",
+    "build_parser",
+    "main",
+]
+
+EXIT_OK = 0
+EXIT_BATCH_FAILED = 1
+EXIT_USAGE = 2
+EXIT_SERVER_ERROR = 3
+EXIT_CANNOT_CONNECT = 4
+EXIT_INTERRUPTED = 130
+
+BASE_URL_ENV = "BATCHGEN_BASE_URL"
+PROG = "batchgen"
+
+logger = logging.getLogger("batchgen.client")
+
+
+class UsageError(Exception):
+    """A problem with the command line found after parsing it (exit status 2)."""
+
+
+Command = Callable[[BatchGenHttpClient, argparse.Namespace], int]
+
+
+# --- the commands -------------------------------------------------------------------------------
+
+
+def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    input_path = Path(args.file)
+    if not input_path.is_file():
+        raise UsageError(f"cannot read the input file {args.file!r}")
+    for path in (args.output, args.error_output):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"the folder of {path!r} does not exist")
+    seen: list[JSONObject] = []
+
+    def announce(batch: JSONObject) -> None:
+        if not seen:
+            _say(f"batch {batch.get('id')} created; waiting for it (Ctrl-C stops waiting, not the batch)")
+        seen[:] = [batch]
+
+    try:
+        batch = client.submit_batch(
+            input_path,
+            args.output,
+            args.endpoint,
+            poll_interval=args.poll_interval,
+            metadata=args.metadata or None,
+            max_decoding_length=args.max_decoding_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            error_file_path=args.error_output,
+            progress=False if args.no_progress else None,
+            on_progress=announce,
+        )
+    except KeyboardInterrupt:
+        if seen:
+            batch_id = seen[0].get("id")
+            _say(f"stopped waiting; batch {batch_id} keeps running (see `{PROG} status {batch_id}`)")
+        raise
+    _print_json(batch)
+    return _exit_for(batch)
+
+
+def _status(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    _print_json(client.get_batch(args.id))
+    return EXIT_OK
+
+
+def _list(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    _print_json(client.list_batches(after=args.after, limit=args.limit))
+    return EXIT_OK
+
+
+def _cancel(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    _print_json(client.cancel_batch(args.id))
+    return EXIT_OK
+
+
+def _pool(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    _print_json(client.pool_status())
+    return EXIT_OK
+
+
+def _download(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    if not Path(args.output).resolve().parent.is_dir():
+        raise UsageError(f"the folder of {args.output!r} does not exist")
+    file_id = args.id
+    if _is_batch_id(args.id):
+        batch = client.get_batch(args.id)
+        kind = "error" if args.errors else "output"
+        file_id = batch.get(f"{kind}_file_id")
+        if not file_id:
+            _say(f"batch {args.id} ({batch.get('status')}) has no {kind} file")
+            return EXIT_BATCH_FAILED
+    elif args.errors:
+        raise UsageError("--errors needs a batch id, not a file id")
+    path = client.download_file_to(file_id, args.output)
+    _say(f"wrote {path} ({path.stat().st_size} bytes of {file_id})")
+    return EXIT_OK
+
+
+def _tail(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    for line in client.follow_results(args.id, poll_interval=args.poll_interval, errors=args.errors):
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    return _exit_for(client.get_batch(args.id))
+
+
+def _is_batch_id(identifier: str) -> bool:
+    return identifier.startswith("batch_")
+
+
+def _exit_for(batch: JSONObject) -> int:
+    """0 for a completed batch; otherwise say how it ended, and 1."""
+    status = batch.get("status")
+    if status == "completed":
+        return EXIT_OK
+    summary = batch_error_summary(batch)
+    _say(f"batch {batch.get('id')} ended {status}" + (f": {summary}" if summary else ""))
+    return EXIT_BATCH_FAILED
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the whole command line; each subcommand's parser sets `command`."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Submit batches to a BatchGen server, follow them and fetch their results.",
+        epilog="exit status: 0 ok; 1 batch ended failed/expired/cancelled; 2 usage error; "
+        "3 server error; 4 cannot connect; 130 interrupted",
+        parents=[_global_options(suppress=False)],
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    common = _global_options(suppress=True)
+
+    def add(name: str, command: Command, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
+        sub.set_defaults(command=command)
+        return sub
+
+    submit = add("submit", _submit, "upload a JSONL file, run it as a batch, wait, download the output")
+    submit.add_argument("file", metavar="FILE", help="the batch input file (JSONL)")
+    submit.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the output")
+    submit.add_argument("--error-output", metavar="PATH", help="where to write failed requests' lines")
+    submit.add_argument(
+        "--endpoint",
+        choices=sorted(ENDPOINTS),
+        help="the batch endpoint (default: the url of the file's first request)",
+    )
+    submit.add_argument("--max-decoding-length", type=_positive_int, metavar="N", help="batch token limit")
+    submit.add_argument("--temperature", type=float, metavar="T")
+    submit.add_argument("--top-p", type=float, metavar="P")
+    submit.add_argument("--top-k", type=int, metavar="K")
+    submit.add_argument(
+        "--metadata",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="batch metadata (repeatable)",
+    )
+    submit.add_argument("--poll-interval", type=_non_negative_float, default=5.0, metavar="SECONDS")
+    submit.add_argument(
+        "--no-progress", action="store_true", help="no progress line (default: shown on a terminal)"
+    )
+
+    status = add("status", _status, "print a batch as JSON")
+    status.add_argument("id", metavar="ID", help="batch id")
+
+    listing = add("list", _list, "print the batches, newest first, as JSON")
+    listing.add_argument("--limit", type=_positive_int, metavar="N", help="at most N batches (server max 100)")
+    listing.add_argument("--after", metavar="ID", help="the batches after this batch id")
+
+    cancel = add("cancel", _cancel, "cancel a batch and print it as JSON")
+    cancel.add_argument("id", metavar="ID", help="batch id")
+
+    download = add("download", _download, "download a batch's output file, or any file, to a path")
+    download.add_argument("id", metavar="ID", help="a batch id (its output file) or a file id")
+    download.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write it")
+    download.add_argument("--errors", action="store_true", help="the batch's error file instead")
+
+    tail = add("tail", _tail, "print a batch's result lines as they are written, until it ends")
+    tail.add_argument("id", metavar="ID", help="batch id")
+    tail.add_argument("--errors", action="store_true", help="also print the error file's lines")
+    tail.add_argument("--poll-interval", type=_non_negative_float, default=1.0, metavar="SECONDS")
+
+    add("pool", _pool, "print the server's pool status as JSON")
+    return parser
+
+
+def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
+    """Options accepted before or after the command. In the subcommands' copy they default to
+    SUPPRESS, so that one given before the command is not overwritten by a default."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("connection")
+    group.add_argument(
+        "--base-url",
+        default=default(None),
+        metavar="URL",
+        help=f"the server (default: ${BASE_URL_ENV}, else {DEFAULT_BASE_URL})",
+    )
+    group.add_argument(
+        "--retries",
+        type=_non_negative_int,
+        default=default(5),
+        metavar="N",
+        help="retries of a request refused (429, 503) or unanswered (default: 5)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=default(60.0),
+        metavar="SECONDS",
+        help="timeout of each HTTP request (default: 60)",
+    )
+    group.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=default(0),
+        help="log every request (retries are always logged)",
+    )
+    return options
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _number(convert: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+_positive_int = _number(int, lambda n: n > 0, "a positive integer")
+_non_negative_int = _number(int, lambda n: n >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda x: x > 0, "a positive number")
+_non_negative_float = _number(float, lambda x: x >= 0, "a number >= 0")
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]) and return the exit status."""
+    args = build_parser().parse_args(argv)
+    args.metadata = dict(getattr(args, "metadata", []))
+    _configure_logging(args.verbose)
+    base_url = args.base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+    command: Command = args.command
+    try:
+        with BatchGenHttpClient(
+            base_url, timeout=args.timeout, retry=RetryPolicy(max_retries=args.retries)
+        ) as client:
+            return command(client, args)
+    except UsageError as exc:
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+    except APIStatusError as exc:
+        _say(f"error: {exc}")
+        return EXIT_SERVER_ERROR
+    except APIConnectionError as exc:
+        _say(f"error: cannot reach the server at {base_url}: {exc}")
+        return EXIT_CANNOT_CONNECT
+    except BatchGenClientError as exc:
+        _say(f"error: {exc}")
+        return EXIT_SERVER_ERROR
+    except BrokenPipeError:  # stdout closed early (`batchgen tail ID | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:  # a local file that could not be read or written
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _configure_logging(verbose: int) -> None:
+    """Retries are shown on stderr; with -v, every request too. Only batchgen.client's logger."""
+    for old in [h for h in logger.handlers if h.get_name() == PROG]:  # main() run again in-process
+        logger.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(PROG)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
+
+
+def _print_json(value: object) -> None:
+    sys.stdout.write(json.dumps(value, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def _say(message: str) -> None:
+    """A notice or error on stderr, prefixed with the command's name."""
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The `batchgen` command end to end: run as a subprocess against live servers.
+
+One shared server runs each request for 0.2 s on 10 slots, so a 100-request batch takes about
+2 s (long enough to `tail` it while it runs) and prompts over 50 tokens get an error line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from batchgen.client import BatchGenHttpClient
+from batchgen.client.cli import (
+    EXIT_BATCH_FAILED,
+    EXIT_CANNOT_CONNECT,
+    EXIT_OK,
+    EXIT_SERVER_ERROR,
+    EXIT_USAGE,
+)
+from tests.live import LiveServer, chat_line, free_port, start_server, write_jsonl
+
+LONG_PROMPT = "word " * 200  # over --max-context-length 50: an error line
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    flags = ["--simulated-latency-s", "0.2", "--max-pool-size", "10", "--max-context-length", "50"]
+    live = start_server(tmp_path_factory.mktemp("cli") / "storage", *flags)
+    yield live
+    live.stop()
+
+
+@pytest.fixture
+def client(server: LiveServer) -> Iterator[BatchGenHttpClient]:
+    with BatchGenHttpClient(server.base_url) as client:
+        yield client
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "batchgen.client.cli", *args]
+
+
+def run_env(env: dict[str, str] | None) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k != "BATCHGEN_BASE_URL"}
+    return {**base, **(env or {})}
+
+
+def batchgen(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command(*args), capture_output=True, text=True, env=run_env(env), timeout=60)
+
+
+def requests_file(path: Path, n: int, *, long: frozenset[int] = frozenset()) -> Path:
+    lines = [chat_line(f"request-{i}", LONG_PROMPT if i in long else "What is 2+2?") for i in range(n)]
+    return write_jsonl(path, lines)
+
+
+def start_batch(client: BatchGenHttpClient, path: Path) -> dict:
+    return client.create_batch(client.upload_file(path)["id"], max_decoding_length=8)
+
+
+# --- submit --------------------------------------------------------------------------------------
+
+
+def test_submit_waits_downloads_and_prints_the_batch(server: LiveServer, tmp_path: Path) -> None:
+    path = requests_file(tmp_path / "input.jsonl", 20, long=frozenset({3}))
+    out, err = tmp_path / "output.jsonl", tmp_path / "errors.jsonl"
+    result = batchgen(
+        "submit", str(path), "-o", str(out), "--error-output", str(err),
+        "--max-decoding-length", "8", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5",
+        "--metadata", "team=a", "--metadata", "run=1=x", "--poll-interval", "0.1",
+        "--base-url", server.base_url,
+    )  # fmt: skip
+    assert result.returncode == EXIT_OK, result.stderr
+    batch = json.loads(result.stdout)
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 20, "completed": 19, "failed": 1}
+    assert (batch["max_decoding_length"], batch["temperature"], batch["top_p"], batch["top_k"]) == (
+        8,
+        0.5,
+        0.9,
+        5,
+    )
+    assert batch["metadata"] == {"team": "a", "run": "1=x"}
+    assert len(out.read_text().splitlines()) == 19
+    assert [json.loads(line)["custom_id"] for line in err.read_text().splitlines()] == ["request-3"]
+    assert f"batch {batch['id']} created" in result.stderr
+    assert "done," not in result.stderr  # stderr is not a terminal: no progress line
+
+
+def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) -> None:
+    small = server_factory("--max-intake-capacity", "5")
+    path = requests_file(tmp_path / "input.jsonl", 10)
+    out = str(tmp_path / "out.jsonl")
+    result = batchgen("submit", str(path), "-o", out, "--poll-interval", "0.1", "--base-url", small.base_url)
+    assert result.returncode == EXIT_BATCH_FAILED, result.stderr
+    assert json.loads(result.stdout)["status"] == "failed"
+    assert "ended failed: capacity_exceeded" in result.stderr
+
+
+# --- status, list, pool, download, cancel ----------------------------------------------------------
+
+
+def test_status_list_pool_and_download(server: LiveServer, client: BatchGenHttpClient, tmp_path: Path) -> None:
+    batch = start_batch(client, requests_file(tmp_path / "input.jsonl", 5))
+    batch = client.wait_for_batch(batch["id"], poll_interval=0.1)
+    url = ("--base-url", server.base_url)
+
+    status = batchgen("status", batch["id"], *url)
+    assert status.returncode == EXIT_OK and json.loads(status.stdout)["id"] == batch["id"]
+    listing = batchgen("list", "--limit", "100", *url)
+    assert listing.returncode == EXIT_OK
+    assert batch["id"] in [b["id"] for b in json.loads(listing.stdout)["data"]]
+    pool = batchgen("pool", *url)
+    assert pool.returncode == EXIT_OK and json.loads(pool.stdout)["scheduling_pool_capacity"] == 10
+
+    expected = client.download_file_content(batch["output_file_id"])
+    for identifier in (batch["id"], batch["output_file_id"]):
+        target = tmp_path / f"{identifier}.jsonl"
+        download = batchgen("download", identifier, "-o", str(target), *url)
+        assert download.returncode == EXIT_OK, download.stderr
+        assert target.read_bytes() == expected
+    no_errors = batchgen("download", batch["id"], "--errors", "-o", str(tmp_path / "e.jsonl"), *url)
+    assert no_errors.returncode == EXIT_BATCH_FAILED
+    assert "has no error file" in no_errors.stderr
+    assert not (tmp_path / "e.jsonl").exists()
+
+
+def test_cancel_then_tail_exits_1(server: LiveServer, client: BatchGenHttpClient, tmp_path: Path) -> None:
+    batch = start_batch(client, requests_file(tmp_path / "input.jsonl", 200))  # about 4 s of work
+    cancel = batchgen("cancel", batch["id"], "--base-url", server.base_url)
+    assert cancel.returncode == EXIT_OK, cancel.stderr
+    assert json.loads(cancel.stdout)["status"] in {"cancelling", "cancelled"}
+    tail = batchgen("tail", batch["id"], "--poll-interval", "0.1", "--base-url", server.base_url)
+    assert tail.returncode == EXIT_BATCH_FAILED
+    assert f"batch {batch['id']} ended cancelled" in tail.stderr
+    again = batchgen("cancel", batch["id"], "--base-url", server.base_url)
+    assert again.returncode == EXIT_SERVER_ERROR  # 409: it has ended
+    assert "cannot be cancelled" in again.stderr
+
+
+# --- tail ------------------------------------------------------------------------------------------
+
+
+def test_tail_prints_every_line_of_a_running_batch(
+    server: LiveServer, client: BatchGenHttpClient, tmp_path: Path
+) -> None:
+    long = frozenset({7, 50, 93})
+    batch = start_batch(client, requests_file(tmp_path / "input.jsonl", 100, long=long))
+    args = ("tail", batch["id"], "--errors", "--poll-interval", "0.2", "--base-url", server.base_url)
+    process = subprocess.Popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    lines: list[str] = []
+    status_at_first_line = None
+    for line in process.stdout:
+        if not lines:
+            status_at_first_line = client.get_batch(batch["id"])["status"]
+        lines.append(line)
+    _, stderr = process.communicate(timeout=30)  # little on stderr: its pipe cannot fill up
+    assert process.returncode == EXIT_OK, stderr
+    assert status_at_first_line == "in_progress"  # it printed results while the batch ran
+    rows = [json.loads(line) for line in lines]
+    assert sorted(row["custom_id"] for row in rows) == sorted(f"request-{i}" for i in range(100))
+    assert sorted(row["custom_id"] for row in rows if row["error"]) == sorted(f"request-{i}" for i in long)
+
+    outputs_only = batchgen("tail", batch["id"], "--base-url", server.base_url)  # ended: prints, exits
+    assert outputs_only.returncode == EXIT_OK
+    assert len(outputs_only.stdout.splitlines()) == 97
+
+
+# --- errors and exit codes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["submit", "input.jsonl"],  # no -o
+        ["submit", "input.jsonl", "-o", "out.jsonl", "--metadata", "no-equals-sign"],
+        ["submit", "input.jsonl", "-o", "out.jsonl", "--poll-interval", "-1"],
+        ["submit", "input.jsonl", "-o", "out.jsonl", "--max-decoding-length", "0"],
+        ["submit", "missing.jsonl", "-o", "out.jsonl"],
+        ["submit", "input.jsonl", "-o", "no/such/folder/out.jsonl"],
+        ["download", "file-abc", "-o", "out.jsonl", "--errors"],
+        ["frobnicate"],
+    ],
+)
+def test_usage_errors_exit_2(tmp_path: Path, args: list[str]) -> None:
+    requests_file(tmp_path / "input.jsonl", 1)
+    port = free_port()  # nothing listens: a usage error must be found before any request
+    result = subprocess.run(
+        command(*args, "--base-url", f"http://127.0.0.1:{port}", "--retries", "0")
+        if args
+        else command(),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=run_env(None),
+        timeout=30,
+    )
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "error" in result.stderr
+    assert result.stdout == ""
+
+
+def test_server_error_exits_3_with_the_servers_message(server: LiveServer) -> None:
+    result = batchgen("status", "batch_nope", "--base-url", server.base_url)
+    assert result.returncode == EXIT_SERVER_ERROR
+    assert "HTTP 404: No batch with id 'batch_nope'." in result.stderr
+    assert result.stdout == ""
+
+
+def test_cannot_connect_exits_4_after_retrying() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = batchgen("pool", "--base-url", url, "--retries", "1")
+    assert result.returncode == EXIT_CANNOT_CONNECT
+    assert time.monotonic() - started >= 1.0  # one retry, after 1 to 1.5 s
+    assert "retry 1 of 1" in result.stderr
+    assert f"cannot reach the server at {url}" in result.stderr
+
+
+def test_base_url_from_the_environment_and_the_flag_in_either_place(server: LiveServer) -> None:
+    from_env = batchgen("pool", env={"BATCHGEN_BASE_URL": server.base_url})
+    assert from_env.returncode == EXIT_OK, from_env.stderr
+    dead = {"BATCHGEN_BASE_URL": f"http://127.0.0.1:{free_port()}"}
+    before = batchgen("--base-url", server.base_url, "pool", env=dead)
+    after = batchgen("pool", "--base-url", server.base_url, env=dead)
+    assert (before.returncode, after.returncode) == (EXIT_OK, EXIT_OK)
+
+
+def test_console_script_and_python_dash_m() -> None:
+    script = Path(sys.executable).with_name("batchgen")
+    if not script.exists():
+        pytest.skip("batchgen-client is not installed in this environment")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == EXIT_OK and "tail" in result.stdout
+    module = subprocess.run(
+        [sys.executable, "-m", "batchgen.client", "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert module.returncode == EXIT_OK and module.stdout == result.stdout
