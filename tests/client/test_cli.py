@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import subprocess
 import sys
 import time
@@ -81,17 +82,39 @@ def test_submit_waits_downloads_and_prints_the_batch(server: LiveServer, tmp_pat
     batch = json.loads(result.stdout)
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 20, "completed": 19, "failed": 1}
-    assert (batch["max_decoding_length"], batch["temperature"], batch["top_p"], batch["top_k"]) == (
-        8,
-        0.5,
-        0.9,
-        5,
-    )
+    sampling = {key: batch[key] for key in ("max_decoding_length", "temperature", "top_p", "top_k")}
+    assert sampling == {"max_decoding_length": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 5}
     assert batch["metadata"] == {"team": "a", "run": "1=x"}
     assert len(out.read_text().splitlines()) == 19
     assert [json.loads(line)["custom_id"] for line in err.read_text().splitlines()] == ["request-3"]
     assert f"batch {batch['id']} created" in result.stderr
     assert "done," not in result.stderr  # stderr is not a terminal: no progress line
+
+
+def test_submit_draws_a_progress_line_on_a_terminal(server: LiveServer, tmp_path: Path) -> None:
+    path = requests_file(tmp_path / "input.jsonl", 30)
+    controller, terminal = pty.openpty()  # stderr is a terminal; stdout a pipe
+    args = ("submit", str(path), "-o", str(tmp_path / "out.jsonl"), "--poll-interval", "0.1")
+    process = subprocess.Popen(
+        command(*args, "--base-url", server.base_url), stdout=subprocess.PIPE, stderr=terminal
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process has closed its end
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    stdout, _ = process.communicate(timeout=30)
+    assert process.returncode == EXIT_OK
+    assert json.loads(stdout)["status"] == "completed"
+    redrawn = [part for part in shown.decode().split("\r") if part.startswith("batch_")]
+    assert len(redrawn) >= 2 and all(part.endswith("\x1b[K") for part in redrawn)
+    assert "30/30 done, 0 failed" in redrawn[-1]
 
 
 def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) -> None:
@@ -107,7 +130,9 @@ def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) ->
 # --- status, list, pool, download, cancel ----------------------------------------------------------
 
 
-def test_status_list_pool_and_download(server: LiveServer, client: BatchGenHttpClient, tmp_path: Path) -> None:
+def test_status_list_pool_and_download(
+    server: LiveServer, client: BatchGenHttpClient, tmp_path: Path
+) -> None:
     batch = start_batch(client, requests_file(tmp_path / "input.jsonl", 5))
     batch = client.wait_for_batch(batch["id"], poll_interval=0.1)
     url = ("--base-url", server.base_url)
@@ -195,9 +220,7 @@ def test_usage_errors_exit_2(tmp_path: Path, args: list[str]) -> None:
     requests_file(tmp_path / "input.jsonl", 1)
     port = free_port()  # nothing listens: a usage error must be found before any request
     result = subprocess.run(
-        command(*args, "--base-url", f"http://127.0.0.1:{port}", "--retries", "0")
-        if args
-        else command(),
+        command(*args, "--base-url", f"http://127.0.0.1:{port}", "--retries", "0") if args else command(),
         capture_output=True,
         text=True,
         cwd=tmp_path,

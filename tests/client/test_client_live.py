@@ -25,7 +25,7 @@ import pytest
 from batchgen.batchgen_client import AsyncBatchGenClient, BatchGenHttpClient
 from batchgen.client import APIStatusError, RetryPolicy
 from tests.client.flaky_proxy import DROP_AFTER_FORWARDING, FlakyProxy, Reply
-from tests.live import LiveServer, chat_line, free_port, start_server, write_jsonl
+from tests.live import LiveServer, chat_line, free_port, write_jsonl
 
 
 class Waits(list[float]):
@@ -299,4 +299,6 @@ async def test_async_follow_results_while_the_batch_runs(server_factory, tmp_pat
         final = await client.get_batch(batch["id"])
     assert final["status"] == "completed"
     assert statuses_at_first_line == ["in_progress"]  # results arrived while it ran
-    assert sorted(json.loads(line)["custom_id"] for line in lines) == sorted(f"request-{i}" for i in range(80))
+    assert sorted(json.loads(line)["custom_id"] for line in lines) == sorted(
+        f"request-{i}" for i in range(80)
+    )

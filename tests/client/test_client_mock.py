@@ -720,7 +720,9 @@ def test_upload_and_create_retried_after_lost_responses_make_one_of_each(
         assert len({r.headers["idempotency-key"] for r in attempts}) == 1
 
 
-def test_a_given_idempotency_key_is_sent(client_for: Callable[..., BatchGenHttpClient], tmp_path: Path) -> None:
+def test_a_given_idempotency_key_is_sent(
+    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
+) -> None:
     script = Script((200, {"id": "x"}))
     client = client_for(script)
     client.upload_file(requests_file(tmp_path), idempotency_key="upload-1")
@@ -937,7 +939,10 @@ def test_submit_batch_passes_progress_on(
 ) -> None:
     seen: list[str] = []
     client_for(FakeServer()).submit_batch(
-        requests_file(tmp_path), poll_interval=1, progress=True, on_progress=lambda b: seen.append(b["status"])
+        requests_file(tmp_path),
+        poll_interval=1,
+        progress=True,
+        on_progress=lambda b: seen.append(b["status"]),
     )
     assert seen == ["validating", "in_progress", "completed"]
     assert len(capsys.readouterr().err.splitlines()) == 3

@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime, timedelta, timezone
 
+import httpx
 import pytest
 
 from batchgen.client import RetryPolicy
 from batchgen.client._retry import (
     backoff_delay,
+    error_delay,
     is_retryable,
+    is_retryable_error,
     next_delay,
     parse_retry_after,
     should_retry,
+    should_retry_error,
 )
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -26,6 +30,8 @@ def test_default_policy_is_the_guides() -> None:
     assert policy.max_delay == 60.0
     assert policy.jitter == 0.0
     assert policy.retry_statuses == frozenset({429, 503})
+    assert policy.retry_connection_errors is True
+    assert policy.connection_jitter == 0.5
 
 
 def test_policy_is_frozen() -> None:
@@ -36,7 +42,13 @@ def test_policy_is_frozen() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_retries": -1}, {"base_delay": -1.0}, {"multiplier": 0.5}, {"jitter": -0.1}],
+    [
+        {"max_retries": -1},
+        {"base_delay": -1.0},
+        {"multiplier": 0.5},
+        {"jitter": -0.1},
+        {"connection_jitter": -0.1},
+    ],
 )
 def test_policy_rejects_nonsense(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
@@ -169,3 +181,51 @@ def test_should_retry_allows_five_retries() -> None:
     ]
     assert not should_retry(policy, 400, 1)
     assert not should_retry(RetryPolicy(max_retries=0), 503, 1)
+
+
+# --- connection errors and timeouts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        httpx.ConnectError("refused"),
+        httpx.ConnectTimeout("slow"),
+        httpx.ReadTimeout("slow"),
+        httpx.WriteTimeout("slow"),
+        httpx.PoolTimeout("busy"),
+        httpx.ReadError("reset"),
+        httpx.WriteError("broken pipe"),
+        httpx.RemoteProtocolError("server disconnected without sending a response"),
+    ],
+)
+def test_connection_errors_and_timeouts_are_retryable(error: Exception) -> None:
+    assert is_retryable_error(RetryPolicy(), error)
+    assert not is_retryable_error(RetryPolicy(retry_connection_errors=False), error)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [httpx.UnsupportedProtocol("ftp"), httpx.LocalProtocolError("bad header"), httpx.ProxyError("no")],
+)
+def test_errors_retrying_cannot_fix(error: Exception) -> None:
+    assert not is_retryable_error(RetryPolicy(), error)
+
+
+def test_should_retry_error_allows_five_retries() -> None:
+    error = httpx.ConnectError("refused")
+    assert [should_retry_error(RetryPolicy(), error, n) for n in range(1, 8)] == [True] * 5 + [False] * 2
+
+
+def test_error_delay_is_the_schedule_with_connection_jitter() -> None:
+    policy = RetryPolicy()
+    assert [error_delay(policy, n, rand=lambda: 0.0) for n in range(1, 6)] == [1, 2, 4, 8, 16]
+    assert [error_delay(policy, n, rand=lambda: 1.0) for n in range(1, 6)] == [1.5, 3, 6, 12, 24]
+    assert error_delay(policy, 6, rand=lambda: 1.0) == 48
+    assert error_delay(policy, 7, rand=lambda: 1.0) == 60  # the cap holds with jitter
+    assert error_delay(RetryPolicy(connection_jitter=0), 3, rand=lambda: 1.0) == 4
+
+
+def test_status_retries_keep_the_exact_schedule_by_default() -> None:
+    assert backoff_delay(RetryPolicy(), 3, rand=lambda: 1.0) == 4
+    assert backoff_delay(RetryPolicy(), 3, jitter=0.25, rand=lambda: 1.0) == 5

@@ -9,7 +9,8 @@ classes own:
 1. Conservation: every request of an accepted batch ends exactly once, admitted (then finished)
    or dropped by a cancel; none is duplicated or lost.
 2. Capacity: the intake never holds more than its capacity, and a rejected batch changes nothing;
-   running requests never exceed the slots; finishing a request frees its slot.
+   running requests never exceed the slots; finishing a request frees its slot; ``admit`` fills
+   every free slot it can, and none while the scheduler is paused.
 3. Fairness: if batch A is admitted at one step and again at a later step, every other batch that
    had queued work at the first admission, and was not cancelled since, was admitted in between.
 4. Cancellation: once a batch is cancelled, none of its queued requests is admitted.
@@ -84,10 +85,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Add a new batch: all its lines, or an explicit subset (as when resuming after a restart)."""
         batch_id = f"batch_{self.batch_count}"
         self.batch_count += 1
-        index = make_index(
-            self.batch_count * 1_000_000,
-            data.draw(st.lists(st.integers(1, 5_000), min_size=size, max_size=size)),
-        )
+        # Irregular line lengths, so a wrong line or a wrong batch's index gives a wrong offset.
+        rng = random.Random(self.batch_count)
+        index = make_index(self.batch_count * 1_000_000, [rng.randint(1, 5_000) for _ in range(size)])
         lines: list[int] | None = None
         if size and data.draw(st.booleans(), label="explicit lines"):
             lines = data.draw(st.lists(st.integers(0, size - 1), unique=True), label="lines")
@@ -114,6 +114,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def admit(self) -> None:
         self._admit()
+
+    @rule(paused=st.booleans())
+    def pause(self, paused: bool) -> None:
+        """Pause or resume admissions (the service pauses to drain before shutting down)."""
+        self.scheduler.paused = paused
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -158,6 +163,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise AssertionError("a slot that was never acquired was released")
         assert self.slots.active == active
 
+    @precondition(lambda self: self.slots.free == 0)
+    @rule()
+    def acquire_beyond_capacity_is_refused(self) -> None:
+        """With every slot taken, another acquire raises and changes nothing."""
+        try:
+            self.slots.acquire("never_added")
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("a slot was acquired beyond the capacity")
+        assert self.slots.active == self.slots.capacity
+
     # -- invariants ----------------------------------------------------------------------------
 
     @invariant()
@@ -192,10 +209,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Drain what is left: every accepted request then ended exactly once, every slot is free."""
         if not hasattr(self, "intake"):
             return
-        while self.intake.size or self.running:
-            self._admit()
+        self.scheduler.paused = False
+        for _ in range(len(self.added) + 1):  # each round admits at least one new request
             for entry in list(self.running):
                 self._finish(entry)
+            if not self.intake.size:
+                break
+            assert self.slots.free == self.slots.capacity
+            self._admit()
+        else:
+            raise AssertionError("the intake pool did not drain")
         assert self.finished | self.dropped == self.added
         assert not self.finished & self.dropped
         assert self.slots.active == 0 and self.slots.free == self.slots.capacity
@@ -211,7 +234,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
 
     def _admit(self) -> None:
-        expected = min(self.slots.free, self.intake.size)
+        expected = 0 if self.scheduler.paused else min(self.slots.free, self.intake.size)
         admitted = self.scheduler.admit()
         assert len(admitted) == expected, f"admitted {len(admitted)}, but {expected} could start"
         for entry in admitted:  # in the order the intake pool handed them out
@@ -296,6 +319,20 @@ async def test_run_loop_runs_each_entry_once_and_releases_every_slot(seed: int) 
             in_flight -= 1
 
     scheduler = Scheduler(intake, slots, run_request)
+
+    async def check_pause_drains_and_admits_nothing() -> None:
+        scheduler.paused = True
+        with anyio.fail_after(5):
+            while slots.active:
+                await anyio.sleep(0.001)
+        runs, queued = started.total(), intake.size
+        assert queued, "the batch added just before the pause should still be queued"
+        scheduler.notify()
+        await anyio.sleep(0.01)
+        assert (started.total(), intake.size, slots.active) == (runs, queued, 0), "admitted while paused"
+        scheduler.paused = False
+        scheduler.notify()
+
     expected: set[Request] = set()
     cancelled = "batch_5"
     dropped = 0
@@ -316,6 +353,8 @@ async def test_run_loop_runs_each_entry_once_and_releases_every_slot(seed: int) 
             expected.update((batch_id, line) for line in range(size))
             if number == 8:  # cancel an earlier batch, which may be queued, running or done
                 dropped = intake.drop(cancelled)
+            if number == 15:  # pause as the service does before shutdown, then resume
+                await check_pause_drains_and_admits_nothing()
             await anyio.sleep(rng.uniform(0, 0.002))
         with anyio.fail_after(10):
             await scheduler.wait_until_idle()

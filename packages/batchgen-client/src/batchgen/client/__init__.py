@@ -5,6 +5,8 @@
     with BatchGenHttpClient("http://localhost:10900") as client:
         batch = client.submit_batch("input.jsonl", output_file_path="output.jsonl")
 
+Retries (429, 503, connection errors, timeouts), Idempotency-Keys, streamed files, progress and
+`follow_results` are described in docs/client.md. The `batchgen` command is `batchgen.client.cli`.
 The implementation modules are private; this namespace is the public API.
 """
 

@@ -115,7 +115,7 @@ def format_progress(
     head = f"{_short_id(batch.get('id'))} {batch.get('status', '?')!s:<11}"
     counts = counts_of(batch)
     if counts is None or counts.total <= 0:
-        return head
+        return head.rstrip()
     share = min(counts.done / counts.total, 1.0)
     stats = [f"{counts.done}/{counts.total} done", f"{counts.failed} failed"]
     ended = counts.done >= counts.total or batch.get("status") in TERMINAL_STATUSES
@@ -177,9 +177,7 @@ class ProgressLine:
 class BatchProgress:
     """The progress display of one wait: feed it each polled batch, close it when done."""
 
-    def __init__(
-        self, stream: TextIO, *, redraw: bool, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, stream: TextIO, *, redraw: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self._line = ProgressLine(stream, redraw=redraw)
         self._meter = RateMeter()
         self._clock = clock

@@ -1,11 +1,11 @@
 """The decisions of `wait_for_batch`'s polling loop, shared by both clients, which only get and sleep:
 
-    with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
+with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
+    batch = get_batch(batch_id)
+    while (delay := wait.next_delay(batch)) is not None:
+        sleep(delay)
         batch = get_batch(batch_id)
-        while (delay := wait.next_delay(batch)) is not None:
-            sleep(delay)
-            batch = get_batch(batch_id)
-    return finish_wait(batch, raise_on_failure=raise_on_failure)
+return finish_wait(batch, raise_on_failure=raise_on_failure)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Self, TextIO
+from typing import Any, Self
 
 from batchgen.client._exceptions import BatchFailed, BatchWaitTimeout
 from batchgen.client._progress import progress_for
@@ -61,7 +61,6 @@ class Wait:
         timeout: float | None,
         *,
         progress: bool | None,
-        stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_poll_interval(poll_interval)
@@ -70,7 +69,7 @@ class Wait:
         self.timeout = timeout
         self._clock = clock
         self._deadline = None if timeout is None else clock() + timeout
-        self._progress = progress_for(progress, stream, clock=clock)
+        self._progress = progress_for(progress, clock=clock)
 
     def next_delay(self, batch: JSONObject) -> float | None:
         """Show the polled batch; None once it has ended, else the seconds until the next poll.

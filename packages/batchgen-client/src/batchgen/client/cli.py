@@ -222,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("id", metavar="ID", help="batch id")
 
     listing = add("list", _list, "print the batches, newest first, as JSON")
-    listing.add_argument("--limit", type=_positive_int, metavar="N", help="at most N batches (server max 100)")
+    listing.add_argument(
+        "--limit", type=_positive_int, metavar="N", help="at most N batches (server max 100)"
+    )
     listing.add_argument("--after", metavar="ID", help="the batches after this batch id")
 
     cancel = add("cancel", _cancel, "cancel a batch and print it as JSON")
