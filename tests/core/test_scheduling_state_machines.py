@@ -371,3 +371,41 @@ async def test_run_loop_runs_each_entry_once_and_releases_every_slot(seed: int) 
     assert not wrong_offsets
     assert 1 < peak <= slots.capacity
     assert outcomes["raised at once"] and outcomes["raised after sleeping"] and outcomes["succeeded"]
+
+
+@pytest.mark.parametrize("lines", [[5, 1], [-1], [1, 1]], ids=["out-of-range", "negative", "repeated"])
+def test_intake_refuses_line_positions_outside_the_index_or_repeated(lines: list[int]) -> None:
+    pool = IntakePool(capacity=10)
+    with pytest.raises(ValueError):
+        pool.add("batch", make_index(0, [3, 4, 5]), lines)
+    assert (pool.size, "batch" in pool) == (0, False)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_resuming_refills_slots_freed_while_paused() -> None:
+    intake, slots = IntakePool(capacity=10), SchedulingPool(capacity=1)
+    ran: list[int] = []
+    gate = anyio.Event()
+
+    async def runner(entry: IntakeEntry) -> None:
+        ran.append(entry.line)
+        if entry.line == 0:
+            await gate.wait()
+
+    scheduler = Scheduler(intake, slots, runner)
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(scheduler.run)
+        intake.add("b", make_index(0, [1, 1, 1]))
+        scheduler.notify()
+        while not ran:
+            await anyio.sleep(0.001)
+        scheduler.paused = True
+        gate.set()
+        await anyio.sleep(0.05)
+        assert (ran, intake.size, slots.active) == ([0], 2, 0)
+        scheduler.paused = False  # no notify(): resuming alone must restart admission
+        with anyio.fail_after(5):
+            await scheduler.wait_until_idle()
+        tasks.cancel_scope.cancel()
+    assert ran == [0, 1, 2]

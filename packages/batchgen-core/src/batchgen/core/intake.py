@@ -74,6 +74,11 @@ class IntakePool:
         if batch_id in self._queues:
             raise ValueError(f"batch {batch_id} is already queued")
         pending = array("l", range(len(index)) if lines is None else lines)
+        if lines is not None and pending:
+            if min(pending) < 0 or max(pending) >= len(index):
+                raise ValueError(f"line positions must be in 0..{len(index) - 1}")
+            if len(set(pending)) != len(pending):
+                raise ValueError("line positions must not repeat")
         if len(pending) > self.free:
             raise IntakeFull(
                 f"The intake pool has room for {self.free} more requests; this batch has {len(pending)}.",

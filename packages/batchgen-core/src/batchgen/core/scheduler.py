@@ -29,13 +29,23 @@ class Scheduler:
         self._run_request = run_request
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
-        #: While True nothing new is admitted (used to drain before shutdown).
-        self.paused = False
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        """While True nothing new is admitted (the service pauses to drain before shutdown)."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = value
+        if not value:
+            self.notify()  # slots freed while paused are refilled now
 
     def admit(self) -> list[IntakeEntry]:
         """Take queued requests into free slots, in the intake pool's fair order."""
         admitted: list[IntakeEntry] = []
-        while not self.paused and self.slots.free and self.intake.size:
+        while not self._paused and self.slots.free and self.intake.size:
             entry = self.intake.pop()
             assert entry is not None
             self.slots.acquire(entry.batch_id)
