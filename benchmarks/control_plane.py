@@ -86,6 +86,8 @@ def rest_rate(input_path: Path, storage: Path, count: int) -> tuple[float, float
             str(port),
             "--storage-path",
             str(storage),
+            "--backend",
+            "simulated",
             "--log-level",
             "warning",
         ],

@@ -58,6 +58,8 @@ def start_server(storage_path: Path, *flags: str, timeout_s: float = 60.0) -> Li
             str(port),
             "--storage-path",
             str(storage_path),
+            "--backend",
+            "simulated",
             "--log-level",
             "warning",
             *flags,

