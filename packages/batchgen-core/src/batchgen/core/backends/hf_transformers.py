@@ -16,6 +16,7 @@ block at the start of an answer is returned as ``reasoning_content``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -367,7 +368,5 @@ class TransformersBackend:
             for pending in done:
                 pending.done.set()
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown): nobody waits
             anyio.from_thread.run_sync(wake, token=self._token)
-        except RuntimeError:  # the event loop is gone (shutdown); nobody is waiting
-            pass
