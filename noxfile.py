@@ -44,6 +44,7 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check) and mypy."""
     _install_packages(session, "ruff", "mypy", *TEST_DEPS)
+    _install_model(session)  # mypy reads torch's and transformers' types
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run(

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("batchgen.backends.transformers")
 
@@ -67,7 +68,7 @@ def convert_gguf_once(gguf: Path, target: Path) -> Path:
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are dequantised now; save them as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

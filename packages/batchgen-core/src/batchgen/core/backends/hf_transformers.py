@@ -120,7 +120,8 @@ class TransformersBackend:
         device = self._device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
-        self._model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        self._model = model.to(device).eval()
         self._device = device
         model_context = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
         limits = [limit for limit in (self._context_arg, model_context) if limit]
@@ -210,7 +211,7 @@ class TransformersBackend:
         return False
 
     def _drain_queue(self) -> list[_Pending]:
-        drained = []
+        drained: list[_Pending] = []
         while True:
             try:
                 item = self._queue.get_nowait()
