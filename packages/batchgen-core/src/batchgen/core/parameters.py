@@ -53,27 +53,34 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
 
 
-def _first(*values: Any) -> Any:
-    return next(value for value in values if value is not None)
-
-
 def resolve_sampling(
     body: dict[str, Any], batch: BatchParameters, defaults: ServerDefaults
 ) -> SamplingParameters:
     """Combine the three levels into one request's parameters; raise InvalidRequest if malformed."""
-    max_tokens = _first(
-        _integer(body, "max_completion_tokens"),
-        _integer(body, "max_tokens"),
-        batch.max_decoding_length,
-        defaults.max_tokens,
-    )
+    max_tokens = _integer(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = (
+            batch.max_decoding_length if batch.max_decoding_length is not None else defaults.max_tokens
+        )
     if max_tokens < 1:
         raise InvalidRequest("the output token limit must be at least 1", param="max_tokens")
+    temperature = _number(body, "temperature")
+    top_p = _number(body, "top_p")
+    top_k = _integer(body, "top_k")
     return SamplingParameters(
         max_tokens=max_tokens,
-        temperature=_first(_number(body, "temperature"), batch.temperature, defaults.temperature),
-        top_p=_first(_number(body, "top_p"), batch.top_p, defaults.top_p),
-        top_k=_first(_integer(body, "top_k"), batch.top_k, defaults.top_k),
+        temperature=_or(temperature, batch.temperature, defaults.temperature),
+        top_p=_or(top_p, batch.top_p, defaults.top_p),
+        top_k=_or(top_k, batch.top_k, defaults.top_k),
         seed=_integer(body, "seed"),
         stop=_stop(body),
     )
+
+
+def _or(body_value: Any, batch_value: Any, default: Any) -> Any:
+    """The first level that sets a value: body, then batch, then server."""
+    if body_value is not None:
+        return body_value
+    return batch_value if batch_value is not None else default

@@ -2,8 +2,9 @@
 
 The decisions are synchronous and small (``admit`` fills free slots in the intake pool's fair
 order; ``finish`` frees a slot) so they can be tested directly. ``run`` is the async loop that
-starts one task per admitted request; a request's task always releases its slot, whatever the
-request did, and refills it from the intake pool in the same step.
+starts a task for each admitted request; a request's task always releases its slot, whatever the
+request did, refills it from the intake pool in the same step, and runs that next request itself,
+so a busy scheduler creates no task per request.
 """
 
 from __future__ import annotations
@@ -65,15 +66,29 @@ class Scheduler:
         for entry in self.admit():
             self._tasks.start_soon(self._run_one, entry)
 
+    def _admit_one(self) -> IntakeEntry | None:
+        if self._paused or not self.slots.free or not self.intake.size:
+            return None
+        entry = self.intake.pop()
+        assert entry is not None
+        self.slots.acquire(entry.batch_id)
+        return entry
+
     async def _run_one(self, entry: IntakeEntry) -> None:
-        try:
-            await self._run_request(entry)
-        except Exception:  # the runner reports its own failures; never lose the slot
-            logger.exception("request %s:%d raised", entry.batch_id, entry.line)
-        finally:
-            self.finish(entry)
-            if self._tasks is not None and not self._tasks.cancel_scope.cancel_called:
-                self._start_admitted()  # refill the freed slot at once, with no wake-up hop
+        """Run a request; then keep this task for the next admitted one instead of starting a task."""
+        current: IntakeEntry | None = entry
+        while current is not None:
+            try:
+                await self._run_request(current)
+            except Exception:  # the runner reports its own failures; never lose the slot
+                logger.exception("request %s:%d raised", current.batch_id, current.line)
+            finally:
+                self.finish(current)
+            if self._tasks is None or self._tasks.cancel_scope.cancel_called:
+                return
+            current = self._admit_one()  # the freed slot is refilled at once, in fair order
+            if current is not None:
+                await anyio.lowlevel.checkpoint()  # let other work run between requests
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Admit and run requests until cancelled."""

@@ -57,6 +57,9 @@ _WORDS = [
     "asked",
 ]
 
+#: The words repeated, so that any run of up to 48 words can be sliced from any start.
+_WORD_CYCLE = _WORDS * (1 + 48 // len(_WORDS) + 1)
+
 #: Tokens a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
 
@@ -129,12 +132,12 @@ class SimulatedBackend:
 
     def _complete(self, request: GenerationRequest, prompt_tokens: int) -> GenerationResult:
         digest = hashlib.blake2b(self._prompt_key(request), digest_size=8).digest()
-        rng = random.Random(int.from_bytes(digest, "big"))
-        natural_length = rng.randint(4, 48)
+        draw = int.from_bytes(digest, "big")
+        natural_length = 4 + draw % 45  # 4..48 words
         limit = request.sampling.max_tokens
         length = min(natural_length, limit)
-        words = [rng.choice(_WORDS) for _ in range(length)]
-        text = " ".join(words)
+        start = (draw >> 16) % len(_WORDS)
+        text = " ".join(_WORD_CYCLE[start : start + length])
         finish_reason = "stop"
         for stop in request.sampling.stop:
             cut = text.find(stop)
