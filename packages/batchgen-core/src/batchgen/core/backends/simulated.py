@@ -10,8 +10,10 @@ a real engine's, and prompts longer than the context are rejected as a real engi
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
+from collections.abc import Callable
 
 import anyio
 
@@ -96,7 +98,7 @@ class SimulatedBackend:
         self.model_name = model_name
         self._capacity = anyio.Semaphore(capacity) if capacity else None
         self._failures = random.Random(seed)
-        self._running: dict[str, anyio.CancelScope] = {}
+        self._running: dict[str, Callable[[], object]] = {}
         self._started = False
 
     async def start(self) -> None:
@@ -104,8 +106,8 @@ class SimulatedBackend:
 
     async def stop(self) -> None:
         self._started = False
-        for scope in self._running.values():
-            scope.cancel()
+        for cancel in list(self._running.values()):
+            cancel()
 
     def health(self) -> Health:
         if not self._started:
@@ -156,13 +158,35 @@ class SimulatedBackend:
         )
 
     async def _wait(self, request_id: str, seconds: float) -> None:
+        """Sleep ``seconds`` unless aborted first (then raise RequestAborted)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on asyncio (trio): the portable path below
+            pass
+        else:
+            await self._wait_asyncio(loop, request_id, seconds)
+            return
         with anyio.CancelScope() as scope:
-            self._running[request_id] = scope
+            self._running[request_id] = scope.cancel
             try:
                 await anyio.sleep(seconds)
             finally:
                 del self._running[request_id]
         if scope.cancelled_caught:
+            raise RequestAborted(request_id)
+
+    async def _wait_asyncio(self, loop: asyncio.AbstractEventLoop, request_id: str, seconds: float) -> None:
+        """The same on asyncio with one timer and one future: a tenth of the cost of a cancel scope,
+        which matters when ten thousand simulated requests share the loop with the service."""
+        waiter: asyncio.Future[bool] = loop.create_future()
+        timer = loop.call_later(seconds, _settle, waiter, True)
+        self._running[request_id] = lambda: _settle(waiter, False)
+        try:
+            finished = await waiter
+        finally:
+            timer.cancel()
+            del self._running[request_id]
+        if not finished:
             raise RequestAborted(request_id)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -182,6 +206,11 @@ class SimulatedBackend:
         return result
 
     async def abort(self, request_id: str) -> None:
-        scope = self._running.get(request_id)
-        if scope is not None:
-            scope.cancel()
+        cancel = self._running.get(request_id)
+        if cancel is not None:
+            cancel()
+
+
+def _settle(waiter: asyncio.Future[bool], finished: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(finished)
