@@ -62,7 +62,12 @@ def serve(session: nox.Session) -> None:
     session.run("batchgen-server", *session.posargs)
 
 
-BENCHMARKS = ("control_plane", "model_throughput")
+BENCHMARKS = (
+    "control_plane",
+    "saturation",
+    "intake_memory",
+    "model_throughput",
+)  # gpu.py: by name, on a GPU machine
 
 
 @nox.session(python=PYTHON)
