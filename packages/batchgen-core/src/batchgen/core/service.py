@@ -197,7 +197,12 @@ class BatchService:
     async def __aenter__(self) -> BatchService:
         self._metadata = MetadataStore(self.settings.storage_path / "metadata.sqlite3")
         self.blobs.clear_staging()
-        await self.backend.start()
+        try:
+            await self.backend.start()
+        except BaseException:
+            self.metadata.close()  # a backend that cannot start leaves nothing open behind it
+            self._metadata = None
+            raise
         self._task_group = anyio.create_task_group()
         self._tasks = await self._task_group.__aenter__()
         await self._tasks.start(self.scheduler.run)
