@@ -41,8 +41,11 @@ def error_response(
     code: str | None,
     param: str | None = None,
     retry_after_s: int | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Response[dict[str, object]]:
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    headers = dict(headers or {})
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
     body: dict[str, object] = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return Response(body, status_code=status, headers=headers)
 

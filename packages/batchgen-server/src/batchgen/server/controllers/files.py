@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
-from litestar import Controller, Request, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post
 from litestar.response import Stream
 
 from batchgen.core.errors import InvalidRequest, PayloadTooLarge
 from batchgen.core.service import BatchService
+from batchgen.server.errors import error_response
 from batchgen.server.pagination import list_page
 from batchgen.server.uploads import receive_upload
 
@@ -20,9 +22,34 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 CHUNK_BYTES = 256 * 1024
 
 
-async def _read_range(path: Path, size: int) -> AsyncIterator[bytes]:
-    remaining = size
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The (start, stop) a single-range ``Range`` header asks of ``size`` bytes.
+
+    None means the whole file (no header, or a form this server does not serve, such as several
+    ranges). Raises ValueError when the range lies wholly past the end (416).
+    """
+    match = _RANGE.match(header.strip()) if header else None
+    if match is None or not any(match.groups()):
+        return None
+    first, last = match.groups()
+    if not first:  # bytes=-N: the last N bytes
+        return max(size - int(last), 0), size
+    start = int(first)
+    if start >= size:
+        raise ValueError(f"range start {start} is past the end of the {size}-byte file")
+    stop = size if not last else min(int(last) + 1, size)
+    if stop <= start:
+        return None
+    return start, stop
+
+
+async def _read_range(path: Path, start: int, stop: int) -> AsyncIterator[bytes]:
+    remaining = stop - start
     async with await anyio.open_file(path, "rb") as stream:
+        await stream.seek(start)
         while remaining > 0:
             chunk = await stream.read(min(CHUNK_BYTES, remaining))
             if not chunk:
@@ -96,10 +123,35 @@ class FilesController(Controller):
         return {"id": file_id, "object": "file", "deleted": True}
 
     @get("/{file_id:str}/content")
-    async def content(self, file_id: str, service: BatchService) -> Stream:
+    async def content(
+        self, file_id: str, request: Request[Any, Any, Any], service: BatchService
+    ) -> Stream | Response[dict[str, Any]]:
+        """The file's bytes; a running batch's output holds the lines written so far.
+
+        A single ``Range: bytes=…`` gets 206 with that part, so a follower can fetch only what
+        is new; a range starting past the end gets 416.
+        """
         path, size = await service.file_content(file_id)
+        try:
+            wanted = byte_range(request.headers.get("range"), size)
+        except ValueError as exc:
+            return error_response(
+                416,
+                str(exc),
+                type_="invalid_request_error",
+                code="range_not_satisfiable",
+                headers={"Content-Range": f"bytes */{size}"},
+            )
+        headers = {"Accept-Ranges": "bytes"}
+        if wanted is None:
+            start, stop, status = 0, size, 200
+        else:
+            (start, stop), status = wanted, 206
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        headers["Content-Length"] = str(stop - start)
         return Stream(
-            _read_range(path, size),
+            _read_range(path, start, stop),
+            status_code=status,
             media_type="application/octet-stream",
-            headers={"Content-Length": str(size)},
+            headers=headers,
         )
