@@ -7,26 +7,14 @@ Output lines follow the OpenAI batch output format: ``{"id", "custom_id", "respo
 
 from __future__ import annotations
 
-import itertools
-import secrets
 from typing import Any
 
 import msgspec
 
+from batchgen.core.ids import new_request_id
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationResult
 
 _encode = msgspec.json.Encoder().encode
-
-
-#: Identifiers are a random per-process prefix and a counter: unique across processes and
-#: restarts (the prefix is 48 random bits), and cheap enough for three per request.
-_PROCESS_PREFIX = secrets.token_hex(6)
-_counter = itertools.count(int.from_bytes(secrets.token_bytes(3), "big"))
-
-
-def new_id(prefix: str) -> str:
-    """A fresh unique identifier such as ``batch_req_3f9a…`` (24 hex digits after the prefix)."""
-    return f"{prefix}{_PROCESS_PREFIX}{next(_counter) & 0xFFFFFFFFFFFF:012x}"
 
 
 def _response_body(endpoint: str, model: str, result: GenerationResult, created: int) -> dict[str, Any]:
@@ -40,7 +28,7 @@ def _response_body(endpoint: str, model: str, result: GenerationResult, created:
         if result.reasoning_content is not None:
             message["reasoning_content"] = result.reasoning_content
         return {
-            "id": new_id("chatcmpl-"),
+            "id": new_request_id("chatcmpl-"),
             "object": "chat.completion",
             "created": created,
             "model": model,
@@ -50,7 +38,7 @@ def _response_body(endpoint: str, model: str, result: GenerationResult, created:
             "usage": usage,
         }
     return {
-        "id": new_id("cmpl-"),
+        "id": new_request_id("cmpl-"),
         "object": "text_completion",
         "created": created,
         "model": model,
@@ -65,7 +53,7 @@ def output_line(
     custom_id: str, request_id: str, endpoint: str, model: str, result: GenerationResult, created: int
 ) -> bytes:
     line = {
-        "id": new_id("batch_req_"),
+        "id": new_request_id("batch_req_"),
         "custom_id": custom_id,
         "response": {
             "status_code": 200,
@@ -79,7 +67,7 @@ def output_line(
 
 def error_line(custom_id: str, code: str, message: str) -> bytes:
     line = {
-        "id": new_id("batch_req_"),
+        "id": new_request_id("batch_req_"),
         "custom_id": custom_id,
         "response": None,
         "error": {"code": code, "message": message},

@@ -45,6 +45,7 @@ from batchgen.core.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from batchgen.core.ids import new_object_id, new_request_id
 from batchgen.core.intake import IntakeEntry, IntakePool
 from batchgen.core.models import (
     OUTPUT_PURPOSE,
@@ -62,7 +63,7 @@ from batchgen.core.models import (
     Usage,
 )
 from batchgen.core.parameters import ServerDefaults, resolve_sampling
-from batchgen.core.results import error_line, new_id, output_line
+from batchgen.core.results import error_line, output_line
 from batchgen.core.scheduler import Scheduler
 from batchgen.core.scheduling import SchedulingPool
 from batchgen.core.storage import BlobStore, MetadataStore, OutputWriter, read_finished_lines
@@ -307,7 +308,7 @@ class BatchService:
             if purpose == "batch":
                 summary = await anyio.to_thread.run_sync(validate_batch_file, str(staging_path))
                 line_count, url = summary.line_count, summary.url
-            file_id = new_id("file-")
+            file_id = new_object_id("file-")
             path = self.blobs.upload_path(file_id)
             os.replace(staging_path, path)
         except BaseException:
@@ -457,7 +458,7 @@ class BatchService:
             )
         now = _now()
         batch = Batch(
-            id=new_id("batch_"),
+            id=new_object_id("batch_"),
             endpoint=endpoint,
             input_file_id=file.id,
             completion_window=completion_window,
@@ -524,7 +525,7 @@ class BatchService:
         now = _now()
         lifetime = self.settings.file_expiry_s
         file = FileObject(
-            id=new_id("file-"),
+            id=new_object_id("file-"),
             bytes=0,
             created_at=now,
             expires_at=None if lifetime is None else now + lifetime,
@@ -618,7 +619,7 @@ class BatchService:
             self._record_error(running, custom_id, "invalid_request", exc.message)
             return
         request = GenerationRequest(
-            request_id=new_id("req_"),
+            request_id=new_request_id("req_"),
             endpoint=running.batch.endpoint,
             sampling=sampling,
             messages=tuple(body["messages"]) if "messages" in body else None,

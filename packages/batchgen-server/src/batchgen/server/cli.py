@@ -219,8 +219,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         build_parser().error(str(exc))
     print(
-        f"BatchGen listening on http://{settings.host}:{settings.port} "
-        f"(backend: {settings.backend}, storage: {settings.storage_path})",
+        f"BatchGen starting on http://{settings.host}:{settings.port} "
+        f"(backend: {settings.backend}, storage: {settings.storage_path}); it answers once the "
+        "backend is ready (the first transformers start converts the model, about half a minute)",
         file=sys.stderr,
         flush=True,
     )
