@@ -15,15 +15,13 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
-import httpx
 import msgspec
+from running_server import peak_rss_mib, run_batch, running_server
 
 from batchgen.core import BatchService, ServiceSettings, load_backend
 from batchgen.core.models import GenerationResult
@@ -76,52 +74,11 @@ async def embedded_rate(input_path: Path, storage: Path, count: int) -> tuple[fl
 
 def rest_rate(input_path: Path, storage: Path, count: int) -> tuple[float, float, float]:
     """(upload MB/s, requests/s, server peak RSS MiB) through a batchgen-server subprocess."""
-    port = 10990
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchgen.server.cli",
-            "--port",
-            str(port),
-            "--storage-path",
-            str(storage),
-            "--backend",
-            "simulated",
-            "--log-level",
-            "warning",
-        ],
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(base_url=base, timeout=600) as client:
-            for _ in range(300):
-                try:
-                    client.get("/health")
-                    break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            start = time.perf_counter()
-            with input_path.open("rb") as stream:
-                file_id = client.post("/v1/files", files={"file": stream}, data={"purpose": "batch"}).json()[
-                    "id"
-                ]
-            uploaded = time.perf_counter()
-            batch = client.post(
-                "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-            ).json()
-            while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
-                time.sleep(0.05)
-                batch = client.get(f"/v1/batches/{batch['id']}").json()
-            done = time.perf_counter()
-            assert batch["request_counts"]["completed"] == count, batch
-            with open(f"/proc/{server.pid}/status") as status:
-                peak_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    finally:
-        server.terminate()
-        server.wait()
-    size_mb = input_path.stat().st_size / 1e6
-    return size_mb / (uploaded - start), count / (done - uploaded), peak_kib / 1024
+    with running_server(storage, 10990, "--backend", "simulated") as (server, client):
+        batch, upload_s, run_s = run_batch(client, input_path)
+        assert batch["request_counts"]["completed"] == count, batch
+        peak = peak_rss_mib(server.pid)
+    return input_path.stat().st_size / 1e6 / upload_s, count / run_s, peak
 
 
 def main() -> None:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from running_server import run_batch, running_server
 
 from batchgen.core.backends.hf_model_files import resolve_model_folder
 
@@ -74,57 +72,22 @@ def service_run(
     storage: Path, model: str | None, count: int, max_tokens: int, batch_size: int
 ) -> tuple[int, float]:
     """Tokens generated and seconds from batch creation to completion, through batchgen-server."""
-    port = 10991
-    flags = ["--backend", "transformers", "--max-batch-size", str(batch_size), "--log-level", "warning"]
+    flags = ["--backend", "transformers", "--max-batch-size", str(batch_size)]
     if model:
         flags += ["--model", model]
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchgen.server.cli",
-            "--port",
-            str(port),
-            "--storage-path",
-            str(storage),
-            *flags,
-        ]
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            for _ in range(1200):
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-            lines = [
-                {
-                    "custom_id": f"q{i}",
-                    "method": "POST",
-                    "url": "/v1/chat/completions",
-                    "body": {"messages": messages(i), "max_tokens": max_tokens},
-                }
-                for i in range(count)
-            ]
-            content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-            file_id = client.post(
-                "/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}
-            ).json()["id"]
-            start = time.perf_counter()
-            batch = client.post(
-                "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-            ).json()
-            while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
-                time.sleep(0.05)
-                batch = client.get(f"/v1/batches/{batch['id']}").json()
-            elapsed = time.perf_counter() - start
-            assert batch["status"] == "completed" and batch["request_counts"]["completed"] == count, batch
-            return batch["usage"]["output_tokens"], elapsed
-    finally:
-        server.terminate()
-        server.wait()
+    lines = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": messages(i), "max_tokens": max_tokens},
+        }
+        for i in range(count)
+    ]
+    with running_server(storage, 10991, *flags) as (_, client):
+        batch, _, run_s = run_batch(client, "".join(json.dumps(line) + "\n" for line in lines).encode())
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == count, batch
+    return batch["usage"]["output_tokens"], run_s
 
 
 def main() -> None:

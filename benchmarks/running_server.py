@@ -1,0 +1,72 @@
+"""A ``batchgen-server`` subprocess for the benchmarks: start it, run one batch through it, stop it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+@contextmanager
+def running_server(
+    storage: Path, port: int, *flags: str
+) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
+    """The server process and a client for it, once ``/health`` answers 200."""
+    command = [
+        sys.executable,
+        "-m",
+        "batchgen.server.cli",
+        "--port",
+        str(port),
+        "--storage-path",
+        str(storage),
+    ]
+    server = subprocess.Popen([*command, "--log-level", "warning", *flags])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if server.poll() is not None:
+                    raise RuntimeError("batchgen-server exited before it became healthy")
+                time.sleep(0.1)
+            yield server, client
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def run_batch(client: httpx.Client, content: Path | bytes) -> tuple[dict[str, Any], float, float]:
+    """Upload a chat batch file, run it to the end; the batch, upload seconds and run seconds."""
+    started = time.perf_counter()
+    upload = content.open("rb") if isinstance(content, Path) else ("input.jsonl", content)
+    try:
+        file_id = client.post("/v1/files", files={"file": upload}, data={"purpose": "batch"}).json()["id"]
+    finally:
+        if isinstance(content, Path):
+            upload.close()  # type: ignore[union-attr]
+    uploaded = time.perf_counter()
+    batch = client.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    ).json()
+    while batch["status"] not in TERMINAL:
+        time.sleep(0.05)
+        batch = client.get(f"/v1/batches/{batch['id']}").json()
+    return batch, uploaded - started, time.perf_counter() - uploaded
+
+
+def peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
