@@ -69,18 +69,27 @@ def start_server(storage_path: Path, *flags: str, timeout_s: float = 60.0) -> Li
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     server = LiveServer(process, f"http://127.0.0.1:{port}", storage_path, log_path)
+    try:
+        wait_until_ready(process, f"{server.base_url}/health", log_path, timeout_s)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
+
+
+def wait_until_ready(process: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float) -> None:
+    """Wait until GET ``url`` answers 200; raise with the process's log if it exits or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log_path.read_text()}")
+            raise RuntimeError(f"the process serving {url} exited early:\n{log_path.read_text()}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return server
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(f"server did not become healthy:\n{log_path.read_text()}")
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s:\n{log_path.read_text()}")
 
 
 def chat_line(custom_id: str, content: str = "What is 2+2?", **body: object) -> dict[str, object]:

@@ -26,7 +26,15 @@ import attrs
 import httpx
 import pytest
 
-from tests.live import LiveServer, chat_line, free_port, start_server, wait_for_status, write_jsonl
+from tests.live import (
+    LiveServer,
+    chat_line,
+    free_port,
+    start_server,
+    wait_for_status,
+    wait_until_ready,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.model
 
@@ -117,17 +125,7 @@ def _start_upstream(model: Path, log_path: Path) -> Upstream:
 
 
 def _wait_ready(upstream: Upstream, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if upstream.process.poll() is not None:
-            raise RuntimeError(f"upstream exited early:\n{upstream.log_path.read_text()}")
-        try:
-            if httpx.get(f"{upstream.url}/models", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"upstream did not start:\n{upstream.log_path.read_text()}")
+    wait_until_ready(upstream.process, f"{upstream.url}/models", upstream.log_path, timeout_s)
 
 
 @pytest.fixture
