@@ -1,6 +1,6 @@
 """Intake memory: what 1,000,000 queued requests cost in memory, and how long accepting them takes.
 
-Uploads one batch of N chat requests to an embedded BatchService whose simulated backend holds
+Uploads one batch of N chat requests (the same input as control_plane.py) to an embedded BatchService whose simulated backend holds
 every admitted request for an hour (16 slots), so almost the whole batch waits in the intake pool.
 Measures the resident memory (RSS) just before ``create_batch`` and once the batch is queued, and
 the time from ``create_batch`` to ``in_progress`` (indexing the file and queueing every line).
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import anyio
+from control_plane import write_input
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backend
 
@@ -26,18 +27,6 @@ from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backe
 def rss_mib(field: str = "VmRSS") -> float:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:")) / 1024
-
-
-def write_input(path: Path, count: int) -> None:
-    with path.open("w") as stream:
-        for i in range(count):
-            line = {
-                "custom_id": f"request-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {"messages": [{"role": "user", "content": f"Question {i}: what is 2+2?"}]},
-            }
-            stream.write(json.dumps(line) + "\n")
 
 
 async def run(folder: Path, count: int) -> dict[str, float]:
