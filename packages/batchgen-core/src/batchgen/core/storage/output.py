@@ -32,7 +32,6 @@ class OutputWriter:
         self._size = 0
         self._unsynced = False
         self.closed = False
-        self.lines_written = 0
 
     @property
     def opened(self) -> bool:
@@ -55,7 +54,6 @@ class OutputWriter:
             raise
         self._size += written
         self._unsynced = True
-        self.lines_written += 1
 
     def sync(self) -> None:
         """fsync what was written since the last sync (a no-op when nothing was)."""
