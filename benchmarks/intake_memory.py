@@ -44,7 +44,7 @@ async def run(folder: Path, count: int) -> dict[str, float]:
         accepted_s = time.perf_counter() - started
         gc.collect()
         after = rss_mib()
-        queued = service.intake.size
+        queued = service.intake_pool.size
         await service.cancel_batch(batch.id)
     return {
         "requests": count,

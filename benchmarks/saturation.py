@@ -85,16 +85,16 @@ async def run(storage: Path, huge: int, small: int) -> dict[str, float]:
         huge_file = await service.create_file(batch_file("huge", huge))
         small_again = await service.create_file(batch_file("small-2", small))
         huge_batch = await service.create_batch(huge_file.id, "/v1/chat/completions")
-        while service.slots.active < SLOTS:  # wait until every slot is first filled
+        while service.scheduling_pool.active < SLOTS:  # wait until every slot is first filled
             await anyio.sleep(0.001)
         window_start, busy_start = time.perf_counter(), backend.integral()
         small_started = time.perf_counter()
         small_batch = await service.create_batch(small_again.id, "/v1/chat/completions")
         small_done_s: float | None = None
-        while service.intake.size or small_done_s is None:
+        while service.intake_pool.size or small_done_s is None:
             if small_done_s is None and (await service.get_batch(small_batch.id)).status.is_terminal:
                 small_done_s = time.perf_counter() - small_started
-            if service.intake.size:
+            if service.intake_pool.size:
                 window_end, busy_end = time.perf_counter(), backend.integral()
             await anyio.sleep(0.005)
         await service.wait_for_batch(huge_batch.id, poll_interval=0.05)

@@ -36,9 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
-from batchgen.core.intake import IntakeEntry, IntakePool
-from batchgen.core.scheduler import Scheduler
-from batchgen.core.scheduling import SchedulingPool
+from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
 
 Request = tuple[str, int]  # (batch_id, line)
 
@@ -62,9 +60,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(intake_capacity=st.integers(1, 60), slot_count=st.integers(1, 8))
     def setup(self, intake_capacity: int, slot_count: int) -> None:
-        self.intake = IntakePool(intake_capacity)
-        self.slots = SchedulingPool(slot_count)
-        self.scheduler = Scheduler(self.intake, self.slots, _not_run)
+        self.intake_pool = IntakePool(intake_capacity)
+        self.scheduling_pool = SchedulingPool(slot_count)
+        self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, _not_run)
         self.batch_count = 0
         self.indexes: dict[str, LineIndex] = {}
         # The model: each added request is in exactly one of queued, running, finished, dropped.
@@ -93,16 +91,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         if size and data.draw(st.booleans(), label="explicit lines"):
             lines = data.draw(st.lists(st.integers(0, size - 1), unique=True), label="lines")
         wanted = list(range(size)) if lines is None else lines
-        fits = len(wanted) <= self.intake.capacity - self.intake.size
+        fits = len(wanted) <= self.intake_pool.capacity - self.intake_pool.size
         before = self._intake_snapshot()
 
         try:
             # A one-shot iterator is a valid ``Iterable[int]`` too.
-            queued = self.intake.add(batch_id, index, None if lines is None else iter(lines))
+            queued = self.intake_pool.add(batch_id, index, None if lines is None else iter(lines))
         except IntakeFull:
-            assert not fits, f"{len(wanted)} requests fit in {self.intake.free} free places but were refused"
+            assert not fits, (
+                f"{len(wanted)} requests fit in {self.intake_pool.free} free places but were refused"
+            )
             assert self._intake_snapshot() == before, "a refused batch changed the intake pool"
-            assert batch_id not in self.intake
+            assert batch_id not in self.intake_pool
             return
         assert fits, f"{len(wanted)} requests were accepted with only {before[1]} free places"
         assert queued == len(wanted)
@@ -132,29 +132,31 @@ class SchedulerMachine(RuleBasedStateMachine):
     def cancel(self, data: st.DataObject) -> None:
         """Cancel a batch (queued, drained, already cancelled, or one the pool never saw)."""
         batch_id = data.draw(st.sampled_from([*sorted(self.indexes), "never_added"]), label="cancelled batch")
-        running_before = self.slots.active_for(batch_id)
+        running_before = self.scheduling_pool.active_for(batch_id)
         remaining = self.queued.pop(batch_id, set())
 
-        assert self.intake.drop(batch_id) == len(remaining)
+        assert self.intake_pool.drop(batch_id) == len(remaining)
 
-        assert self.intake.queued(batch_id) == 0
-        assert batch_id not in self.intake
-        assert self.slots.active_for(batch_id) == running_before, "cancel must not touch running requests"
+        assert self.intake_pool.queued(batch_id) == 0
+        assert batch_id not in self.intake_pool
+        assert self.scheduling_pool.active_for(batch_id) == running_before, (
+            "cancel must not touch running requests"
+        )
         self.dropped.update((batch_id, line) for line in remaining)
         self.cancelled.add(batch_id)
         self.owed.pop(batch_id, None)
         for waiting in self.owed.values():
             waiting.discard(batch_id)
 
-    @precondition(lambda self: self.intake.size == 0)
+    @precondition(lambda self: self.intake_pool.size == 0)
     @rule()
     def pop_from_empty_intake(self) -> None:
-        assert self.intake.pop() is None
+        assert self.intake_pool.pop() is None
 
     @rule()
     def release_unheld_slot_is_refused(self) -> None:
         """Releasing a slot the batch does not hold raises and changes nothing."""
-        active = self.slots.active
+        active = self.scheduling_pool.active
         stray = IntakeEntry("never_added", 0, 0, 1)
         try:
             self.scheduler.finish(stray)
@@ -162,39 +164,39 @@ class SchedulerMachine(RuleBasedStateMachine):
             pass
         else:
             raise AssertionError("a slot that was never acquired was released")
-        assert self.slots.active == active
+        assert self.scheduling_pool.active == active
 
-    @precondition(lambda self: self.slots.free == 0)
+    @precondition(lambda self: self.scheduling_pool.free == 0)
     @rule()
     def acquire_beyond_capacity_is_refused(self) -> None:
         """With every slot taken, another acquire raises and changes nothing."""
         try:
-            self.slots.acquire("never_added")
+            self.scheduling_pool.acquire("never_added")
         except RuntimeError:
             pass
         else:
             raise AssertionError("a slot was acquired beyond the capacity")
-        assert self.slots.active == self.slots.capacity
+        assert self.scheduling_pool.active == self.scheduling_pool.capacity
 
     # -- invariants ----------------------------------------------------------------------------
 
     @invariant()
     def intake_matches_model_and_capacity(self) -> None:
-        assert 0 <= self.intake.size <= self.intake.capacity
-        assert self.intake.free == self.intake.capacity - self.intake.size
-        assert self.intake.size == sum(len(lines) for lines in self.queued.values())
+        assert 0 <= self.intake_pool.size <= self.intake_pool.capacity
+        assert self.intake_pool.free == self.intake_pool.capacity - self.intake_pool.size
+        assert self.intake_pool.size == sum(len(lines) for lines in self.queued.values())
         for batch_id in self.indexes:
-            assert self.intake.queued(batch_id) == len(self.queued.get(batch_id, ()))
-            assert (batch_id in self.intake) == (batch_id in self.queued)
+            assert self.intake_pool.queued(batch_id) == len(self.queued.get(batch_id, ()))
+            assert (batch_id in self.intake_pool) == (batch_id in self.queued)
 
     @invariant()
     def slots_match_model_and_capacity(self) -> None:
-        assert 0 <= self.slots.active <= self.slots.capacity
-        assert self.slots.active == len(self.running)
-        assert self.slots.free == self.slots.capacity - self.slots.active
+        assert 0 <= self.scheduling_pool.active <= self.scheduling_pool.capacity
+        assert self.scheduling_pool.active == len(self.running)
+        assert self.scheduling_pool.free == self.scheduling_pool.capacity - self.scheduling_pool.active
         per_batch = Counter(entry.batch_id for entry in self.running)
         for batch_id in [*self.indexes, "never_added"]:
-            assert self.slots.active_for(batch_id) == per_batch[batch_id]
+            assert self.scheduling_pool.active_for(batch_id) == per_batch[batch_id]
 
     @invariant()
     def every_request_is_in_exactly_one_state(self) -> None:
@@ -208,34 +210,34 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Drain what is left: every accepted request then ended exactly once, every slot is free."""
-        if not hasattr(self, "intake"):
+        if not hasattr(self, "intake_pool"):
             return
         self.scheduler.paused = False
         for _ in range(len(self.added) + 1):  # each round admits at least one new request
             for entry in list(self.running):
                 self._finish(entry)
-            if not self.intake.size:
+            if not self.intake_pool.size:
                 break
-            assert self.slots.free == self.slots.capacity
+            assert self.scheduling_pool.free == self.scheduling_pool.capacity
             self._admit()
         else:
             raise AssertionError("the intake pool did not drain")
         assert self.finished | self.dropped == self.added
         assert not self.finished & self.dropped
-        assert self.slots.active == 0 and self.slots.free == self.slots.capacity
-        assert self.intake.size == 0 and self.intake.pop() is None
+        assert self.scheduling_pool.active == 0 and self.scheduling_pool.free == self.scheduling_pool.capacity
+        assert self.intake_pool.size == 0 and self.intake_pool.pop() is None
 
     # -- shared steps --------------------------------------------------------------------------
 
     def _intake_snapshot(self) -> tuple[int, int, dict[str, int]]:
         return (
-            self.intake.size,
-            self.intake.free,
-            {batch_id: self.intake.queued(batch_id) for batch_id in self.indexes},
+            self.intake_pool.size,
+            self.intake_pool.free,
+            {batch_id: self.intake_pool.queued(batch_id) for batch_id in self.indexes},
         )
 
     def _admit(self) -> None:
-        expected = 0 if self.scheduler.paused else min(self.slots.free, self.intake.size)
+        expected = 0 if self.scheduler.paused else min(self.scheduling_pool.free, self.intake_pool.size)
         admitted = self.scheduler.admit()
         assert len(admitted) == expected, f"admitted {len(admitted)}, but {expected} could start"
         for entry in admitted:  # in the order the intake pool handed them out
@@ -264,10 +266,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.running.append(entry)
 
     def _finish(self, entry: IntakeEntry) -> None:
-        free, held = self.slots.free, self.slots.active_for(entry.batch_id)
+        free, held = self.scheduling_pool.free, self.scheduling_pool.active_for(entry.batch_id)
         self.scheduler.finish(entry)
-        assert self.slots.free == free + 1, "finishing a request did not free its slot"
-        assert self.slots.active_for(entry.batch_id) == held - 1
+        assert self.scheduling_pool.free == free + 1, "finishing a request did not free its slot"
+        assert self.scheduling_pool.active_for(entry.batch_id) == held - 1
         self.running.remove(entry)
         self.finished.add((entry.batch_id, entry.line))
 

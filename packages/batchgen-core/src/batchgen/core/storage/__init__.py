@@ -1,7 +1,22 @@
-"""Storage: batch and file metadata (SQLite), file contents on disk, and append-only output files."""
+"""Storage: the protocols (``interfaces``) and today's implementation of them.
 
-from batchgen.core.storage.blobs import BlobStore
-from batchgen.core.storage.metadata import MetadataStore
-from batchgen.core.storage.output import FinishedLines, OutputWriter, read_finished_lines
+- ``SQLiteMetadataStore``: files, batches and idempotency keys in SQLite;
+- ``LocalBlobStore``: file contents under the storage path;
+- ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back.
+"""
 
-__all__ = ["BlobStore", "FinishedLines", "MetadataStore", "OutputWriter", "read_finished_lines"]
+from batchgen.core.storage.interfaces import BlobStore, MetadataStore, ResultWriter
+from batchgen.core.storage.local_blobs import LocalBlobStore
+from batchgen.core.storage.result_files import FinishedLines, OutputWriter, read_finished_lines
+from batchgen.core.storage.sqlite_metadata import SQLiteMetadataStore
+
+__all__ = [
+    "BlobStore",
+    "FinishedLines",
+    "LocalBlobStore",
+    "MetadataStore",
+    "OutputWriter",
+    "ResultWriter",
+    "SQLiteMetadataStore",
+    "read_finished_lines",
+]

@@ -78,7 +78,7 @@ class FilesController(Controller):
 
     @post("/", status_code=200, request_max_body_size=None)
     async def upload(self, request: Request[Any, Any, Any], service: BatchService) -> dict[str, Any]:
-        limit = service.settings.max_upload_bytes
+        limit = service.max_upload_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
             raise PayloadTooLarge(f"The upload is {declared} bytes; the limit is {limit} bytes.")
@@ -98,7 +98,7 @@ class FilesController(Controller):
                 idempotency_key=request.headers.get("idempotency-key"),
             )
         finally:
-            service.blobs.remove(staging)
+            service.discard_upload(staging)
         return file.to_dict()
 
     @get("/")

@@ -1,4 +1,4 @@
-"""Scheduler: moves requests from the intake pool into free slots and runs them.
+"""The scheduler: moves requests from the intake pool into free slots of the scheduling pool and runs them.
 
 The decisions are synchronous and small (``admit`` fills free slots in the intake pool's fair
 order; ``finish`` frees a slot) so they can be tested directly. ``run`` is the async loop that
@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.abc
 
-from batchgen.core.intake import IntakeEntry, IntakePool
-from batchgen.core.scheduling import SchedulingPool
+from batchgen.core.scheduling.intake_pool import IntakeEntry, IntakePool
+from batchgen.core.scheduling.scheduling_pool import SchedulingPool
 
 logger = logging.getLogger("batchgen.scheduler")
 
@@ -24,9 +24,13 @@ RequestRunner = Callable[[IntakeEntry], Awaitable[None]]
 
 
 class Scheduler:
-    def __init__(self, intake: IntakePool, slots: SchedulingPool, run_request: RequestRunner) -> None:
-        self.intake = intake
-        self.slots = slots
+    """Admits queued requests into free slots and runs each on ``run_request``."""
+
+    def __init__(
+        self, intake_pool: IntakePool, scheduling_pool: SchedulingPool, run_request: RequestRunner
+    ) -> None:
+        self.intake_pool = intake_pool
+        self.scheduling_pool = scheduling_pool
         self._run_request = run_request
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -46,16 +50,16 @@ class Scheduler:
     def admit(self) -> list[IntakeEntry]:
         """Take queued requests into free slots, in the intake pool's fair order."""
         admitted: list[IntakeEntry] = []
-        while not self._paused and self.slots.free and self.intake.size:
-            entry = self.intake.pop()
+        while not self._paused and self.scheduling_pool.free and self.intake_pool.size:
+            entry = self.intake_pool.pop()
             assert entry is not None
-            self.slots.acquire(entry.batch_id)
+            self.scheduling_pool.acquire(entry.batch_id)
             admitted.append(entry)
         return admitted
 
     def finish(self, entry: IntakeEntry) -> None:
         """Give back the slot a request held."""
-        self.slots.release(entry.batch_id)
+        self.scheduling_pool.release(entry.batch_id)
 
     def notify(self) -> None:
         """Tell the loop that work was queued."""
@@ -67,11 +71,11 @@ class Scheduler:
             self._tasks.start_soon(self._run_one, entry)
 
     def _admit_one(self) -> IntakeEntry | None:
-        if self._paused or not self.slots.free or not self.intake.size:
+        if self._paused or not self.scheduling_pool.free or not self.intake_pool.size:
             return None
-        entry = self.intake.pop()
+        entry = self.intake_pool.pop()
         assert entry is not None
-        self.slots.acquire(entry.batch_id)
+        self.scheduling_pool.acquire(entry.batch_id)
         return entry
 
     async def _run_one(self, entry: IntakeEntry) -> None:
@@ -105,5 +109,5 @@ class Scheduler:
 
     async def wait_until_idle(self) -> None:
         """Return once nothing is queued and nothing is running (for tests and pipelines)."""
-        while self.intake.size or self.slots.active:
+        while self.intake_pool.size or self.scheduling_pool.active:
             await anyio.sleep(0.005)

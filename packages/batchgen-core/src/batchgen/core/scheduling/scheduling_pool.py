@@ -1,4 +1,4 @@
-"""SchedulingPool: the fixed set of slots in which admitted requests run on the backend.
+"""The scheduling pool: the fixed set of slots in which admitted requests run on the backend.
 
 It only counts. A slot is taken when a request is admitted from the intake pool and given back
 when that request ends, however it ends; the scheduler guarantees the release.

@@ -1,4 +1,4 @@
-"""BlobStore: where file contents live under the storage path.
+"""LocalBlobStore: file contents in folders under the storage path (the ``BlobStore`` protocol).
 
 {root}/files/{file_id}.jsonl              uploaded files
 {root}/incremental/{batch_id}.jsonl       a batch's output file, appended as requests finish
@@ -13,8 +13,12 @@ import os
 import secrets
 from pathlib import Path
 
+from batchgen.core.storage.result_files import FinishedLines, OutputWriter, read_finished_lines
 
-class BlobStore:
+
+class LocalBlobStore:
+    """Uploads, result files and staged uploads as plain files under ``root``."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.files_dir = root / "files"
@@ -45,3 +49,11 @@ class BlobStore:
     def remove(path: str | os.PathLike[str]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    @staticmethod
+    def open_result_writer(path: Path) -> OutputWriter:
+        return OutputWriter(path)
+
+    @staticmethod
+    def read_finished(path: Path) -> FinishedLines:
+        return read_finished_lines(path)

@@ -1,4 +1,6 @@
-"""Append-only result files: writing one JSON line per finished request, and reading them back.
+"""Append-only local result files: one JSON line per finished request, and reading them back.
+
+``OutputWriter`` is the local-disk ``ResultWriter`` (``storage.interfaces``).
 
 Durability policy. Each line is handed to the operating system with one ``write`` the moment its
 request finishes, so a crash of the process loses no finished line. ``sync`` (fsync) makes the

@@ -1,4 +1,4 @@
-"""IntakePool: the bounded queue of requests waiting for a slot, fair across batches.
+"""The intake pool: the bounded queue of requests waiting for a slot, fair across batches.
 
 Entries are tiny: per batch it keeps the file's line index (offset and length of each line) and
 the positions still to run, never a request body. ``pop`` takes batches in turn (round-robin), so a

@@ -1,8 +1,9 @@
-"""MetadataStore: files and batches in one SQLite database (WAL mode), through sqlite-utils.
+"""SQLiteMetadataStore: files, batches and idempotency keys in one SQLite database (WAL mode).
 
-The interface is narrow on purpose (insert, get, save, list, delete) so another metadata store can
-replace this one without touching the scheduler. Rows keep an insertion sequence number, which
-gives lists a stable newest-first order and ``after`` cursors that survive equal timestamps.
+The ``MetadataStore`` protocol (``storage.interfaces``) through sqlite-utils; the contract tests
+in ``tests/core/test_storage_contract.py`` say what any other implementation must do as well.
+Rows keep an insertion sequence number, which gives lists a stable newest-first order and
+``after`` cursors that survive equal timestamps.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def _file_from_row(row: dict[str, Any]) -> FileObject:
     )
 
 
-class MetadataStore:
+class SQLiteMetadataStore:
     """Files and batches, persisted in SQLite at ``path``."""
 
     def __init__(self, path: Path) -> None:
@@ -206,9 +207,6 @@ class MetadataStore:
     def get_file(self, file_id: str) -> FileObject | None:
         rows = list(self._files.rows_where("id = ?", [file_id], limit=1))
         return _file_from_row(rows[0]) if rows else None
-
-    def update_file_bytes(self, file_id: str, size: int) -> None:
-        self._files.update(file_id, {"bytes": size})
 
     def expired_files(self, now: int) -> list[FileObject]:
         rows = self._files.rows_where("expires_at IS NOT NULL AND expires_at <= ?", [now], order_by="seq")

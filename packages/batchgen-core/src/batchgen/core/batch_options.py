@@ -1,0 +1,56 @@
+"""Checks of the arguments of a new batch: completion window, metadata, batch-level parameters."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from batchgen.core.errors import InvalidRequest
+from batchgen.core.models import BatchParameters
+
+_WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+_WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_METADATA_PAIRS = 16
+
+
+def parse_completion_window(window: str) -> int:
+    """Seconds in a completion window such as ``24h``; raise InvalidRequest otherwise."""
+    match = _WINDOW.match(window) if isinstance(window, str) else None
+    if match is None:
+        raise InvalidRequest(
+            f"completion_window must look like '24h' (a number and s, m, h or d), got {window!r}",
+            param="completion_window",
+        )
+    return int(match.group(1)) * _WINDOW_SECONDS[match.group(2)]
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    """A copy of valid batch metadata (at most 16 short string pairs); InvalidRequest otherwise."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise InvalidRequest("metadata must be an object of string keys and values", param="metadata")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"metadata may have at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise InvalidRequest(
+                "metadata keys must be at most 64 characters and values strings of at most 512",
+                param="metadata",
+            )
+    return dict(metadata)
+
+
+def check_parameters(parameters: BatchParameters) -> None:
+    """Raise InvalidRequest naming the first batch-level sampling value out of its range."""
+    checks = (
+        ("max_decoding_length", parameters.max_decoding_length, int, lambda v: v >= 1, "at least 1"),
+        ("temperature", parameters.temperature, (int, float), lambda v: 0 <= v <= 2, "between 0 and 2"),
+        ("top_p", parameters.top_p, (int, float), lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", parameters.top_k, int, lambda v: v == -1 or v >= 1, "-1 or at least 1"),
+    )
+    for name, value, kind, valid, expected in checks:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind) or not valid(value):
+            raise InvalidRequest(f"{name} must be {expected}, got {value!r}", param=name)

@@ -1,0 +1,82 @@
+"""Starting a batch: index its input file, queue what is still to run, move it to in_progress.
+
+A new batch queues every line; a batch resumed after a restart queues only the lines whose
+custom_id has no result line yet.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import anyio
+import attrs
+import msgspec
+
+from batchgen.core.batch_file import LineIndex, index_batch_file
+from batchgen.core.batch_tracker import ActiveBatch, BatchTracker
+from batchgen.core.file_catalogue import FileCatalogue
+from batchgen.core.models import BatchStatus, FileObject
+from batchgen.core.scheduling import IntakePool
+
+_decode = msgspec.json.Decoder().decode
+
+
+def lines_not_done(path: str, index: LineIndex, done: set[str]) -> list[int]:
+    """Positions of the request lines whose custom_id has no output or error line yet."""
+    pending: list[int] = []
+    with open(path, "rb") as stream:
+        for position, (offset, length) in enumerate(zip(index.offsets, index.lengths, strict=True)):
+            stream.seek(offset)
+            if _decode(stream.read(length))["custom_id"] not in done:
+                pending.append(position)
+    return pending
+
+
+class BatchStarter:
+    """Queues a tracked batch's requests in the intake pool."""
+
+    def __init__(
+        self,
+        tracker: BatchTracker,
+        files: FileCatalogue,
+        intake_pool: IntakePool,
+        wake_scheduler: Callable[[], None],
+    ) -> None:
+        self._tracker = tracker
+        self._files = files
+        self._intake_pool = intake_pool
+        self._wake_scheduler = wake_scheduler
+
+    async def start(self, active: ActiveBatch, file: FileObject, done: set[str] | None = None) -> None:
+        """Index the input, queue the requests not in ``done``, and move the batch to in_progress."""
+        try:
+            index = await anyio.to_thread.run_sync(index_batch_file, file.path)
+            lines: Sequence[int] | None = None
+            if done:
+                lines = await anyio.to_thread.run_sync(lines_not_done, file.path, index, done)
+        except OSError as exc:
+            self._tracker.fail(active, "batch_failed", f"Could not read the input file: {exc}")
+            return
+        if active.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+            return  # cancelled or ended while indexing
+        pending = len(index) if lines is None else len(lines)
+        if pending > self._intake_pool.free:
+            self._tracker.fail(
+                active,
+                "capacity_exceeded",
+                f"The batch has {pending} requests to queue but the intake pool has room for "
+                f"{self._intake_pool.free} of {self._intake_pool.capacity}. Retry later or split the file.",
+            )
+            return
+        active.input_fd = os.open(file.path, os.O_RDONLY)
+        if active.batch.output_file_id is None:
+            output = self._files.register_result_file(active.id, active.output.path, "output")
+            active.batch = attrs.evolve(active.batch, output_file_id=output.id)
+        if active.status is BatchStatus.VALIDATING:
+            self._tracker.move(active, BatchStatus.IN_PROGRESS)
+        else:
+            self._tracker.persist(active)
+        self._intake_pool.add(active.id, index, lines)
+        self._wake_scheduler()
+        self._tracker.settle(active)

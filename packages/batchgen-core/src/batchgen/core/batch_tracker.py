@@ -1,0 +1,183 @@
+"""The batches being worked on: their live counters and result files, and every status change.
+
+``BatchTracker`` holds one ``ActiveBatch`` per unfinished batch. Each move of a batch goes through
+the state machine (``batch_lifecycle.advance``) and is persisted at once; counters are persisted
+in groups (``flush``), since the result files, not the counters, record what finished. A batch that
+reaches a terminal status is synced, closed and forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import attrs
+
+from batchgen.core.batch_lifecycle import advance
+from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCounts, Usage
+from batchgen.core.scheduling import IntakePool
+from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
+
+logger = logging.getLogger("batchgen.service")
+
+
+def now() -> int:
+    """The service's clock: whole seconds since the epoch, as the API reports times."""
+    return int(time.time())
+
+
+@attrs.define(eq=False)
+class ActiveBatch:
+    """Live state of a batch being worked on; ``snapshot`` is what callers see."""
+
+    batch: Batch
+    output: ResultWriter
+    errors: ResultWriter
+    input_fd: int | None = None
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    in_flight: set[str] = attrs.Factory(set)
+    dirty: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.batch.id
+
+    @property
+    def status(self) -> BatchStatus:
+        return self.batch.status
+
+    @property
+    def finished(self) -> int:
+        return self.completed + self.failed
+
+    def snapshot(self) -> Batch:
+        return attrs.evolve(
+            self.batch,
+            request_counts=RequestCounts(self.batch.request_counts.total, self.completed, self.failed),
+            usage=Usage(self.prompt_tokens, self.completion_tokens),
+        )
+
+
+class BatchTracker:
+    """The unfinished batches, and the one path by which their status changes."""
+
+    def __init__(
+        self,
+        metadata: MetadataStore,
+        blobs: BlobStore,
+        intake_pool: IntakePool,
+        abort_request: Callable[[str], object],
+    ) -> None:
+        self._metadata = metadata
+        self._blobs = blobs
+        self._intake_pool = intake_pool
+        self._abort_request = abort_request
+        self._active: dict[str, ActiveBatch] = {}
+
+    # --- membership ------------------------------------------------------------------------
+    def track(self, batch: Batch) -> ActiveBatch:
+        active = ActiveBatch(
+            batch=batch,
+            output=self._blobs.open_result_writer(self._blobs.output_path(batch.id)),
+            errors=self._blobs.open_result_writer(self._blobs.error_path(batch.id)),
+        )
+        self._active[batch.id] = active
+        return active
+
+    def get(self, batch_id: str) -> ActiveBatch | None:
+        return self._active.get(batch_id)
+
+    def __contains__(self, batch_id: str) -> bool:
+        return batch_id in self._active
+
+    def __iter__(self) -> Iterator[ActiveBatch]:
+        return iter(list(self._active.values()))
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    # --- status changes --------------------------------------------------------------------
+    def move(self, active: ActiveBatch, target: BatchStatus, *, error: BatchErrorInfo | None = None) -> None:
+        """Advance the batch to ``target`` and persist it; a terminal status also ends tracking."""
+        if target.is_terminal:
+            self._close(active)
+        active.batch = advance(active.batch, target, now=now(), error=error)
+        self.persist(active)
+        if target.is_terminal:
+            self._active.pop(active.id, None)
+
+    def cancel(self, active: ActiveBatch) -> None:
+        """Drop the batch's queued requests and abort those in flight; it ends once they have."""
+        self.move(active, BatchStatus.CANCELLING)
+        self.stop_work(active)
+        self.settle(active)
+
+    def fail(self, active: ActiveBatch, code: str, message: str) -> None:
+        """End the batch as failed (once: a batch that already ended stays as it is)."""
+        if active.status.is_terminal:
+            return
+        logger.warning("batch %s failed: %s", active.id, message)
+        self.stop_work(active)
+        self.move(active, BatchStatus.FAILED, error=BatchErrorInfo(code, message))
+
+    def expire(self, active: ActiveBatch) -> None:
+        """End a batch past its completion window; the lines written so far stay."""
+        logger.info(
+            "batch %s expired with %d of %d done",
+            active.id,
+            active.finished,
+            active.batch.request_counts.total,
+        )
+        self.stop_work(active)
+        self.move(active, BatchStatus.EXPIRED)
+
+    def settle(self, active: ActiveBatch) -> None:
+        """End the batch if nothing is left to do: every request has its line, or a cancel drained."""
+        status = active.status
+        if status is BatchStatus.IN_PROGRESS and active.finished >= active.batch.request_counts.total:
+            self.move(active, BatchStatus.FINALIZING)
+            self.move(active, BatchStatus.COMPLETED)
+        elif status is BatchStatus.CANCELLING and not active.in_flight:
+            self.move(active, BatchStatus.CANCELLED)
+
+    def stop_work(self, active: ActiveBatch) -> None:
+        """Drop the batch's queued requests and abort those in flight (they end with no line)."""
+        self._intake_pool.drop(active.id)
+        for request_id in list(active.in_flight):
+            self._abort_request(request_id)
+
+    # --- persistence -----------------------------------------------------------------------
+    def persist(self, active: ActiveBatch) -> None:
+        self._metadata.save_batch(active.snapshot())
+        active.dirty = False
+
+    def flush(self) -> None:
+        """Persist the counters of every batch whose counters moved since the last flush."""
+        for active in self:
+            if active.dirty:
+                self.persist(active)
+
+    def open_writers(self) -> list[ResultWriter]:
+        return [writer for active in self for writer in (active.output, active.errors) if writer.opened]
+
+    def close_all(self) -> None:
+        """At shutdown: persist and close every batch, leaving it unfinished for the next start."""
+        for active in self:
+            self.persist(active)
+            self._close(active)
+        self._active.clear()
+
+    def _close(self, active: ActiveBatch) -> None:
+        for writer in (active.output, active.errors):
+            try:
+                writer.close()
+            except OSError:
+                logger.exception("closing %s failed", writer.path)
+        if active.input_fd is not None:
+            os.close(active.input_fd)
+            active.input_fd = None

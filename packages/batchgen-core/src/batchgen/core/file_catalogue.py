@@ -1,0 +1,219 @@
+"""The file catalogue: uploaded files and batch result files, their records and their contents.
+
+It validates and stores uploads (with idempotent retries), lists, retrieves and deletes files,
+reports a growing output file's current size, registers result files for batches, and deletes
+files past their expiry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import attrs
+
+from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.batch_tracker import now
+from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.idempotency import IdempotencyLedger, fingerprint
+from batchgen.core.ids import new_object_id
+from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
+from batchgen.core.storage import BlobStore, MetadataStore
+
+MAX_FILE_EXPIRY_S = 30 * 86400
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class FileCatalogue:
+    """Files as the API sees them, kept in a metadata store and a blob store."""
+
+    def __init__(
+        self,
+        metadata: MetadataStore,
+        blobs: BlobStore,
+        ledger: IdempotencyLedger,
+        *,
+        max_upload_bytes: int,
+        file_expiry_s: int | None,
+        in_use: Callable[[str], Batch | None],
+    ) -> None:
+        """``in_use(file_id)`` is a live batch that still needs the file, or None."""
+        self._metadata = metadata
+        self._blobs = blobs
+        self._ledger = ledger
+        self.max_upload_bytes = max_upload_bytes
+        self._file_expiry_s = file_expiry_s
+        self._in_use = in_use
+
+    # --- uploads ---------------------------------------------------------------------------
+    def new_upload_path(self) -> Path:
+        return self._blobs.new_staging_path()
+
+    def discard_upload(self, staging_path: Path) -> None:
+        self._blobs.remove(staging_path)
+
+    async def create_file(
+        self, content: bytes | str | os.PathLike[str], *, filename: str | None, purpose: str
+    ) -> FileObject:
+        staging = self.new_upload_path()
+        if isinstance(content, bytes):
+            staging.write_bytes(content)
+            name = filename or "upload.jsonl"
+        else:
+            await anyio.to_thread.run_sync(shutil.copyfile, content, staging)
+            name = filename or Path(content).name
+        return await self.add_file(staging, filename=name, purpose=purpose)
+
+    async def add_file(
+        self,
+        staging_path: Path,
+        *,
+        filename: str,
+        purpose: str,
+        expires_after_s: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> FileObject:
+        """Validate an upload received into ``staging_path`` and store it; the staging file is consumed."""
+        try:
+            if expires_after_s is not None and not 1 <= expires_after_s <= MAX_FILE_EXPIRY_S:
+                raise InvalidRequest(
+                    f"expires_after seconds must be between 1 and {MAX_FILE_EXPIRY_S}", param="expires_after"
+                )
+            call = ""
+            if idempotency_key is not None:
+                digest = await anyio.to_thread.run_sync(_file_digest, staging_path)
+                call = fingerprint(digest, filename, purpose, expires_after_s)
+                earlier = self._ledger.replay(idempotency_key, "file", call)
+                if earlier is not None:
+                    self._blobs.remove(staging_path)
+                    return self.get(earlier)
+            if purpose not in UPLOAD_PURPOSES:
+                raise InvalidRequest(
+                    f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}",
+                    param="purpose",
+                )
+            size = staging_path.stat().st_size
+            if size > self.max_upload_bytes:
+                raise PayloadTooLarge(
+                    f"The file is {size} bytes; the limit is {self.max_upload_bytes} bytes."
+                )
+            line_count, url = 0, None
+            if purpose == "batch":
+                summary = await anyio.to_thread.run_sync(validate_batch_file, str(staging_path))
+                line_count, url = summary.line_count, summary.url
+            file_id = new_object_id("file-")
+            path = self._blobs.upload_path(file_id)
+            os.replace(staging_path, path)
+        except BaseException:
+            self._blobs.remove(staging_path)
+            raise
+        created = now()
+        lifetime = expires_after_s or self._file_expiry_s
+        file = FileObject(
+            id=file_id,
+            bytes=size,
+            created_at=created,
+            filename=filename,
+            purpose=purpose,
+            path=str(path),
+            line_count=line_count,
+            url=url,
+            expires_at=None if lifetime is None else created + lifetime,
+        )
+        if idempotency_key is not None:
+            try:  # a twin upload with the same key may have finished while this one validated
+                earlier = self._ledger.replay(idempotency_key, "file", call)
+            except Conflict:
+                self._blobs.remove(path)
+                raise
+            if earlier is not None:
+                self._blobs.remove(path)
+                return self.get(earlier)
+            self._ledger.record(idempotency_key, "file", call, file.id, created)
+        self._metadata.insert_file(file)
+        return file
+
+    # --- result files ----------------------------------------------------------------------
+    def register_result_file(self, batch_id: str, path: Path, kind: str) -> FileObject:
+        """Record a batch's output or error file (its lines are appended as requests finish)."""
+        created = now()
+        lifetime = self._file_expiry_s
+        file = FileObject(
+            id=new_object_id("file-"),
+            bytes=0,
+            created_at=created,
+            expires_at=None if lifetime is None else created + lifetime,
+            filename=f"{batch_id}_{kind}.jsonl",
+            purpose=OUTPUT_PURPOSE,
+            path=str(path),
+        )
+        self._metadata.insert_file(file)
+        return file
+
+    # --- reading and deleting --------------------------------------------------------------
+    def record(self, file_id: str) -> FileObject:
+        """The stored record, or NotFound."""
+        file = self._metadata.get_file(file_id)
+        if file is None:
+            raise NotFound(f"No file with id '{file_id}'.")
+        return file
+
+    def get(self, file_id: str) -> FileObject:
+        """The file as the API shows it: a result file with its current size."""
+        return self._with_live_size(self.record(file_id))
+
+    def list(
+        self, *, after: str | None, limit: int, order: str, purpose: str | None
+    ) -> tuple[list[FileObject], bool]:
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+        if not 1 <= limit <= 10000:
+            raise InvalidRequest("limit must be between 1 and 10000", param="limit")
+        files, has_more = self._metadata.list_files(
+            after=after, limit=limit, descending=order == "desc", purpose=purpose
+        )
+        return [self._with_live_size(file) for file in files], has_more
+
+    def delete(self, file_id: str) -> None:
+        file = self.record(file_id)
+        user = self._in_use(file_id)
+        if user is not None:
+            raise Conflict(
+                f"File '{file_id}' is in use by batch '{user.id}' ({user.status.value}); "
+                "cancel the batch or wait for it to end first."
+            )
+        self._metadata.delete_file(file_id)
+        self._blobs.remove(file.path)
+
+    def content(self, file_id: str) -> tuple[Path, int]:
+        """The file's path and how many bytes of it to read now (an output file keeps growing)."""
+        file = self.get(file_id)
+        return Path(file.path), file.bytes
+
+    def delete_expired(self) -> None:
+        """Delete files past their expiry that no live batch needs."""
+        for file in self._metadata.expired_files(now()):
+            if self._in_use(file.id) is None:
+                self._metadata.delete_file(file.id)
+                self._blobs.remove(file.path)
+
+    @staticmethod
+    def _with_live_size(file: FileObject) -> FileObject:
+        if file.purpose != OUTPUT_PURPOSE:
+            return file
+        try:
+            size = os.stat(file.path).st_size
+        except FileNotFoundError:
+            size = 0
+        return attrs.evolve(file, bytes=size)

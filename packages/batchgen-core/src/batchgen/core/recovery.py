@@ -1,0 +1,50 @@
+"""Crash recovery: on start, resume every batch a previous run left unfinished.
+
+The result files are the record of what finished: a torn last line is cut off, the custom_ids of
+the complete lines are read, the counters are rebuilt from them, and only the other requests are
+queued again. A batch that was cancelling ends cancelled; one whose input file is gone fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from batchgen.core.batch_lifecycle import advance
+from batchgen.core.batch_starter import BatchStarter
+from batchgen.core.batch_tracker import BatchTracker, now
+from batchgen.core.models import BatchStatus
+from batchgen.core.storage import BlobStore, MetadataStore
+
+logger = logging.getLogger("batchgen.service")
+
+
+def recover(
+    metadata: MetadataStore,
+    blobs: BlobStore,
+    tracker: BatchTracker,
+    starter: BatchStarter,
+    spawn: Callable[..., object],
+) -> None:
+    """Track every unfinished batch again and start queueing what each still has to run.
+
+    ``spawn(async_fn, *args)`` runs the (slow: it reads the input file) start in the background.
+    """
+    for batch in metadata.active_batches():
+        if batch.status is BatchStatus.CANCELLING:
+            metadata.save_batch(advance(batch, BatchStatus.CANCELLED, now=now()))
+            continue
+        active = tracker.track(batch)
+        file = metadata.get_file(batch.input_file_id)
+        if file is None:
+            tracker.fail(active, "batch_failed", "The batch's input file is gone.")
+            continue
+        written = blobs.read_finished(active.output.path)
+        failed = blobs.read_finished(active.errors.path)
+        active.completed, active.failed = len(written.custom_ids), len(failed.custom_ids)
+        active.prompt_tokens = written.prompt_tokens
+        active.completion_tokens = written.completion_tokens
+        if batch.status is BatchStatus.FINALIZING:
+            active.batch = advance(batch, BatchStatus.IN_PROGRESS, now=now())
+        logger.info("resuming batch %s: %d lines already written", batch.id, active.finished)
+        spawn(starter.start, active, file, set(written.custom_ids) | set(failed.custom_ids))

@@ -1,0 +1,166 @@
+"""The request executor: run one admitted request and turn whatever happens into exactly one line.
+
+A result becomes an output line; a request the backend rejects (or keeps failing transiently,
+``max_attempts`` times) becomes an error line; any other exception while running it becomes an
+``internal_error`` line, logged once with its traceback, so the batch goes on. An aborted request
+(cancel, expiry) ends with no line. A backend that is gone fails the batch. Every path ends by
+asking the tracker whether the batch is now done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import anyio
+import attrs
+import msgspec
+
+from batchgen.core.backends.base import (
+    Backend,
+    BackendUnavailable,
+    RequestAborted,
+    RequestRejected,
+    TransientBackendError,
+)
+from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
+from batchgen.core.errors import InvalidRequest
+from batchgen.core.file_catalogue import FileCatalogue
+from batchgen.core.ids import new_request_id
+from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult
+from batchgen.core.parameters import ServerDefaults, resolve_sampling
+from batchgen.core.results import error_line, output_line
+from batchgen.core.scheduling import IntakeEntry
+from batchgen.core.storage import ResultWriter
+
+logger = logging.getLogger("batchgen.service")
+
+_decode = msgspec.json.Decoder().decode
+
+
+class RequestExecutor:
+    """Runs admitted requests on the backend and writes their lines."""
+
+    def __init__(
+        self,
+        tracker: BatchTracker,
+        files: FileCatalogue,
+        backend: Backend,
+        *,
+        defaults: ServerDefaults,
+        max_attempts: int,
+    ) -> None:
+        self._tracker = tracker
+        self._files = files
+        self._backend = backend
+        self._defaults = defaults
+        self._max_attempts = max_attempts
+
+    async def run(self, entry: IntakeEntry) -> None:
+        """Run the request ``entry`` points at (the scheduler's ``run_request``)."""
+        active = self._tracker.get(entry.batch_id)
+        if active is None or active.status is not BatchStatus.IN_PROGRESS:
+            return
+        assert active.input_fd is not None
+        try:
+            line = _decode(os.pread(active.input_fd, entry.length, entry.offset))
+            custom_id: str = line["custom_id"]
+            body: dict[str, Any] = line["body"]
+        except Exception as exc:  # the file changed under us: no custom_id to write a line for
+            logger.exception("batch %s: request line %d cannot be read back", active.id, entry.line + 1)
+            self._tracker.fail(
+                active,
+                "batch_failed",
+                f"Request line {entry.line + 1} of the input file cannot be read: {exc}",
+            )
+            return
+        request_id = new_request_id("req_")
+        active.in_flight.add(request_id)
+        try:
+            await self._execute(active, custom_id, body, request_id)
+        except Exception as exc:
+            logger.exception("batch %s: request %r raised", active.id, custom_id)
+            self.record_error(active, custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            active.in_flight.discard(request_id)
+            self._tracker.settle(active)
+
+    async def _execute(
+        self, active: ActiveBatch, custom_id: str, body: dict[str, Any], request_id: str
+    ) -> None:
+        try:
+            sampling = resolve_sampling(body, active.batch.parameters, self._defaults)
+        except InvalidRequest as exc:
+            self.record_error(active, custom_id, "invalid_request", exc.message)
+            return
+        request = GenerationRequest(
+            request_id=request_id,
+            endpoint=active.batch.endpoint,
+            sampling=sampling,
+            messages=tuple(body["messages"]) if "messages" in body else None,
+            prompt=body.get("prompt"),
+        )
+        try:
+            result = await self._generate(request)
+        except RequestRejected as exc:
+            self.record_error(active, custom_id, exc.code, exc.message)
+        except RequestAborted:
+            pass  # cancelled or expired: the request ends with no line
+        except BackendUnavailable as exc:
+            self._tracker.fail(active, "batch_failed", f"The inference backend became unavailable: {exc}")
+        else:
+            self._record_result(active, custom_id, request, result)
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                return await self._backend.generate(request)
+            except TransientBackendError as exc:
+                if attempt == self._max_attempts:
+                    raise RequestRejected(
+                        "backend_error", f"The backend failed this request {self._max_attempts} times: {exc}"
+                    ) from exc
+                logger.info("retrying %s after: %s", request.request_id, exc)
+                await anyio.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _record_result(
+        self, active: ActiveBatch, custom_id: str, request: GenerationRequest, result: GenerationResult
+    ) -> None:
+        if active.status.is_terminal:
+            return  # the batch ended (expired, failed) while this request ran
+        line = output_line(
+            custom_id, request.request_id, request.endpoint, self._backend.model_name, result, now()
+        )
+        if self._write(active, active.output, line):
+            active.completed += 1
+            active.prompt_tokens += result.prompt_tokens
+            active.completion_tokens += result.completion_tokens
+            active.dirty = True
+
+    def record_error(self, active: ActiveBatch, custom_id: str, code: str, message: str) -> None:
+        """Write the request's error line (to the batch's error file, made on its first line)."""
+        if active.status.is_terminal:
+            return
+        if active.batch.error_file_id is None:
+            errors = self._files.register_result_file(active.id, active.errors.path, "error")
+            active.batch = attrs.evolve(active.batch, error_file_id=errors.id)
+            self._tracker.persist(active)
+        if self._write(active, active.errors, error_line(custom_id, code, message)):
+            active.failed += 1
+            active.dirty = True
+
+    def _write(self, active: ActiveBatch, writer: ResultWriter, line: bytes) -> bool:
+        """Append a result line; on a storage fault fail the batch (earlier lines stay intact)."""
+        try:
+            writer.append(line)
+        except OSError as exc:
+            self._tracker.fail(
+                active,
+                "batch_failed",
+                f"Could not write results to {writer.path}: {exc.strerror or exc}. "
+                "Lines written before this are kept.",
+            )
+            return False
+        return True

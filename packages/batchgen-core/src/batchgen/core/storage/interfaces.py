@@ -1,0 +1,120 @@
+"""What a storage implementation must provide: the metadata store, the blob store, the result writer.
+
+The service talks to storage only through these three protocols. Today's implementation is
+SQLite (``SQLiteMetadataStore``) and the local filesystem (``LocalBlobStore``, ``OutputWriter``);
+a second one (Postgres metadata and object storage, for several servers sharing the work) passes
+the same contract tests, ``tests/core/test_storage_contract.py``, and needs no change elsewhere.
+
+Calls are synchronous and short: the service makes them on its event loop, so an implementation
+over a network keeps its own connection pool and answers quickly, or the service must move the
+call to a thread.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from batchgen.core.models import Batch, FileObject
+from batchgen.core.storage.result_files import FinishedLines
+
+
+@runtime_checkable
+class MetadataStore(Protocol):
+    """Rows for files, batches and idempotency keys, durable once a call returns.
+
+    Lists are in creation order (``descending`` for newest first) and page with ``after``, the id
+    of the last object of the previous page; each returns the page and whether more follow.
+    """
+
+    def close(self) -> None:
+        """Release the store; no call may follow."""
+
+    def insert_file(self, file: FileObject) -> None:
+        """Record a new file; its id must not exist yet."""
+
+    def get_file(self, file_id: str) -> FileObject | None: ...
+
+    def delete_file(self, file_id: str) -> None:
+        """Forget a file; deleting an unknown id is harmless."""
+
+    def expired_files(self, now: int) -> list[FileObject]:
+        """Files whose ``expires_at`` is at or before ``now``, oldest first."""
+
+    def list_files(
+        self, *, after: str | None, limit: int, descending: bool, purpose: str | None
+    ) -> tuple[list[FileObject], bool]: ...
+
+    def get_idempotency_key(self, key: str) -> tuple[str, str, str] | None:
+        """The (scope, fingerprint, object id) recorded for ``key``, or None."""
+
+    def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
+        """Record a key once; recording an existing key raises."""
+
+    def insert_batch(self, batch: Batch) -> None:
+        """Record a new batch; its id must not exist yet."""
+
+    def save_batch(self, batch: Batch) -> None:
+        """Overwrite a recorded batch with this state."""
+
+    def get_batch(self, batch_id: str) -> Batch | None: ...
+
+    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        """Newest first."""
+
+    def active_batches(self) -> list[Batch]:
+        """Batches in a non-terminal status, oldest first (what a restart resumes)."""
+
+    def batches_using_file(self, file_id: str) -> list[Batch]:
+        """Batches whose input, output or error file is ``file_id``."""
+
+
+@runtime_checkable
+class ResultWriter(Protocol):
+    """Appends a batch's result lines, each whole or not at all."""
+
+    path: Path
+
+    @property
+    def opened(self) -> bool:
+        """Whether a line was written since this writer was made (only those need syncing)."""
+
+    def append(self, line: bytes) -> None:
+        """Write one complete line (ending in a newline) at once; on failure raise OSError and
+        leave every earlier line intact."""
+
+    def sync(self) -> None:
+        """Make every appended line durable (fsync); cheap when nothing is new."""
+
+    def close(self) -> None:
+        """Sync and close; appending afterwards raises ValueError; closing twice is harmless."""
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Where file contents live: uploads, result files, and uploads still being received."""
+
+    def upload_path(self, file_id: str) -> Path:
+        """Where a validated upload is kept."""
+
+    def output_path(self, batch_id: str) -> Path:
+        """A batch's output file (one line per finished request)."""
+
+    def error_path(self, batch_id: str) -> Path:
+        """A batch's separate error file."""
+
+    def new_staging_path(self) -> Path:
+        """A fresh path to receive an upload into before it is validated."""
+
+    def clear_staging(self) -> None:
+        """Remove uploads a previous run left half received."""
+
+    def remove(self, path: str | os.PathLike[str]) -> None:
+        """Delete a file's contents; a missing one is harmless."""
+
+    def open_result_writer(self, path: Path) -> ResultWriter:
+        """A writer appending to ``path`` (opened on its first line)."""
+
+    def read_finished(self, path: Path) -> FinishedLines:
+        """What the complete lines of a result file record, first cutting off a torn last line."""

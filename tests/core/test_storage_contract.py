@@ -1,0 +1,285 @@
+"""The storage contract: what every MetadataStore, BlobStore and ResultWriter must do.
+
+Each test takes a ``storage`` fixture parametrised over the implementations; today that is SQLite
+with the local filesystem. A new implementation (Postgres and object storage, say) is added to
+``IMPLEMENTATIONS`` and is done when this module passes for it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchgen.core.models import (
+    Batch,
+    BatchErrorInfo,
+    BatchParameters,
+    BatchStatus,
+    FileObject,
+    RequestCounts,
+)
+from batchgen.core.storage import (
+    BlobStore,
+    LocalBlobStore,
+    MetadataStore,
+    ResultWriter,
+    SQLiteMetadataStore,
+)
+
+
+@attrs.define
+class Storage:
+    """One implementation: how to open its stores over a folder (again, to test persistence)."""
+
+    open_metadata: Callable[[], MetadataStore]
+    open_blobs: Callable[[], BlobStore]
+
+
+def _sqlite_local(root: Path) -> Storage:
+    return Storage(
+        open_metadata=lambda: SQLiteMetadataStore(root / "metadata.sqlite3"),
+        open_blobs=lambda: LocalBlobStore(root),
+    )
+
+
+IMPLEMENTATIONS: dict[str, Callable[[Path], Storage]] = {"sqlite+local": _sqlite_local}
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    return IMPLEMENTATIONS[request.param](tmp_path)
+
+
+@pytest.fixture
+def metadata(storage: Storage) -> Iterator[MetadataStore]:
+    store = storage.open_metadata()
+    yield store
+    store.close()
+
+
+def _file(file_id: str, *, purpose: str = "batch", expires_at: int | None = None) -> FileObject:
+    return FileObject(
+        id=file_id,
+        bytes=10,
+        created_at=1000,
+        filename=f"{file_id}.jsonl",
+        purpose=purpose,
+        path=f"/data/{file_id}.jsonl",
+        line_count=3,
+        url="/v1/chat/completions",
+        expires_at=expires_at,
+    )
+
+
+def _batch(
+    batch_id: str, input_file_id: str = "file-in", status: BatchStatus = BatchStatus.VALIDATING
+) -> Batch:
+    return Batch(
+        id=batch_id,
+        endpoint="/v1/chat/completions",
+        input_file_id=input_file_id,
+        completion_window="24h",
+        status=status,
+        created_at=1000,
+        expires_at=2000,
+        model="m",
+        parameters=BatchParameters(max_decoding_length=5, temperature=0.5, top_p=0.9, top_k=4),
+        metadata={"k": "v"},
+        request_counts=RequestCounts(total=3),
+    )
+
+
+def test_implementations_satisfy_the_protocols(storage: Storage, metadata: MetadataStore) -> None:
+    blobs = storage.open_blobs()
+    assert isinstance(metadata, MetadataStore)
+    assert isinstance(blobs, BlobStore)
+    assert isinstance(blobs.open_result_writer(blobs.output_path("batch_a")), ResultWriter)
+
+
+# --- metadata: files ---------------------------------------------------------------------------
+def test_a_file_round_trips_and_survives_reopening(storage: Storage) -> None:
+    store = storage.open_metadata()
+    file = _file("file-a", expires_at=5000)
+    store.insert_file(file)
+    assert store.get_file("file-a") == file
+    store.close()
+    reopened = storage.open_metadata()
+    assert reopened.get_file("file-a") == file
+    assert reopened.get_file("file-missing") is None
+    reopened.close()
+
+
+def test_inserting_a_file_id_twice_is_refused(metadata: MetadataStore) -> None:
+    metadata.insert_file(_file("file-a"))
+    with pytest.raises(Exception):  # noqa: B017 - each implementation raises its own integrity error
+        metadata.insert_file(_file("file-a"))
+
+
+def test_deleting_a_file_forgets_it_and_unknown_ids_are_harmless(metadata: MetadataStore) -> None:
+    metadata.insert_file(_file("file-a"))
+    metadata.delete_file("file-a")
+    metadata.delete_file("file-never")
+    assert metadata.get_file("file-a") is None
+    assert metadata.list_files(after=None, limit=10, descending=True, purpose=None) == ([], False)
+
+
+def test_expired_files_are_those_due_oldest_first(metadata: MetadataStore) -> None:
+    metadata.insert_file(_file("file-late", expires_at=300))
+    metadata.insert_file(_file("file-never"))
+    metadata.insert_file(_file("file-early", expires_at=100))
+    metadata.insert_file(_file("file-now", expires_at=200))
+    assert [f.id for f in metadata.expired_files(200)] == ["file-early", "file-now"]
+    assert metadata.expired_files(99) == []
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(count=st.integers(0, 25), limit=st.integers(1, 7), descending=st.booleans())
+def test_file_pages_cover_every_file_once_in_creation_order(
+    storage: Storage, count: int, limit: int, descending: bool
+) -> None:
+    store = storage.open_metadata()
+    try:
+        prefix = f"file-{count}-{limit}-{int(descending)}-"
+        ids = [f"{prefix}{i:03d}" for i in range(count)]
+        for i, file_id in enumerate(ids):
+            store.insert_file(_file(file_id, purpose="batch" if i % 3 else "batch_output"))
+        expected = list(reversed(ids)) if descending else ids
+        seen: list[str] = []
+        after = None
+        while True:
+            page, has_more = store.list_files(after=after, limit=limit, descending=descending, purpose=None)
+            seen += [f.id for f in page if f.id.startswith(prefix)]
+            assert len(page) <= limit
+            if not has_more:
+                break
+            after = page[-1].id
+        assert seen == expected
+        outputs, _ = store.list_files(after=None, limit=1000, descending=False, purpose="batch_output")
+        assert [f.id for f in outputs if f.id.startswith(prefix)] == [
+            file_id for i, file_id in enumerate(ids) if i % 3 == 0
+        ]
+    finally:
+        for file_id in ids:
+            store.delete_file(file_id)
+        store.close()
+
+
+# --- metadata: idempotency keys ----------------------------------------------------------------
+def test_idempotency_keys_are_recorded_once(metadata: MetadataStore) -> None:
+    assert metadata.get_idempotency_key("k") is None
+    metadata.put_idempotency_key("k", "batch", "fp", "batch_a", 1000)
+    assert metadata.get_idempotency_key("k") == ("batch", "fp", "batch_a")
+    with pytest.raises(Exception):  # noqa: B017 - each implementation raises its own integrity error
+        metadata.put_idempotency_key("k", "file", "other", "file-b", 1001)
+    assert metadata.get_idempotency_key("k") == ("batch", "fp", "batch_a")
+
+
+# --- metadata: batches -------------------------------------------------------------------------
+def test_a_batch_round_trips_with_every_field(storage: Storage) -> None:
+    store = storage.open_metadata()
+    batch = _batch("batch_a")
+    store.insert_batch(batch)
+    assert store.get_batch("batch_a") == batch
+    saved = attrs.evolve(
+        batch,
+        status=BatchStatus.FAILED,
+        output_file_id="file-out",
+        error_file_id="file-err",
+        request_counts=RequestCounts(3, 1, 1),
+        error=BatchErrorInfo("batch_failed", "disk full"),
+        in_progress_at=1001,
+        failed_at=1002,
+    )
+    store.save_batch(saved)
+    store.close()
+    reopened = storage.open_metadata()
+    assert reopened.get_batch("batch_a") == saved
+    assert reopened.get_batch("batch_missing") is None
+    reopened.close()
+
+
+def test_active_batches_are_the_unfinished_ones_oldest_first(metadata: MetadataStore) -> None:
+    for i, status in enumerate(BatchStatus):
+        metadata.insert_batch(_batch(f"batch_{i}", status=status))
+    active = metadata.active_batches()
+    assert [b.status for b in active] == [s for s in BatchStatus if s.is_active]
+    assert [b.id for b in active] == sorted(b.id for b in active)
+
+
+def test_batch_pages_are_newest_first(metadata: MetadataStore) -> None:
+    ids = [f"batch_{i:02d}" for i in range(7)]
+    for batch_id in ids:
+        metadata.insert_batch(_batch(batch_id))
+    first, more = metadata.list_batches(after=None, limit=3)
+    assert ([b.id for b in first], more) == (ids[::-1][:3], True)
+    rest, more = metadata.list_batches(after=first[-1].id, limit=10)
+    assert ([b.id for b in rest], more) == (ids[::-1][3:], False)
+
+
+def test_batches_using_a_file_by_input_output_or_error(metadata: MetadataStore) -> None:
+    metadata.insert_batch(_batch("batch_in", input_file_id="file-x"))
+    metadata.insert_batch(attrs.evolve(_batch("batch_out", input_file_id="file-y"), output_file_id="file-x"))
+    metadata.insert_batch(attrs.evolve(_batch("batch_err", input_file_id="file-y"), error_file_id="file-x"))
+    metadata.insert_batch(_batch("batch_other", input_file_id="file-z"))
+    assert {b.id for b in metadata.batches_using_file("file-x")} == {"batch_in", "batch_out", "batch_err"}
+    assert metadata.batches_using_file("file-none") == []
+
+
+# --- blobs and result writers ------------------------------------------------------------------
+def test_blob_paths_are_distinct_and_staging_is_cleared(storage: Storage) -> None:
+    blobs = storage.open_blobs()
+    paths = {blobs.upload_path("file-a"), blobs.output_path("batch_a"), blobs.error_path("batch_a")}
+    assert len(paths) == 3
+    staged = [blobs.new_staging_path() for _ in range(3)]
+    assert len(set(staged)) == 3
+    for path in staged:
+        path.write_bytes(b"half an upload")
+    storage.open_blobs().clear_staging()
+    assert not any(path.exists() for path in staged)
+    blobs.remove(staged[0])  # removing what is gone is harmless
+
+
+def test_result_lines_are_appended_synced_and_read_back(storage: Storage) -> None:
+    blobs = storage.open_blobs()
+    path = blobs.output_path("batch_a")
+    writer = blobs.open_result_writer(path)
+    assert not writer.opened
+    usage = b'"usage":{"prompt_tokens":2,"completion_tokens":3}'
+    for custom_id in ("a", "b"):
+        writer.append(
+            b'{"custom_id":"%s","response":{"body":{%s}},"error":null}\n' % (custom_id.encode(), usage)
+        )
+    writer.append(b'{"custom_id":"c","response":null,"error":{"code":"x","message":"y"}}\n')
+    assert writer.opened
+    writer.sync()
+    writer.close()
+    writer.close()  # twice is harmless
+    with pytest.raises(ValueError):
+        writer.append(b'{"custom_id":"d"}\n')
+    finished = blobs.read_finished(path)
+    assert (finished.custom_ids, finished.prompt_tokens, finished.completion_tokens) == (
+        ["a", "b", "c"],
+        4,
+        6,
+    )
+
+
+def test_a_torn_last_line_is_cut_off_when_read_back(storage: Storage) -> None:
+    blobs = storage.open_blobs()
+    path = blobs.output_path("batch_torn")
+    writer = blobs.open_result_writer(path)
+    writer.append(b'{"custom_id":"whole","response":null,"error":{"code":"x","message":"y"}}\n')
+    writer.close()
+    with open(path, "ab") as stream:
+        stream.write(b'{"custom_id":"torn","resp')
+    assert blobs.read_finished(path).custom_ids == ["whole"]
+    again = blobs.open_result_writer(path)  # a resumed batch appends after the last whole line
+    again.append(b'{"custom_id":"next","response":null,"error":{"code":"x","message":"y"}}\n')
+    again.close()
+    assert blobs.read_finished(path).custom_ids == ["whole", "next"]
+    assert blobs.read_finished(blobs.output_path("batch_never")).custom_ids == []
