@@ -9,6 +9,7 @@ Blank lines are ignored by both.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -42,7 +43,7 @@ class LineIndex:
         return len(self.offsets)
 
 
-def _problem_in_request(obj: Any) -> str | None:
+def _problem_in_request(obj: Any, served_models: Collection[str] | None = None) -> str | None:
     """Return what is wrong with one decoded request line, or None when it is well formed."""
     if not isinstance(obj, dict):
         return "a line must be a JSON object"
@@ -60,6 +61,11 @@ def _problem_in_request(obj: Any) -> str | None:
     body = obj.get("body")
     if not isinstance(body, dict):
         return "'body' must be a JSON object"
+    model = body.get("model")
+    if served_models is not None and model is not None and model not in served_models:
+        return f"'body.model' {model!r} is not served here; use one of {', '.join(map(repr, served_models))}"
+    if body.get("stream") not in (None, False):
+        return "'body.stream' must be false or absent: batches do not stream (streaming_unsupported)"
     if url == CHAT_COMPLETIONS:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -72,8 +78,11 @@ def _problem_in_request(obj: Any) -> str | None:
     return None
 
 
-def validate_batch_file(path: str) -> BatchFileSummary:
-    """Check every line of the file at ``path``; raise InvalidBatchFile listing the problems."""
+def validate_batch_file(path: str, served_models: Collection[str] | None = None) -> BatchFileSummary:
+    """Check every line of the file at ``path``; raise InvalidBatchFile listing the problems.
+
+    With ``served_models``, a line's ``body.model`` must be absent or one of them.
+    """
     problems: list[LineProblem] = []
     total_problems = 0
     seen_ids: set[str] = set()
@@ -101,7 +110,7 @@ def validate_batch_file(path: str) -> BatchFileSummary:
             except msgspec.DecodeError as exc:
                 report(line_number, f"not valid JSON ({exc})")
                 continue
-            problem = _problem_in_request(obj)
+            problem = _problem_in_request(obj, served_models)
             if problem is not None:
                 report(line_number, problem)
                 continue

@@ -1,4 +1,4 @@
-"""Checks of the arguments of a new batch: completion window, metadata, batch-level parameters."""
+"""Checks of the arguments of a new batch: completion window, metadata, parameters, output expiry."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from typing import Any
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import BatchParameters
 
-_WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+_WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
 _WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_METADATA_PAIRS = 16
+MAX_OUTPUT_EXPIRY_S = 30 * 86400
 
 
 def parse_completion_window(window: str) -> int:
     """Seconds in a completion window such as ``24h``; raise InvalidRequest otherwise."""
-    match = _WINDOW.match(window) if isinstance(window, str) else None
+    match = _WINDOW.fullmatch(window) if isinstance(window, str) else None
     if match is None:
         raise InvalidRequest(
             f"completion_window must look like '24h' (a number and s, m, h or d), got {window!r}",
@@ -54,3 +55,14 @@ def check_parameters(parameters: BatchParameters) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, kind) or not valid(value):
             raise InvalidRequest(f"{name} must be {expected}, got {value!r}", param=name)
+
+
+def check_output_expiry(seconds: Any) -> None:
+    """``output_expires_after`` seconds must be a whole number from 1 to 30 days."""
+    if seconds is None:
+        return
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_OUTPUT_EXPIRY_S:
+        raise InvalidRequest(
+            f"output_expires_after seconds must be a whole number from 1 to {MAX_OUTPUT_EXPIRY_S}, got {seconds!r}",
+            param="output_expires_after",
+        )

@@ -71,7 +71,9 @@ class BatchStarter:
             return
         active.input_fd = os.open(file.path, os.O_RDONLY)
         if active.batch.output_file_id is None:
-            output = self._files.register_result_file(active.id, active.output.path, "output")
+            output = self._files.register_result_file(
+                active.id, active.output.path, "output", expires_after_s=active.batch.output_expires_after_s
+            )
             active.batch = attrs.evolve(active.batch, output_file_id=output.id)
         if active.status is BatchStatus.VALIDATING:
             self._tracker.move(active, BatchStatus.IN_PROGRESS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import anyio
@@ -47,6 +47,7 @@ class FileCatalogue:
         max_upload_bytes: int,
         file_expiry_s: int | None,
         in_use: Callable[[str], Batch | None],
+        served_models: Collection[str] | None = None,
     ) -> None:
         """``in_use(file_id)`` is a live batch that still needs the file, or None."""
         self._metadata = metadata
@@ -55,6 +56,7 @@ class FileCatalogue:
         self.max_upload_bytes = max_upload_bytes
         self._file_expiry_s = file_expiry_s
         self._in_use = in_use
+        self._served_models = served_models
 
     # --- uploads ---------------------------------------------------------------------------
     def new_upload_path(self) -> Path:
@@ -110,7 +112,9 @@ class FileCatalogue:
                 )
             line_count, url = 0, None
             if purpose == "batch":
-                summary = await anyio.to_thread.run_sync(validate_batch_file, str(staging_path))
+                summary = await anyio.to_thread.run_sync(
+                    validate_batch_file, str(staging_path), self._served_models
+                )
                 line_count, url = summary.line_count, summary.url
             file_id = new_object_id("file-")
             path = self._blobs.upload_path(file_id)
@@ -145,10 +149,16 @@ class FileCatalogue:
         return file
 
     # --- result files ----------------------------------------------------------------------
-    def register_result_file(self, batch_id: str, path: Path, kind: str) -> FileObject:
-        """Record a batch's output or error file (its lines are appended as requests finish)."""
+    def register_result_file(
+        self, batch_id: str, path: Path, kind: str, *, expires_after_s: int | None = None
+    ) -> FileObject:
+        """Record a batch's output or error file (its lines are appended as requests finish).
+
+        It expires ``expires_after_s`` after now (the batch's ``output_expires_after``), else
+        after the server's ``file_expiry_s``, else never.
+        """
         created = now()
-        lifetime = self._file_expiry_s
+        lifetime = expires_after_s or self._file_expiry_s
         file = FileObject(
             id=new_object_id("file-"),
             bytes=0,

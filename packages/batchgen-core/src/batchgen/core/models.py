@@ -138,6 +138,7 @@ class Batch:
     model: str
     parameters: BatchParameters = BatchParameters()
     metadata: dict[str, str] | None = None
+    output_expires_after_s: int | None = None  # OpenAI's output_expires_after, for its result files
     output_file_id: str | None = None
     error_file_id: str | None = None
     request_counts: RequestCounts = RequestCounts()

@@ -40,11 +40,12 @@ def recover(
             tracker.fail(active, "batch_failed", "The batch's input file is gone.")
             continue
         written = blobs.read_finished(active.output.path)
-        failed = blobs.read_finished(active.errors.path)
-        active.completed, active.failed = len(written.custom_ids), len(failed.custom_ids)
+        separate = blobs.read_finished(active.errors.path)  # failed lines under OpenAI's convention
+        active.completed = written.completed + separate.completed
+        active.failed = written.failed + separate.failed
         active.prompt_tokens = written.prompt_tokens
         active.completion_tokens = written.completion_tokens
         if batch.status is BatchStatus.FINALIZING:
             active.batch = advance(batch, BatchStatus.IN_PROGRESS, now=now())
         logger.info("resuming batch %s: %d lines already written", batch.id, active.finished)
-        spawn(starter.start, active, file, set(written.custom_ids) | set(failed.custom_ids))
+        spawn(starter.start, active, file, set(written.custom_ids) | set(separate.custom_ids))

@@ -50,7 +50,10 @@ class RequestExecutor:
         *,
         defaults: ServerDefaults,
         max_attempts: int,
+        separate_error_file: bool = False,
     ) -> None:
+        """``separate_error_file``: OpenAI's convention, failed lines in their own file."""
+        self._separate_error_file = separate_error_file
         self._tracker = tracker
         self._files = files
         self._backend = backend
@@ -140,14 +143,23 @@ class RequestExecutor:
             active.dirty = True
 
     def record_error(self, active: ActiveBatch, custom_id: str, code: str, message: str) -> None:
-        """Write the request's error line (to the batch's error file, made on its first line)."""
+        """Write the request's error line: in the output file, as the user guide has it, or in
+        a separate error file (made on its first line) under OpenAI's convention."""
         if active.status.is_terminal:
             return
-        if active.batch.error_file_id is None:
-            errors = self._files.register_result_file(active.id, active.errors.path, "error")
-            active.batch = attrs.evolve(active.batch, error_file_id=errors.id)
-            self._tracker.persist(active)
-        if self._write(active, active.errors, error_line(custom_id, code, message)):
+        writer = active.output
+        if self._separate_error_file:
+            writer = active.errors
+            if active.batch.error_file_id is None:
+                errors = self._files.register_result_file(
+                    active.id,
+                    active.errors.path,
+                    "error",
+                    expires_after_s=active.batch.output_expires_after_s,
+                )
+                active.batch = attrs.evolve(active.batch, error_file_id=errors.id)
+                self._tracker.persist(active)
+        if self._write(active, writer, error_line(custom_id, code, message)):
             active.failed += 1
             active.dirty = True
 

@@ -33,10 +33,15 @@ import anyio.abc
 import attrs
 
 from batchgen.core.backends.base import Backend
-from batchgen.core.batch_options import check_metadata, check_parameters, parse_completion_window
+from batchgen.core.batch_options import (
+    check_metadata,
+    check_output_expiry,
+    check_parameters,
+    parse_completion_window,
+)
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
-from batchgen.core.errors import Conflict, IntakeFull, InvalidRequest, NotFound
+from batchgen.core.errors import Conflict, IntakeFull, InvalidRequest, NotFound, ServiceUnavailable
 from batchgen.core.file_catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
@@ -61,6 +66,10 @@ __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_comple
 
 logger = logging.getLogger("batchgen.service")
 
+ERROR_FILE_MODES = ("output", "openai")
+#: What a request's ``model`` field may say to mean the server's own model.
+DEFAULT_MODEL_ALIAS = "default"
+
 
 @attrs.frozen
 class ServiceSettings:
@@ -77,6 +86,14 @@ class ServiceSettings:
     shutdown_grace_s: float = 10.0
     file_expiry_s: int | None = None
     maintenance_interval_s: float = 0.5
+    #: "output": failed requests' lines go to the output file and a batch that runs out of its
+    #: completion window ends ``failed`` (the user guide); "openai": failed lines go to a separate
+    #: error file and such a batch ends ``expired`` (OpenAI's Batch API).
+    error_file: str = attrs.field(default="output", validator=attrs.validators.in_(ERROR_FILE_MODES))
+    #: More names the model answers to in a request's ``model`` field, besides its own name.
+    served_model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: ``Retry-After`` seconds sent with a 503 while the service is unhealthy.
+    unhealthy_retry_after_s: int = 5
 
 
 class _Parts:
@@ -100,6 +117,7 @@ class _Parts:
             max_upload_bytes=settings.max_upload_bytes,
             file_expiry_s=settings.file_expiry_s,
             in_use=service._live_user_of_file,
+            served_models=service.accepted_model_names(),
         )
         self.starter = BatchStarter(self.tracker, self.files, service.intake_pool, service.scheduler.notify)
         self.executor = RequestExecutor(
@@ -108,6 +126,7 @@ class _Parts:
             service.backend,
             defaults=ServerDefaults(max_tokens=settings.default_max_tokens),
             max_attempts=settings.max_request_attempts,
+            separate_error_file=settings.error_file == "openai",
         )
 
 
@@ -275,20 +294,31 @@ class BatchService:
         completion_window: str = "24h",
         metadata: dict[str, str] | None = None,
         parameters: BatchParameters | None = None,
+        output_expires_after_s: int | None = None,
         idempotency_key: str | None = None,
     ) -> Batch:
         """Accept a batch over an uploaded ``batch`` file; it starts in the background.
 
-        With ``idempotency_key``, a repeat of the same call returns the batch the first call
-        created, and the same key with different arguments raises Conflict.
+        ``output_expires_after_s`` deletes the batch's output and error files that long after
+        each is created. With ``idempotency_key``, a repeat of the same call returns the batch the
+        first call created, and the same key with different arguments raises Conflict. While the
+        service is unhealthy, a new batch is refused with ServiceUnavailable.
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
-        call = fingerprint(input_file_id, endpoint, completion_window, metadata, parameters.to_dict())
+        call = fingerprint(
+            input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
+        )
         if idempotency_key is not None:
             earlier = parts.ledger.replay(idempotency_key, "batch", call)
             if earlier is not None:
                 return await self.get_batch(earlier)
+        health = self.health()
+        if not health.healthy:
+            raise ServiceUnavailable(
+                f"The server is unhealthy and accepts no new batch until it recovers: {health.reason}",
+                retry_after_s=self.settings.unhealthy_retry_after_s,
+            )
         if endpoint not in SUPPORTED_ENDPOINTS:
             raise InvalidRequest(
                 f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {endpoint!r}",
@@ -297,6 +327,7 @@ class BatchService:
         window_s = parse_completion_window(completion_window)
         metadata = check_metadata(metadata)
         check_parameters(parameters)
+        check_output_expiry(output_expires_after_s)
         file = self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
         if file is None:
             raise InvalidRequest(f"No file with id '{input_file_id}'.", param="input_file_id")
@@ -336,6 +367,7 @@ class BatchService:
             model=self.backend.model_name,
             parameters=parameters,
             metadata=metadata,
+            output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
         )
         self.metadata.insert_batch(batch)
@@ -384,15 +416,32 @@ class BatchService:
             await anyio.sleep(poll_interval)
 
     def expire_due(self) -> None:
-        """End batches past their completion window as ``expired``, and delete expired files."""
+        """End batches past their completion window, and delete files past their expiry.
+
+        Such a batch ends ``failed`` with ``batch_failed`` saying it timed out (the user guide), or
+        ``expired`` under OpenAI's convention; either way the lines written so far stay.
+        """
         parts = self.parts
         moment = now()
         for active in parts.tracker:
-            if active.batch.expires_at <= moment and active.status in (
+            if active.batch.expires_at > moment or active.status not in (
                 BatchStatus.VALIDATING,
                 BatchStatus.IN_PROGRESS,
             ):
+                continue
+            if self.settings.error_file == "openai":
                 parts.tracker.expire(active)
+            else:
+                batch = active.batch
+                parts.tracker.fail(
+                    active,
+                    "batch_failed",
+                    f"The batch timed out: it did not finish within its completion window of "
+                    f"{batch.completion_window} ({batch.expires_at - batch.created_at} s). "
+                    f"{active.finished} of {batch.request_counts.total} requests finished "
+                    f"({active.completed} completed, {active.failed} failed); their lines are kept "
+                    "in the output file.",
+                )
         parts.files.delete_expired()
 
     # --- monitoring -----------------------------------------------------------------------
@@ -415,14 +464,23 @@ class BatchService:
             return Health(False, f"background job failing: {problems}")
         return self.backend.health()
 
+    def accepted_model_names(self) -> tuple[str, ...]:
+        """What a request's ``model`` field may name: the model, its served names, and "default"."""
+        names = (self.backend.model_name, *self.settings.served_model_names, DEFAULT_MODEL_ALIAS)
+        return tuple(dict.fromkeys(names))
+
     def models(self) -> list[dict[str, Any]]:
+        """The model under each name it answers to (its own name first)."""
+        names = dict.fromkeys((self.backend.model_name, *self.settings.served_model_names))
         return [
             {
-                "id": self.backend.model_name,
+                "id": name,
                 "object": "model",
                 "created": self._started_at,
                 "owned_by": "batchgen",
+                "root": self.backend.model_name,
             }
+            for name in names
         ]
 
 

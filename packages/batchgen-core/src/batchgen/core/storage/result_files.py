@@ -81,6 +81,11 @@ class FinishedLines:
     custom_ids: list[str]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    failed: int = 0  # lines with an error instead of a response
+
+    @property
+    def completed(self) -> int:
+        return len(self.custom_ids) - self.failed
 
 
 def read_finished_lines(path: Path) -> FinishedLines:
@@ -93,7 +98,7 @@ def read_finished_lines(path: Path) -> FinishedLines:
         if end != len(data):
             stream.truncate(end)
     custom_ids: list[str] = []
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = failed = 0
     for raw in data[:end].splitlines():
         if not raw.strip():
             continue
@@ -104,4 +109,6 @@ def read_finished_lines(path: Path) -> FinishedLines:
             usage = response["body"].get("usage") or {}
             prompt_tokens += usage.get("prompt_tokens", 0)
             completion_tokens += usage.get("completion_tokens", 0)
-    return FinishedLines(custom_ids, prompt_tokens, completion_tokens)
+        else:
+            failed += 1
+    return FinishedLines(custom_ids, prompt_tokens, completion_tokens, failed)

@@ -53,6 +53,7 @@ _BATCH_COLUMNS = {
     "top_p": float,
     "top_k": int,
     "metadata": str,
+    "output_expires_after_s": int,
     "output_file_id": str,
     "error_file_id": str,
     "total": int,
@@ -89,6 +90,7 @@ def _batch_to_row(batch: Batch) -> dict[str, Any]:
         "top_p": batch.parameters.top_p,
         "top_k": batch.parameters.top_k,
         "metadata": None if batch.metadata is None else json.dumps(batch.metadata),
+        "output_expires_after_s": batch.output_expires_after_s,
         "output_file_id": batch.output_file_id,
         "error_file_id": batch.error_file_id,
         "total": batch.request_counts.total,
@@ -128,6 +130,7 @@ def _batch_from_row(row: dict[str, Any]) -> Batch:
             top_k=row["top_k"],
         ),
         metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
+        output_expires_after_s=row.get("output_expires_after_s"),
         output_file_id=row["output_file_id"],
         error_file_id=row["error_file_id"],
         request_counts=RequestCounts(row["total"], row["completed"], row["failed"]),
@@ -180,6 +183,9 @@ class SQLiteMetadataStore:
             self._batches.create_index(["seq"], unique=True)
             self._batches.create_index(["status"])
             self._batches.create_index(["input_file_id"])
+        missing = set(_BATCH_COLUMNS) - set(self._batches.columns_dict)
+        for column in sorted(missing):  # a database made by an older version
+            self._batches.add_column(column, _BATCH_COLUMNS[column])
 
     def close(self) -> None:
         self._db.close()

@@ -12,18 +12,29 @@ from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
 from batchgen.server.pagination import list_page
 
-_ALLOWED_FIELDS = frozenset(
-    {
-        "input_file_id",
-        "endpoint",
-        "completion_window",
-        "metadata",
-        "max_decoding_length",
-        "temperature",
-        "top_p",
-        "top_k",
-    }
-)
+#: What OpenAI's create call takes (every field the ``openai`` SDK sends), then BatchGen's
+#: batch-level sampling defaults. Anything else is refused by name.
+_OPENAI_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after")
+_BATCHGEN_FIELDS = ("max_decoding_length", "temperature", "top_p", "top_k")
+_ALLOWED_FIELDS = frozenset(_OPENAI_FIELDS + _BATCHGEN_FIELDS)
+
+
+def _output_expiry_seconds(value: Any) -> int | None:
+    """Seconds from OpenAI's ``output_expires_after: {"anchor": "created_at", "seconds": N}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"anchor", "seconds"}:
+        raise InvalidRequest(
+            'output_expires_after must be {"anchor": "created_at", "seconds": N}', param="output_expires_after"
+        )
+    if value.get("anchor") != "created_at":
+        raise InvalidRequest("output_expires_after.anchor must be 'created_at'", param="output_expires_after")
+    seconds = value.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        raise InvalidRequest(
+            "output_expires_after.seconds must be a whole number of seconds", param="output_expires_after"
+        )
+    return seconds
 
 
 def _parse_create_body(raw: bytes) -> dict[str, Any]:
@@ -59,6 +70,7 @@ class BatchesController(Controller):
                 top_p=body.get("top_p"),
                 top_k=body.get("top_k"),
             ),
+            output_expires_after_s=_output_expiry_seconds(body.get("output_expires_after")),
             idempotency_key=request.headers.get("idempotency-key"),
         )
         return batch.to_dict()
