@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,10 @@ def convert_gguf_once(gguf: Path, target: Path) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.warning(
-        "converting %s to a safetensors cache at %s (once; this takes about a minute)", gguf, target
+    logger.info(
+        "converting %s to a safetensors cache at %s (done once; about 20-30 s on two CPU cores)", gguf, target
     )
+    started = time.monotonic()
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -77,4 +79,5 @@ def convert_gguf_once(gguf: Path, target: Path) -> Path:
     (partial / _MARKER).write_text(f"converted from {gguf}\n")
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)
+    logger.info("converted %s in %.1f s; later starts load the cache", gguf.name, time.monotonic() - started)
     return target

@@ -25,7 +25,8 @@ def _output_expiry_seconds(value: Any) -> int | None:
         return None
     if not isinstance(value, dict) or set(value) - {"anchor", "seconds"}:
         raise InvalidRequest(
-            'output_expires_after must be {"anchor": "created_at", "seconds": N}', param="output_expires_after"
+            'output_expires_after must be {"anchor": "created_at", "seconds": N}',
+            param="output_expires_after",
         )
     if value.get("anchor") != "created_at":
         raise InvalidRequest("output_expires_after.anchor must be 'created_at'", param="output_expires_after")
