@@ -125,6 +125,7 @@ def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) ->
     assert result.returncode == EXIT_BATCH_FAILED, result.stderr
     assert json.loads(result.stdout)["status"] == "failed"
     assert "ended failed: capacity_exceeded" in result.stderr
+    assert result.stderr.count("capacity_exceeded") == 1  # errors.data and error: said once
 
 
 # --- status, list, pool, download, cancel ----------------------------------------------------------

@@ -820,6 +820,20 @@ def test_wait_for_batch_can_raise_on_failure(
     assert str(info.value) == "batch batch_1 ended failed: capacity_exceeded: intake pool full"
 
 
+def test_batch_failed_says_the_servers_failure_once() -> None:
+    """The server reports a failure both in OpenAI's `errors.data` and in its own `error`."""
+    error = {"code": "batch_failed", "message": "The input file is gone."}
+    batch = {
+        "id": "batch_1",
+        "status": "failed",
+        "errors": {"object": "list", "data": [error | {"param": None, "line": None}]},
+        "error": error,
+    }
+    assert str(BatchFailed(batch)) == "batch batch_1 ended failed: batch_failed: The input file is gone."
+    batch["error"] = {"code": "other", "message": "a second failure"}
+    assert str(BatchFailed(batch)).endswith(": The input file is gone.; other: a second failure")
+
+
 def test_wait_for_batch_raise_on_failure_returns_completed(
     client_for: Callable[..., BatchGenHttpClient],
 ) -> None:
