@@ -8,13 +8,15 @@ in-memory fakes of the REST API for submit_batch and follow_results.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import io
 import json
 import logging
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import batchgen
 import batchgen.batchgen_client
 import batchgen.client
 from batchgen.client import (
+    TERMINAL_STATUSES,
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
@@ -36,6 +39,7 @@ from batchgen.client import (
     BatchWaitTimeout,
     RetriesExhausted,
 )
+from batchgen.core.models import BatchStatus
 from tests.client.faces import BASE, FACES, Face, MakeClient, Sleeps, client_maker
 from tests.client.scripted_api import (
     FULL,
@@ -98,6 +102,67 @@ def test_public_api_is_pinned() -> None:
     )
     for name in batchgen.client.__all__:
         assert hasattr(batchgen.client, name)
+
+
+API_SIGNATURES = {
+    "upload_file": "(self, path, purpose='batch', *, idempotency_key=None)",
+    "list_files": "(self, after=None, limit=None, order=None, purpose=None)",
+    "get_file": "(self, file_id)",
+    "delete_file": "(self, file_id)",
+    "download_file_content": "(self, file_id)",
+    "download_file_to": "(self, file_id, path)",
+    "create_batch": "(self, input_file_id, endpoint='/v1/chat/completions', completion_window='24h', "
+    "metadata=None, max_decoding_length=None, temperature=None, top_p=None, top_k=None, *, "
+    "idempotency_key=None)",
+    "get_batch": "(self, batch_id)",
+    "list_batches": "(self, after=None, limit=None)",
+    "cancel_batch": "(self, batch_id)",
+    "wait_for_batch": "(self, batch_id, poll_interval=10.0, timeout=None, *, raise_on_failure=False, "
+    "progress=None, on_progress=None)",
+    "follow_results": "(self, batch_id, *, poll_interval=2.0, errors=False)",
+    "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=10.0, "
+    "timeout=None, completion_window='24h', metadata=None, max_decoding_length=None, temperature=None, "
+    "top_p=None, top_k=None, error_file_path=None, raise_on_failure=False, progress=None, "
+    "on_progress=None)",
+    "pool_status": "(self)",
+    "health": "(self)",
+    "list_models": "(self)",
+}
+"""Every API method of both faces: the parameters as docs/client.md lists them (annotations aside)."""
+
+
+def public_methods(cls: type) -> set[str]:
+    return {name for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+
+
+def bare(signature: inspect.Signature) -> str:
+    """The signature without annotations: names, kinds and defaults."""
+    parameters = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=signature.empty))
+
+
+def test_both_faces_have_the_pinned_methods_and_parameters() -> None:
+    assert public_methods(BatchGenHttpClient) == set(API_SIGNATURES) | {"close"}
+    assert public_methods(AsyncBatchGenClient) == set(API_SIGNATURES) | {"aclose"}
+    for name, expected in API_SIGNATURES.items():
+        sync = inspect.signature(getattr(BatchGenHttpClient, name))
+        async_ = inspect.signature(getattr(AsyncBatchGenClient, name))
+        assert bare(sync) == expected, name
+        assert sync.parameters == async_.parameters, name  # annotations too
+
+
+def test_the_async_face_awaits_and_the_sync_face_does_not() -> None:
+    for name in set(API_SIGNATURES) - {"follow_results"}:
+        assert inspect.iscoroutinefunction(getattr(AsyncBatchGenClient, name)), name
+        assert not inspect.iscoroutinefunction(getattr(BatchGenHttpClient, name)), name
+    with BatchGenHttpClient(BASE) as client:
+        assert isinstance(client.follow_results("batch_1"), Iterator)
+
+    async def follow() -> object:
+        async with AsyncBatchGenClient(BASE) as client:
+            return client.follow_results("batch_1")
+
+    assert isinstance(asyncio.run(follow()), AsyncIterator)
 
 
 def test_guide_import_path_and_namespace_package() -> None:
@@ -313,6 +378,34 @@ def test_retry_after_on_a_503_then_backoff(client_for: MakeClient, sleeps: Sleep
     script = Script((503, UNAVAILABLE, {"Retry-After": "9"}), (503, UNAVAILABLE), (200, {}))
     assert client_for(script).list_models() == {}
     assert sleeps == [9, 2]
+
+
+def test_503_on_upload_and_create_waits_what_retry_after_says(
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path
+) -> None:
+    """A server too busy to take a file or a batch answers 503 with Retry-After: the client waits
+    exactly that long and sends the same request again (the whole file, the same key)."""
+    server = FakeServer()
+    refusals = {"/v1/files": ["7"], "/v1/batches": ["3", "0.5"]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        waits = refusals.get(request.url.path, []) if request.method == "POST" else []
+        if waits:
+            server.requests.append(request)
+            return httpx.Response(503, json=UNAVAILABLE, headers={"Retry-After": waits.pop(0)})
+        return server(request)
+
+    path = requests_file(tmp_path)
+    batch = client_for(handler).submit_batch(path, tmp_path / "out.jsonl", poll_interval=1)
+    assert batch["status"] == "completed"
+    assert sleeps == [7, 3, 0.5, 1, 1]  # the three Retry-Afters, then the two polls
+    assert list(server.files) == ["file-1", "file-2"] and list(server.batches) == ["batch_1"]
+    for route, attempts in (("/v1/files", 2), ("/v1/batches", 3)):
+        sent = [r for r in server.requests if r.method == "POST" and r.url.path == route]
+        assert len(sent) == attempts
+        assert len({r.headers["idempotency-key"] for r in sent}) == 1
+    uploads = [r for r in server.requests if r.url.path == "/v1/files"]
+    assert all(multipart_fields(r)["file"] == ("input.jsonl", path.read_bytes()) for r in uploads)
 
 
 def test_retry_after_http_date_replaces_backoff(client_for: MakeClient, sleeps: Sleeps) -> None:
@@ -593,6 +686,56 @@ def test_wait_for_batch_polls_until_completed(client_for: MakeClient, sleeps: Sl
 def test_wait_for_batch_returns_a_failed_batch_by_default(client_for: MakeClient, status: str) -> None:
     batch = client_for(batch_script("in_progress", status)).wait_for_batch("batch_1", 1.0)
     assert batch["status"] == status
+
+
+SERVER_TERMINAL = sorted(status.value for status in BatchStatus if status.is_terminal)
+NOT_TERMINAL = [status.value for status in BatchStatus if not status.is_terminal]
+GONE = (404, error_body("No such batch", "not_found"))
+"""What the scripts answer once a batch has ended: a client that polls on past the end fails."""
+
+
+def test_terminal_statuses_are_the_servers() -> None:
+    assert frozenset(SERVER_TERMINAL) == TERMINAL_STATUSES
+    assert NOT_TERMINAL == ["validating", "in_progress", "finalizing", "cancelling"]
+
+
+def polled_until(server: FakeServer, polls: int) -> Callable[[httpx.Request], httpx.Response]:
+    """`server`, except that batch_1 is gone after `polls` polls."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches/batch_1" and server.polls.get("batch_1", 0) >= polls:
+            return httpx.Response(GONE[0], json=GONE[1])
+        return server(request)
+
+    return handler
+
+
+@pytest.mark.parametrize("status", SERVER_TERMINAL)
+def test_every_terminal_status_ends_a_wait(
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path, status: str
+) -> None:
+    """wait_for_batch, follow_results and submit_batch poll through every other status and stop
+    at the first terminal one; raise_on_failure raises for all but completed."""
+    script = Script(*[(200, {"id": "batch_1", "status": s}) for s in (*NOT_TERMINAL, status)], GONE)
+    assert client_for(script).wait_for_batch("batch_1", poll_interval=1)["status"] == status
+    assert len(script.requests) == 5 and sleeps == [1] * 4
+    script.requests.clear()
+    assert list(client_for(script).follow_results("batch_1", poll_interval=1)) == []
+    assert len(script.requests) == 5
+
+    lifecycle = (*NOT_TERMINAL, status)
+    server = FakeServer(lifecycle)
+    output = tmp_path / "out.jsonl"
+    batch = client_for(polled_until(server, 5)).submit_batch(requests_file(tmp_path), output, poll_interval=1)
+    assert batch["status"] == status and server.polls == {"batch_1": 5}
+    server = FakeServer(lifecycle)
+    submit = client_for(polled_until(server, 5)).submit_batch
+    if status == "completed":
+        assert submit(requests_file(tmp_path), poll_interval=1, raise_on_failure=True)["status"] == status
+    else:
+        with pytest.raises(BatchFailed) as info:
+            submit(requests_file(tmp_path), poll_interval=1, raise_on_failure=True)
+        assert info.value.status == status
 
 
 def test_wait_for_batch_can_raise_on_failure(
