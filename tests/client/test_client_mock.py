@@ -17,6 +17,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from batchgen.client import (
     BatchWaitTimeout,
     RetriesExhausted,
 )
+from batchgen.client._options import BatchOptions
 from batchgen.core.models import BatchStatus
 from tests.client.faces import BASE, FACES, Face, MakeClient, Sleeps, client_maker
 from tests.client.scripted_api import (
@@ -149,6 +151,23 @@ def test_both_faces_have_the_pinned_methods_and_parameters() -> None:
         async_ = inspect.signature(getattr(AsyncBatchGenClient, name))
         assert bare(sync) == expected, name
         assert sync.parameters == async_.parameters, name  # annotations too
+
+
+def test_create_and_submit_take_the_batch_options() -> None:
+    """`create_batch` (after the input file and endpoint) and `submit_batch` (by keyword) take
+    the fields of `BatchOptions`, in its order, with its defaults and types."""
+    options = fields(BatchOptions)
+    for cls in (BatchGenHttpClient, AsyncBatchGenClient):
+        create = inspect.signature(cls.create_batch).parameters
+        submit = inspect.signature(cls.submit_batch).parameters
+        names = [option.name for option in options]
+        assert list(create) == ["self", "input_file_id", "endpoint", *names, "idempotency_key"]
+        assert [name for name in submit if name in create] == ["self", "endpoint", *names]
+        for option in options:
+            for parameters in (create, submit):
+                parameter = parameters[option.name]
+                assert (parameter.default, parameter.annotation) == (option.default, option.type)
+            assert submit[option.name].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_the_async_face_awaits_and_the_sync_face_does_not() -> None:
