@@ -151,6 +151,7 @@ def test_both_faces_have_the_pinned_methods_and_parameters() -> None:
         async_ = inspect.signature(getattr(AsyncBatchGenClient, name))
         assert bare(sync) == expected, name
         assert sync.parameters == async_.parameters, name  # annotations too
+        assert getattr(BatchGenHttpClient, name).__doc__ == getattr(AsyncBatchGenClient, name).__doc__
 
 
 def test_create_and_submit_take_the_batch_options() -> None:

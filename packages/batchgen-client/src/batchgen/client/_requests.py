@@ -315,29 +315,3 @@ def _error_message(body: object) -> str:
     if isinstance(body, str):
         return body[:500]
     return ""
-
-
-# --- submit_batch -------------------------------------------------------------------------------
-
-
-def object_id(obj: Mapping[str, Any], kind: str) -> str:
-    """The `id` of a file or batch object the server returned."""
-    value = obj.get("id")
-    if not isinstance(value, str) or not value:
-        raise BatchGenClientError(f"the server returned a {kind} object without an id: {obj!r}")
-    return value
-
-
-def result_downloads(
-    batch: Mapping[str, Any],
-    output_file_path: StrPath | None,
-    error_file_path: StrPath | None,
-) -> list[tuple[str, StrPath]]:
-    """(file id, local path) for each result file that was asked for and that the batch names."""
-    wanted = [("output_file_id", output_file_path), ("error_file_id", error_file_path)]
-    downloads: list[tuple[str, StrPath]] = []
-    for key, path in wanted:
-        file_id = batch.get(key)
-        if path is not None and isinstance(file_id, str) and file_id:
-            downloads.append((file_id, path))
-    return downloads

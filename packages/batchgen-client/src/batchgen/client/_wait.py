@@ -1,11 +1,12 @@
 """The decisions of `wait_for_batch`'s polling loop, shared by both clients, which only get and sleep:
 
-with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
-    batch = get_batch(batch_id)
-    while (delay := wait.next_delay(batch)) is not None:
+with wait_for_batch(batch_id, ...) as wait:        # a Wait
+    while True:
+        batch = call(wait.poll())
+        on_progress(batch)                         # if wait.on_progress
+        if (delay := wait.next_delay(batch)) is None:
+            return wait.finish(batch)
         sleep(delay)
-        batch = get_batch(batch_id)
-return finish_wait(batch, raise_on_failure=raise_on_failure)
 """
 
 from __future__ import annotations
@@ -15,11 +16,24 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
+from batchgen.client import _requests as req
 from batchgen.client._exceptions import BatchFailed, BatchWaitTimeout
 from batchgen.client._progress import progress_for
-from batchgen.client._requests import FAILED_STATUSES, TERMINAL_STATUSES, JSONObject
+from batchgen.client._requests import FAILED_STATUSES, TERMINAL_STATUSES, JSONObject, RequestSpec
 
-__all__ = ["Wait", "check_poll_interval", "finish_wait", "is_terminal", "poll_delay"]
+__all__ = [
+    "ProgressCallback",
+    "Wait",
+    "check_poll_interval",
+    "finish_wait",
+    "is_terminal",
+    "poll_delay",
+    "wait_for_batch",
+]
+
+ProgressCallback = Callable[[JSONObject], object]
+"""`on_progress`: called with the batch object after each poll (the async client awaits a
+coroutine function's result)."""
 
 
 def is_terminal(batch: Mapping[str, Any]) -> bool:
@@ -48,8 +62,36 @@ def poll_delay(poll_interval: float, deadline: float | None, now: float) -> floa
     return min(poll_interval, remaining)
 
 
+def wait_for_batch(
+    batch_id: str,
+    poll_interval: float = 10.0,
+    timeout: float | None = None,
+    *,
+    raise_on_failure: bool = False,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Wait:
+    """Poll until the batch is completed, failed, expired or cancelled, and return it.
+
+    With `raise_on_failure`, an ending other than completed raises `BatchFailed`. If `timeout`
+    seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running). `progress`
+    draws a progress line on stderr (None: only if stderr is a terminal); `on_progress` is
+    called with the batch after every poll (by the async client, awaited if it returns an
+    awaitable).
+    """
+    return Wait(
+        batch_id,
+        poll_interval,
+        timeout,
+        progress=progress,
+        raise_on_failure=raise_on_failure,
+        on_progress=on_progress,
+    )
+
+
 class Wait:
-    """One wait for a batch: its deadline and its progress display (see `progress_for`).
+    """One wait for a batch: its deadline, its progress display (see `progress_for`) and
+    `on_progress`, and what ends it.
 
     Use it as a context manager so that the progress line is ended however the wait ends.
     """
@@ -61,15 +103,23 @@ class Wait:
         timeout: float | None,
         *,
         progress: bool | None,
+        raise_on_failure: bool = False,
+        on_progress: ProgressCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_poll_interval(poll_interval)
         self.batch_id = batch_id
         self.poll_interval = poll_interval
         self.timeout = timeout
+        self.raise_on_failure = raise_on_failure
+        self.on_progress = on_progress
         self._clock = clock
         self._deadline = None if timeout is None else clock() + timeout
         self._progress = progress_for(progress, clock=clock)
+
+    def poll(self) -> RequestSpec:
+        """The request for the batch's current state."""
+        return req.get_batch(self.batch_id)
 
     def next_delay(self, batch: JSONObject) -> float | None:
         """Show the polled batch; None once it has ended, else the seconds until the next poll.
@@ -84,6 +134,10 @@ class Wait:
         if delay is None:
             raise BatchWaitTimeout(self.batch_id, self.timeout or 0.0, batch)
         return delay
+
+    def finish(self, batch: JSONObject) -> JSONObject:
+        """The batch the wait returns once it has ended (see `finish_wait`)."""
+        return finish_wait(batch, raise_on_failure=self.raise_on_failure)
 
     def close(self) -> None:
         if self._progress is not None:
