@@ -135,7 +135,7 @@ def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) ->
 def test_submit_of_a_batch_that_expires_exits_1(server: LiveServer, tmp_path: Path) -> None:
     path = requests_file(tmp_path / "input.jsonl", 200)  # about 4 s of work, given 1 s
     out = str(tmp_path / "out.jsonl")
-    args = ("--completion-window", "1s", "--poll-interval", "0.1", "--base-url", server.base_url)
+    args = ("--completion-window", "1s", "--base-url", server.base_url)  # polls after 1, 2.5, 4.75 s
     result = batchgen("submit", str(path), "-o", out, *args)
     assert result.returncode == EXIT_BATCH_FAILED, result.stderr
     batch = json.loads(result.stdout)
@@ -214,6 +214,15 @@ def test_tail_prints_every_line_of_a_running_batch(
     outputs_only = batchgen("tail", batch["id"], "--base-url", server.base_url)  # ended: prints, exits
     assert outputs_only.returncode == EXIT_OK
     assert len(outputs_only.stdout.splitlines()) == 97
+
+
+def test_submit_polls_adaptively_unless_told_an_interval() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["submit", "in.jsonl", "-o", "out.jsonl"]).poll_interval is None
+    given = parser.parse_args(["submit", "in.jsonl", "-o", "out.jsonl", "--poll-interval", "2"])
+    assert given.poll_interval == 2.0
+    help_text = " ".join(batchgen("submit", "--help").stdout.split())
+    assert "seconds between polls (default: 1 s, then 1.5 times the wait before, up to 5 s)" in help_text
 
 
 def test_submit_has_a_flag_for_every_batch_option() -> None:

@@ -119,10 +119,10 @@ API_SIGNATURES = {
     "get_batch": "(self, batch_id)",
     "list_batches": "(self, after=None, limit=None)",
     "cancel_batch": "(self, batch_id)",
-    "wait_for_batch": "(self, batch_id, poll_interval=10.0, timeout=None, *, raise_on_failure=False, "
+    "wait_for_batch": "(self, batch_id, poll_interval=None, timeout=None, *, raise_on_failure=False, "
     "progress=None, on_progress=None)",
     "follow_results": "(self, batch_id, *, poll_interval=2.0, errors=False)",
-    "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=10.0, "
+    "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=None, "
     "timeout=None, completion_window='24h', metadata=None, max_decoding_length=None, temperature=None, "
     "top_p=None, top_k=None, error_file_path=None, raise_on_failure=False, progress=None, "
     "on_progress=None)",
@@ -799,6 +799,21 @@ def test_wait_for_batch_times_out(client_for: MakeClient, sleeps: Sleeps) -> Non
     assert info.value.batch == {"id": "batch_1", "status": "in_progress"}
     assert len(script.requests) == 1
     assert sleeps == []
+
+
+def test_polls_start_at_one_second_and_grow_to_five_by_default(
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path
+) -> None:
+    """Without poll_interval, a short batch is seen ending soon after it does, and a long one is
+    asked about every 5 s; the docstring says so."""
+    script = batch_script(*["in_progress"] * 7, "completed")
+    assert client_for(script).wait_for_batch("batch_1")["status"] == "completed"
+    assert sleeps == [1, 1.5, 2.25, 3.375, 5, 5, 5]
+    sleeps.clear()
+    client_for(FakeServer()).submit_batch(requests_file(tmp_path), tmp_path / "out.jsonl")
+    assert sleeps == [1, 1.5]
+    doc = BatchGenHttpClient.wait_for_batch.__doc__ or ""
+    assert "(None) the first wait is 1 s, then\n    each is 1.5 times the one before, up to 5 s" in doc
 
 
 def test_wait_for_batch_never_sleeps_past_its_timeout(client_for: MakeClient, sleeps: Sleeps) -> None:

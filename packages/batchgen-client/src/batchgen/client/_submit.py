@@ -31,7 +31,7 @@ def submit_batch(
     output_file_path: StrPath | None = None,
     endpoint: str | None = None,
     *,
-    poll_interval: float = 10.0,
+    poll_interval: float | None = None,
     timeout: float | None = None,
     completion_window: str = DEFAULT_COMPLETION_WINDOW,
     metadata: Mapping[str, str] | None = None,
@@ -48,8 +48,8 @@ def submit_batch(
 
     `endpoint` None means the `url` of the file's first request. The output (and, if
     `error_file_path` is given, the error file) is downloaded whenever the final batch names
-    one — a failed or cancelled batch may carry partial results. `progress` and `on_progress`
-    are `wait_for_batch`'s.
+    one — a failed or cancelled batch may carry partial results. `poll_interval`, `progress`
+    and `on_progress` are `wait_for_batch`'s.
     """
     check_poll_interval(poll_interval)
     return Submission(
@@ -73,7 +73,7 @@ class Submission:
     input_file_path: Path
     endpoint: str
     options: BatchOptions
-    poll_interval: float
+    poll_interval: float | None
     timeout: float | None
     progress: bool | None
     on_progress: ProgressCallback | None

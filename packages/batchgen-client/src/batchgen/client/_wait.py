@@ -22,8 +22,10 @@ from batchgen.client._progress import progress_for
 from batchgen.client._requests import FAILED_STATUSES, TERMINAL_STATUSES, JSONObject, RequestSpec
 
 __all__ = [
+    "ADAPTIVE_POLLING",
     "ProgressCallback",
     "Wait",
+    "adaptive_interval",
     "check_poll_interval",
     "finish_wait",
     "is_terminal",
@@ -47,8 +49,26 @@ def finish_wait(batch: JSONObject, *, raise_on_failure: bool) -> JSONObject:
     return batch
 
 
-def check_poll_interval(poll_interval: float) -> None:
-    if poll_interval < 0:
+FIRST_POLL_INTERVAL = 1.0
+POLL_INTERVAL_GROWTH = 1.5
+MAX_POLL_INTERVAL = 5.0
+ADAPTIVE_POLLING = (
+    f"{FIRST_POLL_INTERVAL:g} s, then {POLL_INTERVAL_GROWTH:g} times the wait before, "
+    f"up to {MAX_POLL_INTERVAL:g} s"
+)
+"""The waits between polls when no `poll_interval` is given, in words (for docstrings and --help)."""
+
+
+def adaptive_interval(polls: int) -> float:
+    """Seconds to wait after poll number `polls` (1-based) when no `poll_interval` was given:
+    short at first, so that a short batch is seen ending soon after it does, and growing to
+    `MAX_POLL_INTERVAL`, so that a long one is not asked about too often."""
+    exponent = min(polls - 1, 64)  # past the cap long before; no overflow however long the wait
+    return min(FIRST_POLL_INTERVAL * POLL_INTERVAL_GROWTH**exponent, MAX_POLL_INTERVAL)
+
+
+def check_poll_interval(poll_interval: float | None) -> None:
+    if poll_interval is not None and poll_interval < 0:
         raise ValueError(f"poll_interval must be >= 0, not {poll_interval}")
 
 
@@ -64,7 +84,7 @@ def poll_delay(poll_interval: float, deadline: float | None, now: float) -> floa
 
 def wait_for_batch(
     batch_id: str,
-    poll_interval: float = 10.0,
+    poll_interval: float | None = None,
     timeout: float | None = None,
     *,
     raise_on_failure: bool = False,
@@ -73,11 +93,12 @@ def wait_for_batch(
 ) -> Wait:
     """Poll until the batch is completed, failed, expired or cancelled, and return it.
 
-    With `raise_on_failure`, an ending other than completed raises `BatchFailed`. If `timeout`
-    seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running). `progress`
-    draws a progress line on stderr (None: only if stderr is a terminal); `on_progress` is
-    called with the batch after every poll (by the async client, awaited if it returns an
-    awaitable).
+    Polls are `poll_interval` seconds apart; by default (None) the first wait is 1 s, then
+    each is 1.5 times the one before, up to 5 s. With `raise_on_failure`, an ending other than
+    completed raises `BatchFailed`. If `timeout` seconds pass first, `BatchWaitTimeout` is
+    raised (the batch keeps running). `progress` draws a progress line on stderr (None: only
+    if stderr is a terminal); `on_progress` is called with the batch after every poll (by the
+    async client, awaited if it returns an awaitable).
     """
     return Wait(
         batch_id,
@@ -99,7 +120,7 @@ class Wait:
     def __init__(
         self,
         batch_id: str,
-        poll_interval: float,
+        poll_interval: float | None,
         timeout: float | None,
         *,
         progress: bool | None,
@@ -116,6 +137,7 @@ class Wait:
         self._clock = clock
         self._deadline = None if timeout is None else clock() + timeout
         self._progress = progress_for(progress, clock=clock)
+        self._polls = 0
 
     def poll(self) -> RequestSpec:
         """The request for the batch's current state."""
@@ -130,7 +152,11 @@ class Wait:
             self._progress.update(batch)
         if is_terminal(batch):
             return None
-        delay = poll_delay(self.poll_interval, self._deadline, self._clock())
+        self._polls += 1
+        interval = self.poll_interval
+        if interval is None:
+            interval = adaptive_interval(self._polls)
+        delay = poll_delay(interval, self._deadline, self._clock())
         if delay is None:
             raise BatchWaitTimeout(self.batch_id, self.timeout or 0.0, batch)
         return delay

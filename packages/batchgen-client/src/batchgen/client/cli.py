@@ -42,6 +42,7 @@ from batchgen.client._exceptions import (
 from batchgen.client._options import BatchOptions, flag_of
 from batchgen.client._requests import DEFAULT_BASE_URL, ENDPOINTS, JSONObject
 from batchgen.client._retry import RetryPolicy
+from batchgen.client._wait import ADAPTIVE_POLLING
 
 __all__ = [
     "BASE_URL_ENV",
@@ -200,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(ENDPOINTS),
         help="the batch endpoint (default: the url of the file's first request)",
     )
-    submit.add_argument("--poll-interval", type=non_negative_float, default=5.0, metavar="SECONDS")
+    submit.add_argument(
+        "--poll-interval",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help=f"seconds between polls (default: {ADAPTIVE_POLLING})",
+    )
     submit.add_argument(
         "--no-progress", action="store_true", help="no progress line (default: shown on a terminal)"
     )
