@@ -13,17 +13,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from batchgen.client import BatchGenHttpClient
+from batchgen.client._options import BatchOptions
 from batchgen.client.cli import (
     EXIT_BATCH_FAILED,
     EXIT_CANNOT_CONNECT,
     EXIT_OK,
     EXIT_SERVER_ERROR,
     EXIT_USAGE,
+    _batch_options,
+    build_parser,
 )
 from tests.live import LiveServer, chat_line, free_port, start_server, write_jsonl
 
@@ -125,6 +129,19 @@ def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) ->
     assert result.returncode == EXIT_BATCH_FAILED, result.stderr
     assert json.loads(result.stdout)["status"] == "failed"
     assert "ended failed: capacity_exceeded" in result.stderr
+    assert result.stderr.count("capacity_exceeded") == 1  # errors.data and error: said once
+
+
+def test_submit_of_a_batch_that_expires_exits_1(server: LiveServer, tmp_path: Path) -> None:
+    path = requests_file(tmp_path / "input.jsonl", 200)  # about 4 s of work, given 1 s
+    out = str(tmp_path / "out.jsonl")
+    args = ("--completion-window", "1s", "--base-url", server.base_url)  # polls after 1, 2.5, 4.75 s
+    result = batchgen("submit", str(path), "-o", out, *args)
+    assert result.returncode == EXIT_BATCH_FAILED, result.stderr
+    batch = json.loads(result.stdout)
+    assert (batch["status"], batch["completion_window"]) == ("expired", "1s")
+    assert batch["request_counts"]["completed"] < 200
+    assert f"batch {batch['id']} ended expired" in result.stderr
 
 
 # --- status, list, pool, download, cancel ----------------------------------------------------------
@@ -197,6 +214,32 @@ def test_tail_prints_every_line_of_a_running_batch(
     outputs_only = batchgen("tail", batch["id"], "--base-url", server.base_url)  # ended: prints, exits
     assert outputs_only.returncode == EXIT_OK
     assert len(outputs_only.stdout.splitlines()) == 97
+
+
+def test_submit_polls_adaptively_unless_told_an_interval() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["submit", "in.jsonl", "-o", "out.jsonl"]).poll_interval is None
+    given = parser.parse_args(["submit", "in.jsonl", "-o", "out.jsonl", "--poll-interval", "2"])
+    assert given.poll_interval == 2.0
+    help_text = " ".join(batchgen("submit", "--help").stdout.split())
+    assert "seconds between polls (default: 1 s, then 1.5 times the wait before, up to 5 s)" in help_text
+
+
+def test_submit_has_a_flag_for_every_batch_option() -> None:
+    flags = {
+        "--completion-window": ("2h", "2h"),
+        "--metadata": ("team=a", {"team": "a"}),
+        "--max-decoding-length": ("8", 8),
+        "--temperature": ("0.5", 0.5),
+        "--top-p": ("0.9", 0.9),
+        "--top-k": ("5", 5),
+    }
+    assert sorted(flags) == sorted("--" + option.name.replace("_", "-") for option in fields(BatchOptions))
+    given = [word for flag, (text, _) in flags.items() for word in (flag, text)]
+    args = build_parser().parse_args(["submit", "in.jsonl", "-o", "out.jsonl", *given])
+    assert _batch_options(args) == {flag[2:].replace("-", "_"): value for flag, (_, value) in flags.items()}
+    defaults = build_parser().parse_args(["submit", "in.jsonl", "-o", "out.jsonl"])
+    assert _batch_options(defaults) == {option.name: option.default for option in fields(BatchOptions)}
 
 
 # --- errors and exit codes -------------------------------------------------------------------------

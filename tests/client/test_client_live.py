@@ -172,7 +172,7 @@ def server_started_later(port: int, storage_path: Path, delay: float) -> Iterato
         time.sleep(delay)
         storage_path.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "batchgen.server.cli", "--port", str(port)]
-        command += ["--storage-path", str(storage_path), "--log-level", "warning"]
+        command += ["--storage-path", str(storage_path), "--backend", "simulated", "--log-level", "warning"]
         log = open(storage_path.parent / "late-server.log", "wb")  # noqa: SIM115 - the child's
         started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()))
 

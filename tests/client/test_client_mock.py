@@ -1,21 +1,24 @@
-"""batchgen.client's sync and async clients driven through httpx.MockTransport (no server).
+"""batchgen.client's two faces driven through httpx.MockTransport (no server): every test runs
+once against `BatchGenHttpClient` and once against `AsyncBatchGenClient`.
 
-Scripted handlers check retries, headers and bodies; `FakeServer` is a small in-memory stand-in
-for the REST API (files, batches going validating → in_progress → completed) for submit_batch.
+The `client_for` fixture makes a client of the face under test (see `faces.py`); what it talks to
+is scripted in `scripted_api.py`: fixed replies that check retries, headers and bodies, and small
+in-memory fakes of the REST API for submit_batch and follow_results.
 """
 
 from __future__ import annotations
 
-import email.policy
+import asyncio
+import inspect
 import io
 import json
 import logging
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import fields
 from datetime import UTC, datetime, timedelta
-from email.parser import BytesParser
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ import batchgen
 import batchgen.batchgen_client
 import batchgen.client
 from batchgen.client import (
+    TERMINAL_STATUSES,
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
@@ -35,189 +39,28 @@ from batchgen.client import (
     BatchGenHttpClient,
     BatchWaitTimeout,
     RetriesExhausted,
-    RetryPolicy,
 )
-
-BASE = "http://batchgen.test"
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-class Sleeps(list[float]):
-    """Records the client's waits instead of sleeping."""
-
-    def sleep(self, seconds: float) -> None:
-        self.append(seconds)
-
-    async def async_sleep(self, seconds: float) -> None:
-        self.append(seconds)
-
-    def policy(self, **kwargs: Any) -> RetryPolicy:
-        return RetryPolicy(sleep=self.sleep, async_sleep=self.async_sleep, **kwargs)
-
-
-Reply = tuple[int, Any] | tuple[int, Any, dict[str, str]]
-
-
-class Script:
-    """A handler answering with the given (status, json[, headers]) in turn; the last repeats."""
-
-    def __init__(self, *replies: Reply) -> None:
-        self.replies = list(replies)
-        self.requests: list[httpx.Request] = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        reply = self.replies[min(len(self.requests), len(self.replies)) - 1]
-        status, body = reply[0], reply[1]
-        headers: dict[str, str] = reply[2] if len(reply) == 3 else {}
-        if isinstance(body, bytes):
-            return httpx.Response(status, content=body, headers=headers)
-        return httpx.Response(status, json=body, headers=headers)
-
-
-def error_body(message: str, code: str, type_: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": "input_file_id", "code": code}}
-
-
-FULL = error_body("Intake pool is full", "capacity_exceeded", "rate_limit_error")
-UNAVAILABLE = error_body("Server unhealthy", "service_unavailable", "server_error")
-
-
-def multipart_fields(request: httpx.Request) -> dict[str, tuple[str | None, bytes]]:
-    """The fields of a multipart/form-data request: name -> (filename, content)."""
-    header = b"Content-Type: " + request.headers["content-type"].encode() + b"\r\n\r\n"
-    message = BytesParser(policy=email.policy.HTTP).parsebytes(header + request.content)
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        content = part.get_payload(decode=True)
-        assert isinstance(name, str) and isinstance(content, bytes)
-        fields[name] = (part.get_filename(), content)
-    return fields
-
-
-def jsonl(rows: list[dict[str, Any]]) -> bytes:
-    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)
-
-
-def requests_file(tmp_path: Path, url: str = "/v1/chat/completions", n: int = 3) -> Path:
-    rows = []
-    for i in range(n):
-        body: dict[str, Any]
-        if url == "/v1/completions":
-            body = {"model": "m", "prompt": f"count to {i}"}
-        else:
-            body = {"model": "m", "messages": [{"role": "user", "content": f"count to {i}"}]}
-        rows.append({"custom_id": f"request-{i}", "method": "POST", "url": url, "body": body})
-    path = tmp_path / "input.jsonl"
-    path.write_bytes(jsonl(rows))
-    return path
-
-
-class FakeServer:
-    """In-memory files and batches behind the REST paths the client uses.
-
-    A new batch is `validating`; each GET of it moves it along `lifecycle`. On reaching the
-    final status it writes the output file: one result line per input line (and an error file
-    if `fail_custom_ids` names any). An upload or create with an `Idempotency-Key` seen before
-    returns the object the first one made.
-    """
-
-    def __init__(
-        self,
-        lifecycle: tuple[str, ...] = ("validating", "in_progress", "completed"),
-        fail_custom_ids: frozenset[str] = frozenset(),
-    ) -> None:
-        self.lifecycle = lifecycle
-        self.fail_custom_ids = fail_custom_ids
-        self.files: dict[str, dict[str, Any]] = {}
-        self.contents: dict[str, bytes] = {}
-        self.batches: dict[str, dict[str, Any]] = {}
-        self.polls: dict[str, int] = {}
-        self.seen_statuses: list[str] = []
-        self.create_bodies: list[dict[str, Any]] = []
-        self.requests: list[httpx.Request] = []
-        self.made_by_key: dict[str, dict[str, Any]] = {}
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        method, parts = request.method, request.url.path.strip("/").split("/")
-        key = request.headers.get("idempotency-key")
-        if method == "POST" and key in self.made_by_key:
-            return httpx.Response(200, json=self.made_by_key[key])
-        response = self._route(request, method, parts)
-        if method == "POST" and key is not None and response.status_code == 200:
-            self.made_by_key[key] = response.json()
-        return response
-
-    def _route(self, request: httpx.Request, method: str, parts: list[str]) -> httpx.Response:
-        if (method, parts) == ("POST", ["v1", "files"]):
-            fields = multipart_fields(request)
-            filename, content = fields["file"]
-            file_obj = self._add_file(filename or "upload", content, fields["purpose"][1].decode())
-            return httpx.Response(200, json=file_obj)
-        if method == "GET" and parts[:2] == ["v1", "files"] and len(parts) == 4:
-            if parts[2] not in self.contents:
-                return httpx.Response(404, json=error_body("No such file", "not_found"))
-            return httpx.Response(200, content=self.contents[parts[2]])
-        if (method, parts) == ("POST", ["v1", "batches"]):
-            body = json.loads(request.content)
-            self.create_bodies.append(body)
-            batch_id = f"batch_{len(self.batches) + 1}"
-            batch = {
-                "id": batch_id,
-                "object": "batch",
-                "endpoint": body["endpoint"],
-                "input_file_id": body["input_file_id"],
-                "status": "validating",
-                "output_file_id": None,
-                "error_file_id": None,
-            }
-            self.batches[batch_id] = batch
-            self.polls[batch_id] = 0
-            return httpx.Response(200, json=batch)
-        if method == "GET" and parts[:2] == ["v1", "batches"] and len(parts) == 3:
-            return httpx.Response(200, json=self._poll(parts[2]))
-        return httpx.Response(404, json=error_body(f"no route {method} {parts}", "not_found"))
-
-    def _add_file(self, filename: str, content: bytes, purpose: str) -> dict[str, Any]:
-        file_id = f"file-{len(self.files) + 1}"
-        obj = {"id": file_id, "object": "file", "bytes": len(content), "filename": filename}
-        self.files[file_id] = obj | {"purpose": purpose}
-        self.contents[file_id] = content
-        return self.files[file_id]
-
-    def _poll(self, batch_id: str) -> dict[str, Any]:
-        batch = self.batches[batch_id]
-        step = min(self.polls[batch_id], len(self.lifecycle) - 1)
-        self.polls[batch_id] += 1
-        status = self.lifecycle[step]
-        if status != batch["status"] or not self.seen_statuses:
-            self.seen_statuses.append(status)
-        batch["status"] = status
-        if step == len(self.lifecycle) - 1 and batch["output_file_id"] is None:
-            self._finish(batch)
-        return batch
-
-    def _finish(self, batch: dict[str, Any]) -> None:
-        outputs, errors = [], []
-        for line in self.contents[batch["input_file_id"]].splitlines():
-            custom_id = json.loads(line)["custom_id"]
-            if custom_id in self.fail_custom_ids:
-                error = {"code": "context_length_exceeded", "message": "too long"}
-                errors.append({"custom_id": custom_id, "response": None, "error": error})
-            else:
-                body = {"object": batch["endpoint"], "choices": [{"text": f"answer {custom_id}"}]}
-                response = {"status_code": 200, "body": body}
-                outputs.append({"custom_id": custom_id, "response": response, "error": None})
-        batch["output_file_id"] = self._add_file("out.jsonl", jsonl(outputs), "batch_output")["id"]
-        if errors:
-            error_file = self._add_file("err.jsonl", jsonl(errors), "batch_output")
-            batch["error_file_id"] = error_file["id"]
-        if batch["status"] == "failed":
-            batch["errors"] = {"data": [{"code": "batch_failed", "message": "worker crashed"}]}
+from batchgen.client._options import BatchOptions
+from batchgen.core.models import BatchStatus
+from tests.client.faces import BASE, FACES, Face, MakeClient, Sleeps, client_maker
+from tests.client.scripted_api import (
+    FULL,
+    PIECES,
+    STEPS,
+    UNAVAILABLE,
+    FailingThen,
+    FakeServer,
+    GrowingFile,
+    Script,
+    batch_script,
+    counted_script,
+    error_body,
+    multipart_fields,
+    output_custom_ids,
+    raising,
+    requests_file,
+    result,
+)
 
 
 @pytest.fixture
@@ -225,24 +68,18 @@ def sleeps() -> Sleeps:
     return Sleeps()
 
 
+@pytest.fixture(params=FACES)
+def face(request: pytest.FixtureRequest) -> Face:
+    face: Face = request.param
+    return face
+
+
 @pytest.fixture
-def client_for(sleeps: Sleeps) -> Iterator[Callable[..., BatchGenHttpClient]]:
-    """Builds sync clients on a MockTransport handler, recording sleeps; closes them after."""
-    clients: list[BatchGenHttpClient] = []
-
-    def make(handler: Callable[[httpx.Request], httpx.Response], **kw: Any) -> BatchGenHttpClient:
-        kw.setdefault("retry", sleeps.policy())
-        client = BatchGenHttpClient(BASE, transport=httpx.MockTransport(handler), **kw)
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.close()
-
-
-def async_client(handler: Callable[[httpx.Request], httpx.Response], sleeps: Sleeps) -> AsyncBatchGenClient:
-    return AsyncBatchGenClient(BASE, transport=httpx.MockTransport(handler), retry=sleeps.policy())
+def client_for(face: Face, sleeps: Sleeps) -> Iterator[MakeClient]:
+    """`client_for(handler, base_url=BASE, **kwargs)`: a client of the face under test on a
+    MockTransport serving `handler`, recording its sleeps; closed after the test."""
+    with client_maker(face, sleeps) as make:
+        yield make
 
 
 # --- public surface -----------------------------------------------------------------------------
@@ -267,6 +104,85 @@ def test_public_api_is_pinned() -> None:
     )
     for name in batchgen.client.__all__:
         assert hasattr(batchgen.client, name)
+
+
+API_SIGNATURES = {
+    "upload_file": "(self, path, purpose='batch', *, idempotency_key=None)",
+    "list_files": "(self, after=None, limit=None, order=None, purpose=None)",
+    "get_file": "(self, file_id)",
+    "delete_file": "(self, file_id)",
+    "download_file_content": "(self, file_id)",
+    "download_file_to": "(self, file_id, path)",
+    "create_batch": "(self, input_file_id, endpoint='/v1/chat/completions', completion_window='24h', "
+    "metadata=None, max_decoding_length=None, temperature=None, top_p=None, top_k=None, *, "
+    "idempotency_key=None)",
+    "get_batch": "(self, batch_id)",
+    "list_batches": "(self, after=None, limit=None)",
+    "cancel_batch": "(self, batch_id)",
+    "wait_for_batch": "(self, batch_id, poll_interval=None, timeout=None, *, raise_on_failure=False, "
+    "progress=None, on_progress=None)",
+    "follow_results": "(self, batch_id, *, poll_interval=2.0, errors=False)",
+    "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=None, "
+    "timeout=None, completion_window='24h', metadata=None, max_decoding_length=None, temperature=None, "
+    "top_p=None, top_k=None, error_file_path=None, raise_on_failure=False, progress=None, "
+    "on_progress=None)",
+    "pool_status": "(self)",
+    "health": "(self)",
+    "list_models": "(self)",
+}
+"""Every API method of both faces: the parameters as docs/client.md lists them (annotations aside)."""
+
+
+def public_methods(cls: type) -> set[str]:
+    return {name for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+
+
+def bare(signature: inspect.Signature) -> str:
+    """The signature without annotations: names, kinds and defaults."""
+    parameters = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=signature.empty))
+
+
+def test_both_faces_have_the_pinned_methods_and_parameters() -> None:
+    assert public_methods(BatchGenHttpClient) == set(API_SIGNATURES) | {"close"}
+    assert public_methods(AsyncBatchGenClient) == set(API_SIGNATURES) | {"aclose"}
+    for name, expected in API_SIGNATURES.items():
+        sync = inspect.signature(getattr(BatchGenHttpClient, name))
+        async_ = inspect.signature(getattr(AsyncBatchGenClient, name))
+        assert bare(sync) == expected, name
+        assert sync.parameters == async_.parameters, name  # annotations too
+        assert getattr(BatchGenHttpClient, name).__doc__ == getattr(AsyncBatchGenClient, name).__doc__
+
+
+def test_create_and_submit_take_the_batch_options() -> None:
+    """`create_batch` (after the input file and endpoint) and `submit_batch` (by keyword) take
+    the fields of `BatchOptions`, in its order, with its defaults and types."""
+    options = fields(BatchOptions)
+    for cls in (BatchGenHttpClient, AsyncBatchGenClient):
+        create = inspect.signature(cls.create_batch).parameters
+        submit = inspect.signature(cls.submit_batch).parameters
+        names = [option.name for option in options]
+        assert list(create) == ["self", "input_file_id", "endpoint", *names, "idempotency_key"]
+        assert [name for name in submit if name in create] == ["self", "endpoint", *names]
+        for option in options:
+            for parameters in (create, submit):
+                parameter = parameters[option.name]
+                assert (parameter.default, parameter.annotation) == (option.default, option.type)
+            assert submit[option.name].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_the_async_face_awaits_and_the_sync_face_does_not() -> None:
+    for name in set(API_SIGNATURES) - {"follow_results"}:
+        assert inspect.iscoroutinefunction(getattr(AsyncBatchGenClient, name)), name
+        assert not inspect.iscoroutinefunction(getattr(BatchGenHttpClient, name)), name
+    with BatchGenHttpClient(BASE) as client:
+        assert isinstance(client.follow_results("batch_1"), Iterator)
+
+    async def follow() -> object:
+        async with AsyncBatchGenClient(BASE) as client:
+            return client.follow_results("batch_1")
+
+    assert isinstance(asyncio.run(follow()), AsyncIterator)
 
 
 def test_guide_import_path_and_namespace_package() -> None:
@@ -302,17 +218,17 @@ def test_exception_tree() -> None:
 # --- URLs, headers, parameters ------------------------------------------------------------------
 
 
-def test_default_base_url_is_localhost_10900() -> None:
+def test_default_base_url_is_localhost_10900(client_for: MakeClient) -> None:
     script = Script((200, {"status": "healthy"}))
-    with BatchGenHttpClient(transport=httpx.MockTransport(script)) as client:
+    with client_for(script, base_url=None) as client:
         assert client.health() == {"status": "healthy"}
     assert str(script.requests[0].url) == "http://localhost:10900/health"
 
 
 @pytest.mark.parametrize("base_url", ["http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"])
-def test_base_url_with_or_without_v1(base_url: str) -> None:
+def test_base_url_with_or_without_v1(client_for: MakeClient, base_url: str) -> None:
     script = Script((200, {"data": []}))
-    with BatchGenHttpClient(base_url, transport=httpx.MockTransport(script)) as client:
+    with client_for(script, base_url) as client:
         client.list_models()
         client.pool_status()
     assert [str(r.url) for r in script.requests] == [
@@ -321,14 +237,14 @@ def test_base_url_with_or_without_v1(base_url: str) -> None:
     ]
 
 
-def test_base_url_with_a_path_prefix() -> None:
+def test_base_url_with_a_path_prefix(client_for: MakeClient) -> None:
     script = Script((200, {"status": "healthy"}))
-    with BatchGenHttpClient("http://h/batchgen", transport=httpx.MockTransport(script)) as client:
+    with client_for(script, "http://h/batchgen") as client:
         client.health()
     assert str(script.requests[0].url) == "http://h/batchgen/health"
 
 
-def test_user_agent_and_api_key(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_user_agent_and_api_key(client_for: MakeClient) -> None:
     script = Script((200, {"object": "list", "data": []}))
     client_for(script, api_key="sk-test").list_batches()
     request = script.requests[0]
@@ -337,14 +253,14 @@ def test_user_agent_and_api_key(client_for: Callable[..., BatchGenHttpClient]) -
 
 
 def test_no_authorization_header_without_api_key(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     script = Script((200, {"object": "list", "data": []}))
     client_for(script).list_batches()
     assert "authorization" not in script.requests[0].headers
 
 
-def test_each_method_hits_its_route(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_each_method_hits_its_route(client_for: MakeClient) -> None:
     script = Script((200, {"id": "x"}))
     client = client_for(script)
     client.list_files(after="file-1", limit=2, order="asc", purpose="batch")
@@ -372,7 +288,7 @@ def test_each_method_hits_its_route(client_for: Callable[..., BatchGenHttpClient
 
 
 def test_ids_are_escaped_into_one_path_segment(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     script = Script((200, {"id": "x"}))
     client_for(script).get_batch("../files/x?y")
@@ -380,7 +296,7 @@ def test_ids_are_escaped_into_one_path_segment(
 
 
 def test_empty_id_is_rejected_before_sending(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     script = Script((200, {}))
     with pytest.raises(ValueError):
@@ -389,7 +305,7 @@ def test_empty_id_is_rejected_before_sending(
 
 
 def test_create_batch_body_omits_unset_fields(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     script = Script((200, {"id": "batch_1", "status": "validating"}))
     client = client_for(script)
@@ -426,21 +342,21 @@ def test_create_batch_body_omits_unset_fields(
 # --- retries ------------------------------------------------------------------------------------
 
 
-def test_429_is_retried_with_the_backoff_schedule(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
-) -> None:
+def test_429_is_retried_with_the_backoff_schedule(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = Script(*[(429, FULL)] * 5, (200, {"intake_pool_size": 0}))
     assert client_for(script).pool_status() == {"intake_pool_size": 0}
     assert sleeps == [1, 2, 4, 8, 16]
     assert len(script.requests) == 6
 
 
+@pytest.mark.parametrize("call", [("create_batch", "file-1"), ("pool_status",)])
 def test_retries_exhausted_after_five_retries(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+    client_for: MakeClient, sleeps: Sleeps, call: tuple[str, ...]
 ) -> None:
     script = Script((429, FULL))
+    method, *args = call
     with pytest.raises(RetriesExhausted) as info:
-        client_for(script).create_batch("file-1")
+        getattr(client_for(script), method)(*args)
     exc = info.value
     assert isinstance(exc, RuntimeError)
     assert isinstance(exc, APIStatusError)
@@ -452,13 +368,13 @@ def test_retries_exhausted_after_five_retries(
     assert sleeps == [1, 2, 4, 8, 16]
 
 
-def test_503_is_retried(client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps) -> None:
+def test_503_is_retried(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = Script((503, UNAVAILABLE), (503, UNAVAILABLE), (200, {"id": "batch_1"}))
     assert client_for(script).get_batch("batch_1") == {"id": "batch_1"}
     assert sleeps == [1, 2]
 
 
-def test_503_exhausted_raises(client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps) -> None:
+def test_503_exhausted_raises(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = Script((503, UNAVAILABLE))
     with pytest.raises(RetriesExhausted) as info:
         client_for(script, retry=sleeps.policy(max_retries=2)).list_models()
@@ -467,9 +383,7 @@ def test_503_exhausted_raises(client_for: Callable[..., BatchGenHttpClient], sle
     assert sleeps == [1, 2]
 
 
-def test_retry_after_seconds_replaces_backoff(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
-) -> None:
+def test_retry_after_seconds_replaces_backoff(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = Script(
         (429, FULL, {"Retry-After": "30"}),
         (503, UNAVAILABLE),
@@ -480,9 +394,41 @@ def test_retry_after_seconds_replaces_backoff(
     assert sleeps == [30, 2, 5]
 
 
-def test_retry_after_http_date_replaces_backoff(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+def test_retry_after_on_a_503_then_backoff(client_for: MakeClient, sleeps: Sleeps) -> None:
+    script = Script((503, UNAVAILABLE, {"Retry-After": "9"}), (503, UNAVAILABLE), (200, {}))
+    assert client_for(script).list_models() == {}
+    assert sleeps == [9, 2]
+
+
+def test_503_on_upload_and_create_waits_what_retry_after_says(
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path
 ) -> None:
+    """A server too busy to take a file or a batch answers 503 with Retry-After: the client waits
+    exactly that long and sends the same request again (the whole file, the same key)."""
+    server = FakeServer()
+    refusals = {"/v1/files": ["7"], "/v1/batches": ["3", "0.5"]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        waits = refusals.get(request.url.path, []) if request.method == "POST" else []
+        if waits:
+            server.requests.append(request)
+            return httpx.Response(503, json=UNAVAILABLE, headers={"Retry-After": waits.pop(0)})
+        return server(request)
+
+    path = requests_file(tmp_path)
+    batch = client_for(handler).submit_batch(path, tmp_path / "out.jsonl", poll_interval=1)
+    assert batch["status"] == "completed"
+    assert sleeps == [7, 3, 0.5, 1, 1]  # the three Retry-Afters, then the two polls
+    assert list(server.files) == ["file-1", "file-2"] and list(server.batches) == ["batch_1"]
+    for route, attempts in (("/v1/files", 2), ("/v1/batches", 3)):
+        sent = [r for r in server.requests if r.method == "POST" and r.url.path == route]
+        assert len(sent) == attempts
+        assert len({r.headers["idempotency-key"] for r in sent}) == 1
+    uploads = [r for r in server.requests if r.url.path == "/v1/files"]
+    assert all(multipart_fields(r)["file"] == ("input.jsonl", path.read_bytes()) for r in uploads)
+
+
+def test_retry_after_http_date_replaces_backoff(client_for: MakeClient, sleeps: Sleeps) -> None:
     when = datetime.now(UTC) + timedelta(seconds=40)
     date = when.strftime("%a, %d %b %Y %H:%M:%S GMT")
     script = Script((429, FULL, {"Retry-After": date}), (200, {"id": "batch_1"}))
@@ -492,9 +438,7 @@ def test_retry_after_http_date_replaces_backoff(
 
 
 @pytest.mark.parametrize("status", [400, 404, 409, 413, 500])
-def test_other_errors_are_raised_at_once(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps, status: int
-) -> None:
+def test_other_errors_are_raised_at_once(client_for: MakeClient, sleeps: Sleeps, status: int) -> None:
     script = Script((status, error_body("Duplicate active batch for file-1", "duplicate_batch")))
     with pytest.raises(APIStatusError) as info:
         client_for(script).create_batch("file-1")
@@ -511,7 +455,7 @@ def test_other_errors_are_raised_at_once(
     assert sleeps == []
 
 
-def test_error_without_openai_body(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_error_without_openai_body(client_for: MakeClient) -> None:
     script = Script((500, b"Internal Server Error"))
     with pytest.raises(APIStatusError) as info:
         client_for(script).pool_status()
@@ -520,16 +464,14 @@ def test_error_without_openai_body(client_for: Callable[..., BatchGenHttpClient]
     assert "Internal Server Error" in str(info.value)
 
 
-def test_success_that_is_not_a_json_object(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_success_that_is_not_a_json_object(client_for: MakeClient) -> None:
     with pytest.raises(BatchGenClientError, match="expected a JSON object"):
         client_for(Script((200, [1, 2]))).pool_status()
     with pytest.raises(BatchGenClientError, match="not JSON"):
         client_for(Script((200, b"<html>"))).pool_status()
 
 
-def test_each_retry_is_logged(
-    client_for: Callable[..., BatchGenHttpClient], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_each_retry_is_logged(client_for: MakeClient, caplog: pytest.LogCaptureFixture) -> None:
     script = Script((429, FULL), (503, UNAVAILABLE), (200, {}))
     with caplog.at_level(logging.INFO, logger="batchgen.client"):
         client_for(script).pool_status()
@@ -541,11 +483,12 @@ def test_each_retry_is_logged(
 
 
 def test_create_batch_sends_one_idempotency_key_across_retries(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     script = Script((429, FULL), (503, UNAVAILABLE), (429, FULL), (200, {"id": "batch_1"}))
     client = client_for(script)
-    client.create_batch("file-1")
+    assert client.create_batch("file-1", max_decoding_length=8) == {"id": "batch_1"}
+    assert all(json.loads(r.content)["max_decoding_length"] == 8 for r in script.requests)
     keys = [r.headers["idempotency-key"] for r in script.requests]
     assert len(keys) == 4
     assert len(set(keys)) == 1
@@ -554,9 +497,7 @@ def test_create_batch_sends_one_idempotency_key_across_retries(
     assert script.requests[-1].headers["idempotency-key"] != keys[0]
 
 
-def test_upload_streams_the_file_as_multipart(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_upload_streams_the_file_as_multipart(client_for: MakeClient, tmp_path: Path) -> None:
     path = requests_file(tmp_path)
     script = Script((200, {"id": "file-1", "object": "file"}))
     assert client_for(script).upload_file(path) == {"id": "file-1", "object": "file"}
@@ -566,7 +507,7 @@ def test_upload_streams_the_file_as_multipart(
 
 
 def test_retried_upload_sends_the_whole_file_again(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps, tmp_path: Path
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path
 ) -> None:
     path = requests_file(tmp_path, n=2000)  # several of httpx's 64 KiB multipart chunks
     assert path.stat().st_size > 3 * 64 * 1024
@@ -579,9 +520,7 @@ def test_retried_upload_sends_the_whole_file_again(
     assert sleeps == [1, 2]
 
 
-def test_upload_of_a_missing_file_sends_nothing(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_upload_of_a_missing_file_sends_nothing(client_for: MakeClient, tmp_path: Path) -> None:
     script = Script((200, {}))
     with pytest.raises(FileNotFoundError):
         client_for(script).upload_file(tmp_path / "missing.jsonl")
@@ -591,14 +530,7 @@ def test_upload_of_a_missing_file_sends_nothing(
 # --- transport errors ---------------------------------------------------------------------------
 
 
-def raising(exc: Exception) -> Callable[[httpx.Request], httpx.Response]:
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise exc
-
-    return handler
-
-
-def test_connection_error_is_translated(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_connection_error_is_translated(client_for: MakeClient) -> None:
     cause = httpx.ConnectError("connection refused")
     with pytest.raises(APIConnectionError) as info:
         client_for(raising(cause)).health()
@@ -607,29 +539,17 @@ def test_connection_error_is_translated(client_for: Callable[..., BatchGenHttpCl
     assert "GET /health" in str(info.value)
 
 
-def test_timeout_is_translated(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_timeout_is_translated(client_for: MakeClient) -> None:
     with pytest.raises(APITimeoutError) as info:
         client_for(raising(httpx.ReadTimeout("slow"))).get_batch("batch_1")
     assert isinstance(info.value, TimeoutError)
     assert isinstance(info.value, RuntimeError)
-
-
-class FailingThen(Script):
-    """Raises each of `failures` in turn (the request got no response), then answers `reply`."""
-
-    def __init__(self, failures: list[Exception], reply: Reply) -> None:
-        super().__init__(reply)
-        self.failures = list(failures)
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if self.failures:
-            self.requests.append(request)
-            raise self.failures.pop(0)
-        return super().__call__(request)
+    with pytest.raises(APITimeoutError):
+        client_for(raising(httpx.ConnectTimeout("slow"))).health()
 
 
 def test_connection_errors_and_timeouts_are_retried_with_jitter(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+    client_for: MakeClient, sleeps: Sleeps
 ) -> None:
     failures: list[Exception] = [
         httpx.ConnectError("connection refused"),
@@ -644,7 +564,7 @@ def test_connection_errors_and_timeouts_are_retried_with_jitter(
         assert base <= wait <= base * 1.5  # the schedule plus up to 50 % jitter
 
 
-def test_connection_retries_exhausted(client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps) -> None:
+def test_connection_retries_exhausted(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = FailingThen([httpx.ConnectTimeout("no answer")] * 6, (200, {}))
     with pytest.raises(APITimeoutError) as info:
         client_for(script).get_batch("batch_1")
@@ -655,9 +575,7 @@ def test_connection_retries_exhausted(client_for: Callable[..., BatchGenHttpClie
     assert len(script.requests) == 6 and len(sleeps) == 5
 
 
-def test_connection_retries_can_be_turned_off(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
-) -> None:
+def test_connection_retries_can_be_turned_off(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = FailingThen([httpx.ConnectError("refused")], (200, {}))
     client = client_for(script, retry=sleeps.policy(retry_connection_errors=False))
     with pytest.raises(APIConnectionError) as info:
@@ -667,7 +585,7 @@ def test_connection_retries_can_be_turned_off(
 
 
 def test_transport_errors_that_retrying_cannot_fix_are_raised_at_once(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+    client_for: MakeClient, sleeps: Sleeps
 ) -> None:
     script = FailingThen([httpx.UnsupportedProtocol("ftp://")], (200, {}))
     with pytest.raises(APIConnectionError):
@@ -675,9 +593,7 @@ def test_transport_errors_that_retrying_cannot_fix_are_raised_at_once(
     assert len(script.requests) == 1 and sleeps == []
 
 
-def test_connection_retries_are_logged(
-    client_for: Callable[..., BatchGenHttpClient], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_connection_retries_are_logged(client_for: MakeClient, caplog: pytest.LogCaptureFixture) -> None:
     script = FailingThen([httpx.ConnectError("refused")], (200, {}))
     with caplog.at_level(logging.INFO, logger="batchgen.client"):
         client_for(script).pool_status()
@@ -685,9 +601,7 @@ def test_connection_retries_are_logged(
     assert message.startswith("GET /v1/pool/status failed (ConnectError('refused')); retry 1 of 5 in 1.")
 
 
-def test_every_request_is_logged_at_debug(
-    client_for: Callable[..., BatchGenHttpClient], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_every_request_is_logged_at_debug(client_for: MakeClient, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="batchgen.client"):
         client_for(Script((429, FULL), (200, {}))).pool_status()
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
@@ -695,7 +609,7 @@ def test_every_request_is_logged_at_debug(
 
 
 def test_upload_and_create_retried_after_lost_responses_make_one_of_each(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
+    client_for: MakeClient, tmp_path: Path
 ) -> None:
     """The server acts on the first attempt but its answer is lost (a read timeout): the retry
     carries the same Idempotency-Key, so the server hands back what it made the first time."""
@@ -720,9 +634,7 @@ def test_upload_and_create_retried_after_lost_responses_make_one_of_each(
         assert len({r.headers["idempotency-key"] for r in attempts}) == 1
 
 
-def test_a_given_idempotency_key_is_sent(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_a_given_idempotency_key_is_sent(client_for: MakeClient, tmp_path: Path) -> None:
     script = Script((200, {"id": "x"}))
     client = client_for(script)
     client.upload_file(requests_file(tmp_path), idempotency_key="upload-1")
@@ -733,15 +645,13 @@ def test_a_given_idempotency_key_is_sent(
 # --- downloads ----------------------------------------------------------------------------------
 
 
-def test_download_file_content(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_download_file_content(client_for: MakeClient) -> None:
     script = Script((503, UNAVAILABLE), (200, b'{"custom_id": "a"}\n'))
     assert client_for(script).download_file_content("file-9") == b'{"custom_id": "a"}\n'
     assert script.requests[-1].url.path == "/v1/files/file-9/content"
 
 
-def test_download_file_to_streams_to_disk(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps, tmp_path: Path
-) -> None:
+def test_download_file_to_streams_to_disk(client_for: MakeClient, sleeps: Sleeps, tmp_path: Path) -> None:
     content = b"".join(b'{"custom_id": "r%d"}\n' % i for i in range(50_000))
     script = Script((429, FULL), (200, content))
     target = tmp_path / "out.jsonl"
@@ -751,9 +661,7 @@ def test_download_file_to_streams_to_disk(
     assert sleeps == [1]
 
 
-def test_failed_download_leaves_nothing_behind(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_failed_download_leaves_nothing_behind(client_for: MakeClient, tmp_path: Path) -> None:
     script = Script((404, error_body("No such file", "not_found")))
     with pytest.raises(APIStatusError) as info:
         client_for(script).download_file_to("file-9", tmp_path / "out.jsonl")
@@ -762,13 +670,15 @@ def test_failed_download_leaves_nothing_behind(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_download_broken_mid_stream_leaves_nothing_behind(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
-    class Broken(httpx.SyncByteStream):
+def test_download_broken_mid_stream_leaves_nothing_behind(client_for: MakeClient, tmp_path: Path) -> None:
+    class Broken(httpx.SyncByteStream, httpx.AsyncByteStream):
         def __iter__(self) -> Iterator[bytes]:
             yield b'{"custom_id": "a"}\n'
             raise httpx.ReadError("connection reset")
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for chunk in self:
+                yield chunk
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=Broken())
@@ -784,15 +694,7 @@ def test_download_broken_mid_stream_leaves_nothing_behind(
 # --- waiting ------------------------------------------------------------------------------------
 
 
-def batch_script(*statuses: str, **final: Any) -> Script:
-    replies: list[Reply] = [(200, {"id": "batch_1", "status": s}) for s in statuses[:-1]]
-    replies.append((200, {"id": "batch_1", "status": statuses[-1], **final}))
-    return Script(*replies)
-
-
-def test_wait_for_batch_polls_until_completed(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
-) -> None:
+def test_wait_for_batch_polls_until_completed(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = batch_script("validating", "in_progress", "in_progress", "completed", output_file_id="file-out")
     batch = client_for(script).wait_for_batch("batch_1", poll_interval=2.5)
     assert batch == {"id": "batch_1", "status": "completed", "output_file_id": "file-out"}
@@ -801,15 +703,63 @@ def test_wait_for_batch_polls_until_completed(
 
 
 @pytest.mark.parametrize("status", ["failed", "expired", "cancelled"])
-def test_wait_for_batch_returns_a_failed_batch_by_default(
-    client_for: Callable[..., BatchGenHttpClient], status: str
-) -> None:
+def test_wait_for_batch_returns_a_failed_batch_by_default(client_for: MakeClient, status: str) -> None:
     batch = client_for(batch_script("in_progress", status)).wait_for_batch("batch_1", 1.0)
     assert batch["status"] == status
 
 
+SERVER_TERMINAL = sorted(status.value for status in BatchStatus if status.is_terminal)
+NOT_TERMINAL = [status.value for status in BatchStatus if not status.is_terminal]
+GONE = (404, error_body("No such batch", "not_found"))
+"""What the scripts answer once a batch has ended: a client that polls on past the end fails."""
+
+
+def test_terminal_statuses_are_the_servers() -> None:
+    assert frozenset(SERVER_TERMINAL) == TERMINAL_STATUSES
+    assert NOT_TERMINAL == ["validating", "in_progress", "finalizing", "cancelling"]
+
+
+def polled_until(server: FakeServer, polls: int) -> Callable[[httpx.Request], httpx.Response]:
+    """`server`, except that batch_1 is gone after `polls` polls."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches/batch_1" and server.polls.get("batch_1", 0) >= polls:
+            return httpx.Response(GONE[0], json=GONE[1])
+        return server(request)
+
+    return handler
+
+
+@pytest.mark.parametrize("status", SERVER_TERMINAL)
+def test_every_terminal_status_ends_a_wait(
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path, status: str
+) -> None:
+    """wait_for_batch, follow_results and submit_batch poll through every other status and stop
+    at the first terminal one; raise_on_failure raises for all but completed."""
+    script = Script(*[(200, {"id": "batch_1", "status": s}) for s in (*NOT_TERMINAL, status)], GONE)
+    assert client_for(script).wait_for_batch("batch_1", poll_interval=1)["status"] == status
+    assert len(script.requests) == 5 and sleeps == [1] * 4
+    script.requests.clear()
+    assert list(client_for(script).follow_results("batch_1", poll_interval=1)) == []
+    assert len(script.requests) == 5
+
+    lifecycle = (*NOT_TERMINAL, status)
+    server = FakeServer(lifecycle)
+    output = tmp_path / "out.jsonl"
+    batch = client_for(polled_until(server, 5)).submit_batch(requests_file(tmp_path), output, poll_interval=1)
+    assert batch["status"] == status and server.polls == {"batch_1": 5}
+    server = FakeServer(lifecycle)
+    submit = client_for(polled_until(server, 5)).submit_batch
+    if status == "completed":
+        assert submit(requests_file(tmp_path), poll_interval=1, raise_on_failure=True)["status"] == status
+    else:
+        with pytest.raises(BatchFailed) as info:
+            submit(requests_file(tmp_path), poll_interval=1, raise_on_failure=True)
+        assert info.value.status == status
+
+
 def test_wait_for_batch_can_raise_on_failure(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     errors = {"data": [{"code": "capacity_exceeded", "message": "intake pool full"}]}
     script = batch_script("validating", "failed", errors=errors)
@@ -820,14 +770,28 @@ def test_wait_for_batch_can_raise_on_failure(
     assert str(info.value) == "batch batch_1 ended failed: capacity_exceeded: intake pool full"
 
 
+def test_batch_failed_says_the_servers_failure_once() -> None:
+    """The server reports a failure both in OpenAI's `errors.data` and in its own `error`."""
+    error = {"code": "batch_failed", "message": "The input file is gone."}
+    batch = {
+        "id": "batch_1",
+        "status": "failed",
+        "errors": {"object": "list", "data": [error | {"param": None, "line": None}]},
+        "error": error,
+    }
+    assert str(BatchFailed(batch)) == "batch batch_1 ended failed: batch_failed: The input file is gone."
+    batch["error"] = {"code": "other", "message": "a second failure"}
+    assert str(BatchFailed(batch)).endswith(": The input file is gone.; other: a second failure")
+
+
 def test_wait_for_batch_raise_on_failure_returns_completed(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     script = batch_script("completed")
     assert client_for(script).wait_for_batch("batch_1", raise_on_failure=True)["status"] == ("completed")
 
 
-def test_wait_for_batch_times_out(client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps) -> None:
+def test_wait_for_batch_times_out(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = batch_script("in_progress")
     with pytest.raises(BatchWaitTimeout) as info:
         client_for(script).wait_for_batch("batch_1", poll_interval=5, timeout=0)
@@ -837,9 +801,22 @@ def test_wait_for_batch_times_out(client_for: Callable[..., BatchGenHttpClient],
     assert sleeps == []
 
 
-def test_wait_for_batch_never_sleeps_past_its_timeout(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
+def test_polls_start_at_one_second_and_grow_to_five_by_default(
+    client_for: MakeClient, sleeps: Sleeps, tmp_path: Path
 ) -> None:
+    """Without poll_interval, a short batch is seen ending soon after it does, and a long one is
+    asked about every 5 s; the docstring says so."""
+    script = batch_script(*["in_progress"] * 7, "completed")
+    assert client_for(script).wait_for_batch("batch_1")["status"] == "completed"
+    assert sleeps == [1, 1.5, 2.25, 3.375, 5, 5, 5]
+    sleeps.clear()
+    client_for(FakeServer()).submit_batch(requests_file(tmp_path), tmp_path / "out.jsonl")
+    assert sleeps == [1, 1.5]
+    doc = BatchGenHttpClient.wait_for_batch.__doc__ or ""
+    assert "(None) the first wait is 1 s, then\n    each is 1.5 times the one before, up to 5 s" in doc
+
+
+def test_wait_for_batch_never_sleeps_past_its_timeout(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = batch_script("in_progress", "completed")
     client_for(script).wait_for_batch("batch_1", poll_interval=30, timeout=3)
     assert len(sleeps) == 1
@@ -847,15 +824,13 @@ def test_wait_for_batch_never_sleeps_past_its_timeout(
 
 
 def test_wait_for_batch_rejects_a_negative_interval(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     with pytest.raises(ValueError):
         client_for(batch_script("completed")).wait_for_batch("batch_1", poll_interval=-1)
 
 
-def test_health_returns_the_unhealthy_body_without_retrying(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps
-) -> None:
+def test_health_returns_the_unhealthy_body_without_retrying(client_for: MakeClient, sleeps: Sleeps) -> None:
     script = Script((503, {"status": "unhealthy", "reason": "worker down"}))
     assert client_for(script).health() == {"status": "unhealthy", "reason": "worker down"}
     assert len(script.requests) == 1
@@ -865,19 +840,7 @@ def test_health_returns_the_unhealthy_body_without_retrying(
 # --- progress -----------------------------------------------------------------------------------
 
 
-def counted_script(*steps: tuple[str, int, int]) -> Script:
-    """Polls of batch_1 going through (status, completed, failed) of 4 requests."""
-    replies: list[Reply] = []
-    for status, completed, failed in steps:
-        counts = {"total": 4, "completed": completed, "failed": failed}
-        replies.append((200, {"id": "batch_1", "status": status, "request_counts": counts}))
-    return Script(*replies)
-
-
-STEPS = (("validating", 0, 0), ("in_progress", 1, 0), ("in_progress", 2, 1), ("completed", 3, 1))
-
-
-def test_on_progress_gets_every_polled_batch(client_for: Callable[..., BatchGenHttpClient]) -> None:
+def test_on_progress_gets_every_polled_batch(client_for: MakeClient) -> None:
     seen: list[dict[str, Any]] = []
     client_for(counted_script(*STEPS)).wait_for_batch("batch_1", 1.0, on_progress=seen.append)
     assert [(b["status"], b["request_counts"]["completed"]) for b in seen] == [
@@ -889,14 +852,14 @@ def test_on_progress_gets_every_polled_batch(client_for: Callable[..., BatchGenH
 
 
 def test_progress_is_off_by_default_when_stderr_is_not_a_terminal(
-    client_for: Callable[..., BatchGenHttpClient], capsys: pytest.CaptureFixture[str]
+    client_for: MakeClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
     client_for(counted_script(*STEPS)).wait_for_batch("batch_1", 1.0)
     assert capsys.readouterr().err == ""
 
 
 def test_progress_when_asked_prints_a_line_per_change(
-    client_for: Callable[..., BatchGenHttpClient], capsys: pytest.CaptureFixture[str]
+    client_for: MakeClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
     steps = (STEPS[0], STEPS[1], STEPS[1], STEPS[2], STEPS[3])  # one poll with no change
     client_for(counted_script(*steps)).wait_for_batch("batch_1", 1.0, progress=True)
@@ -912,7 +875,7 @@ class Terminal(io.StringIO):
 
 
 def test_progress_on_a_terminal_is_redrawn_in_place(
-    client_for: Callable[..., BatchGenHttpClient], monkeypatch: pytest.MonkeyPatch
+    client_for: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -924,7 +887,7 @@ def test_progress_on_a_terminal_is_redrawn_in_place(
 
 
 def test_progress_line_is_ended_when_the_wait_fails(
-    client_for: Callable[..., BatchGenHttpClient], monkeypatch: pytest.MonkeyPatch
+    client_for: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -935,7 +898,7 @@ def test_progress_line_is_ended_when_the_wait_fails(
 
 
 def test_submit_batch_passes_progress_on(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    client_for: MakeClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: list[str] = []
     client_for(FakeServer()).submit_batch(
@@ -951,59 +914,9 @@ def test_submit_batch_passes_progress_on(
 # --- following results ---------------------------------------------------------------------------
 
 
-class GrowingFile:
-    """batch_1 and its output (and error) file, which grow by a piece on every poll.
-
-    `ranges` says whether content requests honour `Range` (206, or 416 past the end); when not,
-    the whole file is sent each time.
-    """
-
-    def __init__(self, pieces: list[bytes], *, ranges: bool, errors: bytes = b"") -> None:
-        self.pieces = pieces
-        self.ranges = ranges
-        self.errors = errors
-        self.polls = 0
-        self.range_headers: list[str | None] = []
-
-    def output(self) -> bytes:
-        return b"".join(self.pieces[: self.polls])
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/v1/batches/batch_1":
-            self.polls += 1
-            ended = self.polls >= len(self.pieces)
-            batch = {"id": "batch_1", "status": "completed" if ended else "in_progress"}
-            batch["output_file_id"] = "file-out"
-            if self.errors:
-                batch["error_file_id"] = "file-err"
-            return httpx.Response(200, json=batch)
-        content = self.output() if path == "/v1/files/file-out/content" else self.errors
-        header = request.headers.get("range")
-        self.range_headers.append(header)
-        if not (self.ranges and header):
-            return httpx.Response(200, content=content)
-        start = int(header.removeprefix("bytes=").removesuffix("-"))
-        if start >= len(content):
-            return httpx.Response(416, json=error_body("Range not satisfiable", "range"))
-        return httpx.Response(206, content=content[start:])
-
-
-def result(custom_id: str) -> bytes:
-    return json.dumps({"custom_id": custom_id, "error": None}).encode() + b"\n"
-
-
-PIECES = [
-    result("a") + result("b")[:7],  # the second line is cut in half
-    result("b")[7:],
-    b"",
-    result("c") + result("d"),
-]
-
-
 @pytest.mark.parametrize("ranges", [True, False])
 def test_follow_results_yields_each_complete_line_once(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps, ranges: bool
+    client_for: MakeClient, sleeps: Sleeps, ranges: bool
 ) -> None:
     server = GrowingFile(PIECES, ranges=ranges)
     lines = list(client_for(server).follow_results("batch_1", poll_interval=0.5))
@@ -1015,14 +928,24 @@ def test_follow_results_yields_each_complete_line_once(
 
 
 def test_follow_results_with_errors_and_a_last_line_without_newline(
-    client_for: Callable[..., BatchGenHttpClient],
+    client_for: MakeClient,
 ) -> None:
     server = GrowingFile([result("a"), result("b").rstrip(b"\n")], ranges=True, errors=result("e"))
     lines = list(client_for(server).follow_results("batch_1", poll_interval=0, errors=True))
     assert [json.loads(line)["custom_id"] for line in lines] == ["a", "e", "b"]
 
 
-def test_follow_results_of_a_batch_without_output(client_for: Callable[..., BatchGenHttpClient]) -> None:
+@pytest.mark.parametrize("ranges", [True, False])
+def test_follow_results_reads_the_error_file_alongside(
+    client_for: MakeClient, sleeps: Sleeps, ranges: bool
+) -> None:
+    server = GrowingFile(PIECES, ranges=ranges, errors=result("e"))
+    lines = list(client_for(server).follow_results("batch_1", poll_interval=0.5, errors=True))
+    assert [json.loads(line)["custom_id"] for line in lines] == ["a", "e", "b", "c", "d"]
+    assert sleeps == [0.5, 0.5, 0.5]
+
+
+def test_follow_results_of_a_batch_without_output(client_for: MakeClient) -> None:
     errors = {"data": [{"code": "capacity_exceeded", "message": "full"}]}
     script = batch_script("validating", "failed", errors=errors)
     assert list(client_for(script).follow_results("batch_1", poll_interval=0)) == []
@@ -1032,13 +955,7 @@ def test_follow_results_of_a_batch_without_output(client_for: Callable[..., Batc
 # --- submit_batch -------------------------------------------------------------------------------
 
 
-def output_custom_ids(path: Path) -> list[str]:
-    return [json.loads(line)["custom_id"] for line in path.read_text().splitlines()]
-
-
-def test_submit_batch_end_to_end(
-    client_for: Callable[..., BatchGenHttpClient], sleeps: Sleeps, tmp_path: Path
-) -> None:
+def test_submit_batch_end_to_end(client_for: MakeClient, sleeps: Sleeps, tmp_path: Path) -> None:
     server = FakeServer()
     input_path = requests_file(tmp_path, n=5)
     output_path = tmp_path / "output.jsonl"
@@ -1073,9 +990,7 @@ def test_submit_batch_end_to_end(
     ]
 
 
-def test_submit_batch_picks_the_endpoint_from_the_first_line(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_submit_batch_picks_the_endpoint_from_the_first_line(client_for: MakeClient, tmp_path: Path) -> None:
     server = FakeServer()
     input_path = requests_file(tmp_path, url="/v1/completions")
     batch = client_for(server).submit_batch(input_path, poll_interval=1.0)
@@ -1084,9 +999,7 @@ def test_submit_batch_picks_the_endpoint_from_the_first_line(
     assert not any(r.url.path.endswith("/content") for r in server.requests)  # no output asked
 
 
-def test_submit_batch_explicit_endpoint_wins(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_submit_batch_explicit_endpoint_wins(client_for: MakeClient, tmp_path: Path) -> None:
     server = FakeServer()
     client_for(server).submit_batch(
         requests_file(tmp_path, url="/v1/completions"),
@@ -1107,9 +1020,7 @@ def test_submit_batch_explicit_endpoint_wins(
     }
 
 
-def test_submit_batch_downloads_the_error_file(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path
-) -> None:
+def test_submit_batch_downloads_the_error_file(client_for: MakeClient, tmp_path: Path) -> None:
     server = FakeServer(fail_custom_ids=frozenset({"request-1"}))
     output_path, error_path = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     client_for(server).submit_batch(
@@ -1119,7 +1030,7 @@ def test_submit_batch_downloads_the_error_file(
     assert output_custom_ids(error_path) == ["request-1"]
 
 
-def test_submit_batch_failed_batch(client_for: Callable[..., BatchGenHttpClient], tmp_path: Path) -> None:
+def test_submit_batch_failed_batch(client_for: MakeClient, tmp_path: Path) -> None:
     lifecycle = ("validating", "in_progress", "failed")
     output_path = tmp_path / "out.jsonl"
     batch = client_for(FakeServer(lifecycle)).submit_batch(
@@ -1144,7 +1055,7 @@ def test_submit_batch_failed_batch(client_for: Callable[..., BatchGenHttpClient]
     ],
 )
 def test_endpoint_sniffing_skips_blanks_and_falls_back_to_chat(
-    client_for: Callable[..., BatchGenHttpClient], tmp_path: Path, content: bytes, endpoint: str
+    client_for: MakeClient, tmp_path: Path, content: bytes, endpoint: str
 ) -> None:
     """The server, not the client, reports a bad input file; the client only picks an endpoint."""
     bodies: list[dict[str, Any]] = []
@@ -1163,146 +1074,27 @@ def test_endpoint_sniffing_skips_blanks_and_falls_back_to_chat(
     assert [body["endpoint"] for body in bodies] == [endpoint]
 
 
-def test_context_manager_closes_the_client() -> None:
-    with BatchGenHttpClient(BASE, transport=httpx.MockTransport(Script((200, {})))) as client:
+def test_context_manager_closes_the_client(client_for: MakeClient) -> None:
+    with client_for(Script((200, {}))) as client:
         assert not client.is_closed
     assert client.is_closed
 
 
-# --- async client -------------------------------------------------------------------------------
-
-
-@pytest.mark.anyio
-async def test_async_retries_exhausted(sleeps: Sleeps) -> None:
-    script = Script((429, FULL))
-    async with async_client(script, sleeps) as client:
-        with pytest.raises(RetriesExhausted) as info:
-            await client.pool_status()
-    assert isinstance(info.value, RuntimeError)
-    assert info.value.attempts == 6
-    assert sleeps == [1, 2, 4, 8, 16]
-    assert len(script.requests) == 6
-    assert client.is_closed
-
-
-@pytest.mark.anyio
-async def test_async_retry_after_and_503(sleeps: Sleeps) -> None:
-    script = Script((503, UNAVAILABLE, {"Retry-After": "9"}), (503, UNAVAILABLE), (200, {}))
-    async with async_client(script, sleeps) as client:
-        assert await client.list_models() == {}
-    assert sleeps == [9, 2]
-
-
-@pytest.mark.anyio
-async def test_async_create_batch_idempotency_key(sleeps: Sleeps) -> None:
-    script = Script((429, FULL), (429, FULL), (200, {"id": "batch_1"}))
-    async with async_client(script, sleeps) as client:
-        assert await client.create_batch("file-1", max_decoding_length=8) == {"id": "batch_1"}
-    keys = {r.headers["idempotency-key"] for r in script.requests}
-    assert len(script.requests) == 3 and len(keys) == 1
-    assert json.loads(script.requests[0].content)["max_decoding_length"] == 8
-
-
-@pytest.mark.anyio
-async def test_async_retried_upload_sends_the_whole_file_again(sleeps: Sleeps, tmp_path: Path) -> None:
-    path = requests_file(tmp_path, n=2000)
-    script = Script((503, UNAVAILABLE), (200, {"id": "file-1"}))
-    async with async_client(script, sleeps) as client:
-        assert await client.upload_file(path) == {"id": "file-1"}
-    assert len(script.requests) == 2
-    for request in script.requests:
-        assert multipart_fields(request)["file"] == ("input.jsonl", path.read_bytes())
-
-
-@pytest.mark.anyio
-async def test_async_errors(sleeps: Sleeps) -> None:
-    async with async_client(Script((404, error_body("No batch", "not_found"))), sleeps) as client:
-        with pytest.raises(APIStatusError) as info:
-            await client.get_batch("batch_x")
-    assert info.value.status_code == 404 and info.value.code == "not_found"
-    async with async_client(raising(httpx.ConnectTimeout("slow")), sleeps) as client:
-        with pytest.raises(APITimeoutError):
-            await client.health()
-
-
-@pytest.mark.anyio
-async def test_async_health_and_downloads(sleeps: Sleeps, tmp_path: Path) -> None:
-    content = b'{"custom_id": "a"}\n' * 10_000
-    script = Script((503, {"status": "unhealthy", "reason": "x"}))
-    async with async_client(script, sleeps) as client:
-        assert (await client.health())["status"] == "unhealthy"
-    script = Script((503, UNAVAILABLE), (200, content))
-    async with async_client(script, sleeps) as client:
-        assert await client.download_file_to("file-9", tmp_path / "o.jsonl") == tmp_path / "o.jsonl"
-        assert await client.download_file_content("file-9") == content
-    assert (tmp_path / "o.jsonl").read_bytes() == content
-    assert sleeps == [1]
-
-
-@pytest.mark.anyio
-async def test_async_wait_for_batch(sleeps: Sleeps) -> None:
-    script = batch_script("validating", "in_progress", "cancelled")
-    async with async_client(script, sleeps) as client:
-        assert (await client.wait_for_batch("batch_1", poll_interval=3))["status"] == "cancelled"
-    assert sleeps == [3, 3]
-    errors = {"data": [{"code": "batch_failed", "message": "timed out"}]}
-    async with async_client(batch_script("in_progress", "failed", errors=errors), sleeps) as client:
-        with pytest.raises(BatchFailed, match="batch_failed: timed out"):
-            await client.wait_for_batch("batch_1", poll_interval=1, raise_on_failure=True)
-    async with async_client(batch_script("in_progress"), sleeps) as client:
-        with pytest.raises(BatchWaitTimeout) as info:
-            await client.wait_for_batch("batch_1", timeout=0)
-    assert info.value.batch["status"] == "in_progress"
-    assert sleeps == [3, 3, 1]
-
-
-@pytest.mark.anyio
-async def test_async_submit_batch_end_to_end(sleeps: Sleeps, tmp_path: Path) -> None:
-    server = FakeServer()
-    input_path = requests_file(tmp_path, url="/v1/completions", n=4)
-    output_path = tmp_path / "output.jsonl"
-    async with async_client(server, sleeps) as client:
-        batch = await client.submit_batch(input_path, output_path, poll_interval=4, max_decoding_length=64)
-    assert batch["status"] == "completed"
-    assert server.seen_statuses == ["validating", "in_progress", "completed"]
-    assert sleeps == [4, 4]
-    assert server.create_bodies[0]["endpoint"] == "/v1/completions"
-    assert server.create_bodies[0]["max_decoding_length"] == 64
-    assert output_custom_ids(output_path) == [f"request-{i}" for i in range(4)]
-
-
-@pytest.mark.anyio
-async def test_async_connection_errors_are_retried(sleeps: Sleeps) -> None:
-    script = FailingThen([httpx.ConnectError("refused"), httpx.ReadTimeout("slow")], (200, {}))
-    async with async_client(script, sleeps) as client:
-        assert await client.list_models() == {}
-    assert len(script.requests) == 3 and 1 <= sleeps[0] <= 1.5 and 2 <= sleeps[1] <= 3
-    script = FailingThen([httpx.ConnectError("refused")] * 6, (200, {}))
-    async with async_client(script, sleeps) as client:
-        with pytest.raises(APIConnectionError) as info:
-            await client.list_models()
-    assert info.value.attempts == 6
+# --- only the async face --------------------------------------------------------------------------
 
 
 @pytest.mark.anyio
 async def test_async_on_progress_may_be_a_coroutine_function(sleeps: Sleeps) -> None:
+    """A coroutine function as `on_progress` is awaited: a feature of the async face alone."""
     seen: list[str] = []
 
     async def record(batch: dict[str, Any]) -> None:
         seen.append(batch["status"])
 
-    async with async_client(counted_script(*STEPS), sleeps) as client:
+    transport = httpx.MockTransport(counted_script(*STEPS))
+    async with AsyncBatchGenClient(BASE, transport=transport, retry=sleeps.policy()) as client:
         await client.wait_for_batch("batch_1", 1.0, on_progress=record)
-    async with async_client(counted_script(*STEPS), sleeps) as client:
+    transport = httpx.MockTransport(counted_script(*STEPS))
+    async with AsyncBatchGenClient(BASE, transport=transport, retry=sleeps.policy()) as client:
         await client.wait_for_batch("batch_1", 1.0, on_progress=lambda b: seen.append("sync"))
     assert seen == ["validating", "in_progress", "in_progress", "completed"] + ["sync"] * 4
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("ranges", [True, False])
-async def test_async_follow_results(sleeps: Sleeps, ranges: bool) -> None:
-    server = GrowingFile(PIECES, ranges=ranges, errors=result("e"))
-    async with async_client(server, sleeps) as client:
-        lines = [line async for line in client.follow_results("batch_1", poll_interval=0.5, errors=True)]
-    assert [json.loads(line)["custom_id"] for line in lines] == ["a", "e", "b", "c", "d"]
-    assert sleeps == [0.5, 0.5, 0.5]

@@ -1,17 +1,17 @@
 """The two faces of the client: `BatchGenHttpClient` (sync) and `AsyncBatchGenClient` (async).
 
-Both only send and sleep. Request building and response reading live in `_requests`, the retry
-decision in `_retry`, the polling decisions in `_wait` and `_follow`, the progress line in
-`_progress`, local files in `_files`. What remains here is `_BaseClient` (configuration, and what
-to do after a failed attempt), then per face the send loop and one short method per API call,
-with the same names and parameters on both faces.
+Both only send and sleep. Each public method is defined once for both faces by a builder (its
+parameters, docstring and request building: `_requests`, `_wait`, `_follow`, `_submit`, `_files`)
+and joined to the face's runner by `_methods`. The retry decision lives in `_retry`, the progress
+line in `_progress`. What remains here is `_BaseClient` (configuration, and what to do after a
+failed attempt), then per face its send loop and its runners, then the table of its methods.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -20,16 +20,15 @@ from typing import Self
 
 import httpx
 
+from batchgen.client import _files as files
+from batchgen.client import _follow as follows
 from batchgen.client import _requests as req
-from batchgen.client._files import endpoint_of, partial_download
-from batchgen.client._follow import ResultFollower, ResultTail
-from batchgen.client._requests import (
-    DEFAULT_BASE_URL,
-    DEFAULT_TIMEOUT,
-    JSONObject,
-    RequestSpec,
-    StrPath,
-)
+from batchgen.client import _submit as submits
+from batchgen.client import _wait as waits
+from batchgen.client._files import Download, partial_download
+from batchgen.client._follow import Following, ResultTail
+from batchgen.client._methods import async_method, method
+from batchgen.client._requests import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, JSONObject, RequestSpec
 from batchgen.client._retry import (
     RetryPolicy,
     error_delay,
@@ -38,7 +37,8 @@ from batchgen.client._retry import (
     should_retry,
     should_retry_error,
 )
-from batchgen.client._wait import Wait, check_poll_interval, finish_wait, is_terminal
+from batchgen.client._submit import Submission
+from batchgen.client._wait import Wait, is_terminal
 
 __all__ = ["AsyncBatchGenClient", "BatchGenHttpClient"]
 
@@ -51,10 +51,6 @@ try:
 except PackageNotFoundError:  # running from a source tree
     _VERSION = "0+unknown"
 USER_AGENT = f"batchgen-client/{_VERSION}"
-
-ProgressCallback = Callable[[JSONObject], object]
-"""`on_progress`: called with the batch object after each poll (the async client awaits a
-coroutine function's result)."""
 
 
 class _BaseClient:
@@ -171,133 +167,44 @@ class BatchGenHttpClient(_BaseClient):
             self.retry.sleep(delay)
             attempt += 1
 
+    # --- the runners: what each kind of method sends -------------------------------------------
+
     def _call(self, spec: RequestSpec) -> JSONObject:
         return req.parse_object(spec, self._send(spec))
 
-    # --- files ----------------------------------------------------------------------------------
+    def _content(self, spec: RequestSpec) -> bytes:
+        return self._send(spec).content
 
-    def upload_file(
-        self, path: StrPath, purpose: str = "batch", *, idempotency_key: str | None = None
-    ) -> JSONObject:
-        """Upload a file, streamed from disk and re-read from the start on a retry. Every attempt
-        sends one `Idempotency-Key` (as `create_batch` does), so a retry never stores it twice."""
-        return self._call(req.upload_file(path, purpose, idempotency_key=idempotency_key))
-
-    def list_files(
-        self,
-        after: str | None = None,
-        limit: int | None = None,
-        order: str | None = None,
-        purpose: str | None = None,
-    ) -> JSONObject:
-        return self._call(req.list_files(after, limit, order, purpose))
-
-    def get_file(self, file_id: str) -> JSONObject:
-        return self._call(req.get_file(file_id))
-
-    def delete_file(self, file_id: str) -> JSONObject:
-        return self._call(req.delete_file(file_id))
-
-    def download_file_content(self, file_id: str) -> bytes:
-        """A file's whole content, in memory. For large outputs prefer `download_file_to`."""
-        return self._send(req.file_content(file_id)).content
-
-    def download_file_to(self, file_id: str, path: StrPath) -> Path:
-        """Stream a file's content to `path` (via `<path>.part`, renamed once complete)."""
-        spec = req.file_content(file_id)
-        response = self._send(spec, stream=True)
+    def _download(self, download: Download) -> Path:
+        response = self._send(download.spec, stream=True)
         try:
-            with partial_download(path) as out, req.translate_transport_errors(spec):
+            with partial_download(download.path) as out, req.translate_transport_errors(download.spec):
                 for chunk in response.iter_bytes():
                     out.write(chunk)
         finally:
             response.close()
-        return Path(path)
+        return download.path
 
-    # --- batches --------------------------------------------------------------------------------
-
-    def create_batch(
-        self,
-        input_file_id: str,
-        endpoint: str = req.DEFAULT_ENDPOINT,
-        completion_window: str = "24h",
-        metadata: Mapping[str, str] | None = None,
-        max_decoding_length: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        *,
-        idempotency_key: str | None = None,
-    ) -> JSONObject:
-        """Create a batch. Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
-        fresh uuid4 per call, so a create retried after a lost response is not run twice."""
-        spec = req.create_batch(
-            input_file_id,
-            endpoint,
-            completion_window,
-            metadata,
-            max_decoding_length,
-            temperature,
-            top_p,
-            top_k,
-            idempotency_key=idempotency_key,
-        )
-        return self._call(spec)
-
-    def get_batch(self, batch_id: str) -> JSONObject:
-        return self._call(req.get_batch(batch_id))
-
-    def list_batches(self, after: str | None = None, limit: int | None = None) -> JSONObject:
-        return self._call(req.list_batches(after, limit))
-
-    def cancel_batch(self, batch_id: str) -> JSONObject:
-        return self._call(req.cancel_batch(batch_id))
-
-    def wait_for_batch(
-        self,
-        batch_id: str,
-        poll_interval: float = 10.0,
-        timeout: float | None = None,
-        *,
-        raise_on_failure: bool = False,
-        progress: bool | None = None,
-        on_progress: ProgressCallback | None = None,
-    ) -> JSONObject:
-        """Poll until the batch is completed, failed, expired or cancelled, and return it.
-
-        With `raise_on_failure`, an ending other than completed raises `BatchFailed`. If `timeout`
-        seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running). `progress`
-        draws a progress line on stderr (None: only if stderr is a terminal); `on_progress` is
-        called with the batch after every poll.
-        """
-        with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
+    def _wait(self, wait: Wait) -> JSONObject:
+        with wait:
             while True:
-                batch = self.get_batch(batch_id)
-                if on_progress is not None:
-                    on_progress(batch)
+                batch = self._call(wait.poll())
+                if wait.on_progress is not None:
+                    wait.on_progress(batch)
                 delay = wait.next_delay(batch)
                 if delay is None:
-                    return finish_wait(batch, raise_on_failure=raise_on_failure)
+                    return wait.finish(batch)
                 self.retry.sleep(delay)
 
-    def follow_results(
-        self, batch_id: str, *, poll_interval: float = 2.0, errors: bool = False
-    ) -> Iterator[str]:
-        """Yield the batch's output lines (JSON text) as the server writes them, until it has ended.
-
-        Each poll fetches only the part of the output file not read yet. With `errors`, lines of
-        the error file are yielded too. Ends once the batch is terminal and every line was yielded.
-        """
-        check_poll_interval(poll_interval)
-        follower = ResultFollower(errors=errors)
+    def _follow(self, following: Following) -> Iterator[str]:
         while True:
-            batch = self.get_batch(batch_id)
-            for tail in follower.tails(batch):
+            batch = self._call(following.poll())
+            for tail in following.tails(batch):
                 yield from self._read_new_lines(tail)
             if is_terminal(batch):
-                yield from follower.finish()
+                yield from following.finish()
                 return
-            self.retry.sleep(poll_interval)
+            self.retry.sleep(following.poll_interval)
 
     def _read_new_lines(self, tail: ResultTail) -> Iterator[str]:
         spec = tail.request()
@@ -310,74 +217,39 @@ class BatchGenHttpClient(_BaseClient):
         finally:
             response.close()
 
-    def submit_batch(
-        self,
-        input_file_path: StrPath,
-        output_file_path: StrPath | None = None,
-        endpoint: str | None = None,
-        *,
-        poll_interval: float = 10.0,
-        timeout: float | None = None,
-        completion_window: str = "24h",
-        metadata: Mapping[str, str] | None = None,
-        max_decoding_length: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        error_file_path: StrPath | None = None,
-        raise_on_failure: bool = False,
-        progress: bool | None = None,
-        on_progress: ProgressCallback | None = None,
-    ) -> JSONObject:
-        """Upload → create → wait → download; returns the final batch.
+    def _submit(self, submission: Submission) -> JSONObject:
+        uploaded = self._call(submission.upload())
+        created = self._call(submission.create(uploaded))
+        batch = self._wait(submission.wait(created))
+        for download in submission.downloads(batch):
+            self._download(download)
+        return submission.finish(batch)
 
-        `endpoint` None means the `url` of the file's first request. The output (and, if
-        `error_file_path` is given, the error file) is downloaded whenever the final batch names
-        one — a failed or cancelled batch may carry partial results. `progress` and `on_progress`
-        are `wait_for_batch`'s.
-        """
-        check_poll_interval(poll_interval)
-        if endpoint is None:
-            endpoint = endpoint_of(input_file_path)
-        uploaded = self.upload_file(input_file_path, purpose="batch")
-        created = self.create_batch(
-            req.object_id(uploaded, "file"),
-            endpoint,
-            completion_window,
-            metadata,
-            max_decoding_length,
-            temperature,
-            top_p,
-            top_k,
-        )
-        batch = self.wait_for_batch(
-            req.object_id(created, "batch"),
-            poll_interval=poll_interval,
-            timeout=timeout,
-            progress=progress,
-            on_progress=on_progress,
-        )
-        for file_id, path in req.result_downloads(batch, output_file_path, error_file_path):
-            self.download_file_to(file_id, path)
-        return finish_wait(batch, raise_on_failure=raise_on_failure)
+    # --- the methods: one builder each, shared with AsyncBatchGenClient ------------------------
 
-    # --- server ---------------------------------------------------------------------------------
-
-    def pool_status(self) -> JSONObject:
-        return self._call(req.pool_status())
-
-    def health(self) -> JSONObject:
-        """`{"status": "healthy"}`, or the 503 body `{"status": "unhealthy", ...}`; not retried."""
-        return self._call(req.health())
-
-    def list_models(self) -> JSONObject:
-        return self._call(req.list_models())
+    upload_file = method(req.upload_file, _call)
+    list_files = method(req.list_files, _call)
+    get_file = method(req.get_file, _call)
+    delete_file = method(req.delete_file, _call)
+    download_file_content = method(req.download_file_content, _content)
+    download_file_to = method(files.download_file_to, _download)
+    create_batch = method(req.create_batch, _call)
+    get_batch = method(req.get_batch, _call)
+    list_batches = method(req.list_batches, _call)
+    cancel_batch = method(req.cancel_batch, _call)
+    wait_for_batch = method(waits.wait_for_batch, _wait)
+    follow_results = method(follows.follow_results, _follow)
+    submit_batch = method(submits.submit_batch, _submit)
+    pool_status = method(req.pool_status, _call)
+    health = method(req.health, _call)
+    list_models = method(req.list_models, _call)
 
 
 class AsyncBatchGenClient(_BaseClient):
     """Asynchronous client: the same methods as `BatchGenHttpClient`, awaitable.
 
     Use it as an async context manager, or call `aclose()`. Waits use `retry.async_sleep`.
+    `follow_results` returns an async iterator.
     """
 
     def __init__(
@@ -440,137 +312,48 @@ class AsyncBatchGenClient(_BaseClient):
             await self.retry.async_sleep(delay)
             attempt += 1
 
+    # --- the runners: what each kind of method sends -------------------------------------------
+
     async def _call(self, spec: RequestSpec) -> JSONObject:
         return req.parse_object(spec, await self._send(spec))
 
-    # --- files ----------------------------------------------------------------------------------
+    async def _content(self, spec: RequestSpec) -> bytes:
+        return (await self._send(spec)).content
 
-    async def upload_file(
-        self, path: StrPath, purpose: str = "batch", *, idempotency_key: str | None = None
-    ) -> JSONObject:
-        """Upload a file, streamed from disk and re-read from the start on a retry. Every attempt
-        sends one `Idempotency-Key` (as `create_batch` does), so a retry never stores it twice."""
-        return await self._call(req.upload_file(path, purpose, idempotency_key=idempotency_key))
-
-    async def list_files(
-        self,
-        after: str | None = None,
-        limit: int | None = None,
-        order: str | None = None,
-        purpose: str | None = None,
-    ) -> JSONObject:
-        return await self._call(req.list_files(after, limit, order, purpose))
-
-    async def get_file(self, file_id: str) -> JSONObject:
-        return await self._call(req.get_file(file_id))
-
-    async def delete_file(self, file_id: str) -> JSONObject:
-        return await self._call(req.delete_file(file_id))
-
-    async def download_file_content(self, file_id: str) -> bytes:
-        """A file's whole content, in memory. For large outputs prefer `download_file_to`."""
-        return (await self._send(req.file_content(file_id))).content
-
-    async def download_file_to(self, file_id: str, path: StrPath) -> Path:
-        """Stream a file's content to `path` (via `<path>.part`, renamed once complete)."""
-        spec = req.file_content(file_id)
-        response = await self._send(spec, stream=True)
+    async def _download(self, download: Download) -> Path:
+        response = await self._send(download.spec, stream=True)
         try:
-            with partial_download(path) as out, req.translate_transport_errors(spec):
+            with partial_download(download.path) as out, req.translate_transport_errors(download.spec):
                 async for chunk in response.aiter_bytes():
                     out.write(chunk)
         finally:
             await response.aclose()
-        return Path(path)
+        return download.path
 
-    # --- batches --------------------------------------------------------------------------------
-
-    async def create_batch(
-        self,
-        input_file_id: str,
-        endpoint: str = req.DEFAULT_ENDPOINT,
-        completion_window: str = "24h",
-        metadata: Mapping[str, str] | None = None,
-        max_decoding_length: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        *,
-        idempotency_key: str | None = None,
-    ) -> JSONObject:
-        """Create a batch. Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
-        fresh uuid4 per call, so a create retried after a lost response is not run twice."""
-        spec = req.create_batch(
-            input_file_id,
-            endpoint,
-            completion_window,
-            metadata,
-            max_decoding_length,
-            temperature,
-            top_p,
-            top_k,
-            idempotency_key=idempotency_key,
-        )
-        return await self._call(spec)
-
-    async def get_batch(self, batch_id: str) -> JSONObject:
-        return await self._call(req.get_batch(batch_id))
-
-    async def list_batches(self, after: str | None = None, limit: int | None = None) -> JSONObject:
-        return await self._call(req.list_batches(after, limit))
-
-    async def cancel_batch(self, batch_id: str) -> JSONObject:
-        return await self._call(req.cancel_batch(batch_id))
-
-    async def wait_for_batch(
-        self,
-        batch_id: str,
-        poll_interval: float = 10.0,
-        timeout: float | None = None,
-        *,
-        raise_on_failure: bool = False,
-        progress: bool | None = None,
-        on_progress: ProgressCallback | None = None,
-    ) -> JSONObject:
-        """Poll until the batch is completed, failed, expired or cancelled, and return it.
-
-        With `raise_on_failure`, an ending other than completed raises `BatchFailed`. If `timeout`
-        seconds pass first, `BatchWaitTimeout` is raised (the batch keeps running). `progress`
-        draws a progress line on stderr (None: only if stderr is a terminal); `on_progress` is
-        called with the batch after every poll, and awaited if it returns an awaitable.
-        """
-        with Wait(batch_id, poll_interval, timeout, progress=progress) as wait:
+    async def _wait(self, wait: Wait) -> JSONObject:
+        with wait:
             while True:
-                batch = await self.get_batch(batch_id)
-                if on_progress is not None:
-                    result = on_progress(batch)
+                batch = await self._call(wait.poll())
+                if wait.on_progress is not None:
+                    result = wait.on_progress(batch)
                     if inspect.isawaitable(result):
                         await result
                 delay = wait.next_delay(batch)
                 if delay is None:
-                    return finish_wait(batch, raise_on_failure=raise_on_failure)
+                    return wait.finish(batch)
                 await self.retry.async_sleep(delay)
 
-    async def follow_results(
-        self, batch_id: str, *, poll_interval: float = 2.0, errors: bool = False
-    ) -> AsyncIterator[str]:
-        """Yield the batch's output lines (JSON text) as the server writes them, until it has ended.
-
-        Each poll fetches only the part of the output file not read yet. With `errors`, lines of
-        the error file are yielded too. Ends once the batch is terminal and every line was yielded.
-        """
-        check_poll_interval(poll_interval)
-        follower = ResultFollower(errors=errors)
+    async def _follow(self, following: Following) -> AsyncIterator[str]:
         while True:
-            batch = await self.get_batch(batch_id)
-            for tail in follower.tails(batch):
+            batch = await self._call(following.poll())
+            for tail in following.tails(batch):
                 async for line in self._read_new_lines(tail):
                     yield line
             if is_terminal(batch):
-                for line in follower.finish():
+                for line in following.finish():
                     yield line
                 return
-            await self.retry.async_sleep(poll_interval)
+            await self.retry.async_sleep(following.poll_interval)
 
     async def _read_new_lines(self, tail: ResultTail) -> AsyncIterator[str]:
         spec = tail.request()
@@ -584,65 +367,29 @@ class AsyncBatchGenClient(_BaseClient):
         finally:
             await response.aclose()
 
-    async def submit_batch(
-        self,
-        input_file_path: StrPath,
-        output_file_path: StrPath | None = None,
-        endpoint: str | None = None,
-        *,
-        poll_interval: float = 10.0,
-        timeout: float | None = None,
-        completion_window: str = "24h",
-        metadata: Mapping[str, str] | None = None,
-        max_decoding_length: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        error_file_path: StrPath | None = None,
-        raise_on_failure: bool = False,
-        progress: bool | None = None,
-        on_progress: ProgressCallback | None = None,
-    ) -> JSONObject:
-        """Upload → create → wait → download; returns the final batch.
+    async def _submit(self, submission: Submission) -> JSONObject:
+        uploaded = await self._call(submission.upload())
+        created = await self._call(submission.create(uploaded))
+        batch = await self._wait(submission.wait(created))
+        for download in submission.downloads(batch):
+            await self._download(download)
+        return submission.finish(batch)
 
-        `endpoint` None means the `url` of the file's first request. The output (and, if
-        `error_file_path` is given, the error file) is downloaded whenever the final batch names
-        one — a failed or cancelled batch may carry partial results. `progress` and `on_progress`
-        are `wait_for_batch`'s.
-        """
-        check_poll_interval(poll_interval)
-        if endpoint is None:
-            endpoint = endpoint_of(input_file_path)
-        uploaded = await self.upload_file(input_file_path, purpose="batch")
-        created = await self.create_batch(
-            req.object_id(uploaded, "file"),
-            endpoint,
-            completion_window,
-            metadata,
-            max_decoding_length,
-            temperature,
-            top_p,
-            top_k,
-        )
-        batch = await self.wait_for_batch(
-            req.object_id(created, "batch"),
-            poll_interval=poll_interval,
-            timeout=timeout,
-            progress=progress,
-            on_progress=on_progress,
-        )
-        for file_id, path in req.result_downloads(batch, output_file_path, error_file_path):
-            await self.download_file_to(file_id, path)
-        return finish_wait(batch, raise_on_failure=raise_on_failure)
+    # --- the methods: one builder each, shared with BatchGenHttpClient -------------------------
 
-    # --- server ---------------------------------------------------------------------------------
-
-    async def pool_status(self) -> JSONObject:
-        return await self._call(req.pool_status())
-
-    async def health(self) -> JSONObject:
-        """`{"status": "healthy"}`, or the 503 body `{"status": "unhealthy", ...}`; not retried."""
-        return await self._call(req.health())
-
-    async def list_models(self) -> JSONObject:
-        return await self._call(req.list_models())
+    upload_file = async_method(req.upload_file, _call)
+    list_files = async_method(req.list_files, _call)
+    get_file = async_method(req.get_file, _call)
+    delete_file = async_method(req.delete_file, _call)
+    download_file_content = async_method(req.download_file_content, _content)
+    download_file_to = async_method(files.download_file_to, _download)
+    create_batch = async_method(req.create_batch, _call)
+    get_batch = async_method(req.get_batch, _call)
+    list_batches = async_method(req.list_batches, _call)
+    cancel_batch = async_method(req.cancel_batch, _call)
+    wait_for_batch = async_method(waits.wait_for_batch, _wait)
+    follow_results = method(follows.follow_results, _follow)
+    submit_batch = async_method(submits.submit_batch, _submit)
+    pool_status = async_method(req.pool_status, _call)
+    health = async_method(req.health, _call)
+    list_models = async_method(req.list_models, _call)

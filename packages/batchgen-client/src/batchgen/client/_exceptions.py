@@ -116,7 +116,10 @@ class BatchWaitTimeout(BatchGenClientError, TimeoutError):
 
 
 def batch_error_summary(batch: dict[str, Any]) -> str:
-    """A one-line account of why a batch failed, from OpenAI's `errors.data` or an `error` field."""
+    """A one-line account of why a batch failed, from OpenAI's `errors.data` and an `error` field.
+
+    The server reports one failure in both, so each distinct message is said once.
+    """
     messages: list[str] = []
     errors = batch.get("errors")
     if isinstance(errors, dict) and isinstance(errors.get("data"), list):
@@ -128,7 +131,7 @@ def batch_error_summary(batch: dict[str, Any]) -> str:
         messages.append(_describe(error))
     elif isinstance(error, str) and error:
         messages.append(error)
-    return "; ".join(m for m in messages if m)
+    return "; ".join(dict.fromkeys(m for m in messages if m))
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Local files, for both clients: picking the endpoint from an input file's first request, and
-writing a download so that a half-finished one never sits at the destination path."""
+downloading to a path so that a half-finished download never sits there."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from batchgen.client._requests import DEFAULT_ENDPOINT, StrPath
+from batchgen.client._requests import DEFAULT_ENDPOINT, RequestSpec, StrPath, file_content
+
+__all__ = ["Download", "download_file_to", "endpoint_of", "partial_download"]
 
 
 def endpoint_of(input_file_path: StrPath) -> str:
@@ -45,3 +48,16 @@ def partial_download(path: StrPath) -> Iterator[BinaryIO]:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """A file's content, to be streamed to `path` through `partial_download`."""
+
+    spec: RequestSpec
+    path: Path
+
+
+def download_file_to(file_id: str, path: StrPath) -> Download:
+    """Stream a file's content to `path` (via `<path>.part`, renamed once complete)."""
+    return Download(file_content(file_id), Path(path))

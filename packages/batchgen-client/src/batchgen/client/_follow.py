@@ -7,8 +7,8 @@ requests, its error file) and serves what is there so far at `GET /v1/files/{id}
 next poll. A server that ignores `Range` sends the whole file again, and the tail skips the part
 it has already read, so only the network pays for it, not memory.
 
-No I/O here: the clients send `tail.request()`, then call `start` with the status and `feed` with
-each chunk of the body.
+No I/O here: the clients get `following.poll()`, send each of `following.tails(batch)`'s
+`tail.request()`, then call `start` with the status and `feed` with each chunk of the body.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 
 from batchgen.client import _requests as req
 from batchgen.client._requests import RequestSpec
+from batchgen.client._wait import check_poll_interval
 
-__all__ = ["ResultFollower", "ResultTail"]
+__all__ = ["Following", "ResultFollower", "ResultTail", "follow_results"]
 
 PARTIAL_CONTENT = 206
 
@@ -95,6 +96,37 @@ class ResultFollower:
     def finish(self) -> list[str]:
         """Every tail's unfinished last line; once the batch has ended and all was read."""
         return [line for tail in self._tails.values() for line in tail.finish()]
+
+
+def follow_results(batch_id: str, *, poll_interval: float = 2.0, errors: bool = False) -> Following:
+    """Yield the batch's output lines (JSON text) as the server writes them, until it has ended.
+
+    Each poll fetches only the part of the output file not read yet. With `errors`, lines of
+    the error file are yielded too. Ends once the batch is terminal and every line was yielded.
+    """
+    check_poll_interval(poll_interval)
+    return Following(batch_id, poll_interval, ResultFollower(errors=errors))
+
+
+class Following:
+    """One `follow_results`: the batch to poll, how often, and the tails of its files."""
+
+    def __init__(self, batch_id: str, poll_interval: float, follower: ResultFollower) -> None:
+        self.batch_id = batch_id
+        self.poll_interval = poll_interval
+        self.follower = follower
+
+    def poll(self) -> RequestSpec:
+        """The request for the batch's current state."""
+        return req.get_batch(self.batch_id)
+
+    def tails(self, batch: Mapping[str, Any]) -> list[ResultTail]:
+        """The files to read after this poll (see `ResultFollower.tails`)."""
+        return self.follower.tails(batch)
+
+    def finish(self) -> list[str]:
+        """The unfinished last lines, once the batch has ended and all was read."""
+        return self.follower.finish()
 
 
 def _lines(data: bytes) -> list[str]:

@@ -1,7 +1,9 @@
 """What the sync and async clients share and that does no network I/O: one `RequestSpec` per API
 call, turning a spec into an `httpx.Request`, and reading responses, error bodies and errors.
 
-The clients only send: each public method is `parse_object(send(<spec builder>(...)))`.
+Each spec builder named after a client method (`create_batch`, `get_batch`, …) is that method's
+one definition for both faces: its parameters and docstring are the method's (see `_methods`),
+and the faces only send what it returns.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from batchgen.client._exceptions import (
     BatchGenClientError,
     RetriesExhausted,
 )
+from batchgen.client._options import DEFAULT_COMPLETION_WINDOW, BatchOptions
 
 JSONObject = dict[str, Any]
 """What every API call returns: the decoded JSON object, as the server sent it."""
@@ -87,23 +90,37 @@ def normalize_base_url(base_url: str) -> str:
 # --- one spec per API call ----------------------------------------------------------------------
 
 
-def upload_file(path: StrPath, purpose: str, *, idempotency_key: str | None = None) -> RequestSpec:
-    """POST /v1/files, with an Idempotency-Key (see `create_batch`)."""
+def upload_file(path: StrPath, purpose: str = "batch", *, idempotency_key: str | None = None) -> RequestSpec:
+    """Upload a file, streamed from disk and re-read from the start on a retry. Every attempt
+    sends one `Idempotency-Key` (as `create_batch` does), so a retry never stores it twice."""
     upload = Upload(Path(path), purpose)
     return RequestSpec("POST", "/v1/files", headers=_idempotency(idempotency_key), upload=upload)
 
 
-def list_files(after: str | None, limit: int | None, order: str | None, purpose: str | None) -> RequestSpec:
+def list_files(
+    after: str | None = None,
+    limit: int | None = None,
+    order: str | None = None,
+    purpose: str | None = None,
+) -> RequestSpec:
+    """A page of the server's files (GET /v1/files)."""
     params = _params(after=after, limit=limit, order=order, purpose=purpose)
     return RequestSpec("GET", "/v1/files", params=params)
 
 
 def get_file(file_id: str) -> RequestSpec:
+    """A file object (GET /v1/files/{file_id})."""
     return RequestSpec("GET", f"/v1/files/{_segment(file_id)}")
 
 
 def delete_file(file_id: str) -> RequestSpec:
+    """Delete a file (DELETE /v1/files/{file_id})."""
     return RequestSpec("DELETE", f"/v1/files/{_segment(file_id)}")
+
+
+def download_file_content(file_id: str) -> RequestSpec:
+    """A file's whole content, in memory. For large outputs prefer `download_file_to`."""
+    return file_content(file_id)
 
 
 def file_content(file_id: str, start: int = 0) -> RequestSpec:
@@ -125,57 +142,58 @@ def file_content(file_id: str, start: int = 0) -> RequestSpec:
 
 def create_batch(
     input_file_id: str,
-    endpoint: str,
-    completion_window: str,
-    metadata: Mapping[str, str] | None,
-    max_decoding_length: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
+    endpoint: str = DEFAULT_ENDPOINT,
+    completion_window: str = DEFAULT_COMPLETION_WINDOW,
+    metadata: Mapping[str, str] | None = None,
+    max_decoding_length: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     *,
     idempotency_key: str | None = None,
 ) -> RequestSpec:
-    """POST /v1/batches; fields left None are omitted. The Idempotency-Key is a fresh uuid4
-    unless given, and belongs to the spec, so every retry of this call sends the same one: a
-    retry after a lost response gets the object the first attempt made, not a second one."""
-    body: dict[str, Any] = {
-        "input_file_id": input_file_id,
-        "endpoint": endpoint,
-        "completion_window": completion_window,
-    }
-    optional: dict[str, Any] = {
-        "metadata": dict(metadata) if metadata is not None else None,
-        "max_decoding_length": max_decoding_length,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-    }
-    body.update({key: value for key, value in optional.items() if value is not None})
+    """Create a batch. Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
+    fresh uuid4 per call, so a create retried after a lost response is not run twice."""
+    options = BatchOptions(completion_window, metadata, max_decoding_length, temperature, top_p, top_k)
+    return create(input_file_id, endpoint, options, idempotency_key=idempotency_key)
+
+
+def create(
+    input_file_id: str, endpoint: str, options: BatchOptions, *, idempotency_key: str | None = None
+) -> RequestSpec:
+    """POST /v1/batches. The Idempotency-Key belongs to the spec, so every retry of this call sends
+    the same one: a retry after a lost response gets the object the first attempt made."""
+    body = {"input_file_id": input_file_id, "endpoint": endpoint, **options.body()}
     return RequestSpec("POST", "/v1/batches", json=body, headers=_idempotency(idempotency_key))
 
 
 def get_batch(batch_id: str) -> RequestSpec:
+    """A batch object (GET /v1/batches/{batch_id})."""
     return RequestSpec("GET", f"/v1/batches/{_segment(batch_id)}")
 
 
-def list_batches(after: str | None, limit: int | None) -> RequestSpec:
+def list_batches(after: str | None = None, limit: int | None = None) -> RequestSpec:
+    """A page of batches, newest first (GET /v1/batches)."""
     return RequestSpec("GET", "/v1/batches", params=_params(after=after, limit=limit))
 
 
 def cancel_batch(batch_id: str) -> RequestSpec:
+    """Cancel a batch (POST /v1/batches/{batch_id}/cancel); returns it, `cancelling` or ended."""
     return RequestSpec("POST", f"/v1/batches/{_segment(batch_id)}/cancel")
 
 
 def pool_status() -> RequestSpec:
+    """The server's intake and scheduling pools (GET /v1/pool/status)."""
     return RequestSpec("GET", "/v1/pool/status")
 
 
 def health() -> RequestSpec:
-    """GET /health. Not retried, and a 503 is returned: `{"status": "unhealthy", ...}` is the answer."""
+    """`{"status": "healthy"}`, or the 503 body `{"status": "unhealthy", ...}`; not retried."""
     return RequestSpec("GET", "/health", retry=False, accept_statuses=frozenset({503}))
 
 
 def list_models() -> RequestSpec:
+    """The models the server serves (GET /v1/models)."""
     return RequestSpec("GET", "/v1/models")
 
 
@@ -297,29 +315,3 @@ def _error_message(body: object) -> str:
     if isinstance(body, str):
         return body[:500]
     return ""
-
-
-# --- submit_batch -------------------------------------------------------------------------------
-
-
-def object_id(obj: Mapping[str, Any], kind: str) -> str:
-    """The `id` of a file or batch object the server returned."""
-    value = obj.get("id")
-    if not isinstance(value, str) or not value:
-        raise BatchGenClientError(f"the server returned a {kind} object without an id: {obj!r}")
-    return value
-
-
-def result_downloads(
-    batch: Mapping[str, Any],
-    output_file_path: StrPath | None,
-    error_file_path: StrPath | None,
-) -> list[tuple[str, StrPath]]:
-    """(file id, local path) for each result file that was asked for and that the batch names."""
-    wanted = [("output_file_id", output_file_path), ("error_file_id", error_file_path)]
-    downloads: list[tuple[str, StrPath]] = []
-    for key, path in wanted:
-        file_id = batch.get(key)
-        if path is not None and isinstance(file_id, str) and file_id:
-            downloads.append((file_id, path))
-    return downloads

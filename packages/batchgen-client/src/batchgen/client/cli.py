@@ -27,9 +27,11 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from batchgen.client._arguments import non_negative_float, non_negative_int, positive_float, positive_int
 from batchgen.client._client import BatchGenHttpClient
 from batchgen.client._exceptions import (
     APIConnectionError,
@@ -37,8 +39,10 @@ from batchgen.client._exceptions import (
     BatchGenClientError,
     batch_error_summary,
 )
+from batchgen.client._options import BatchOptions, flag_of
 from batchgen.client._requests import DEFAULT_BASE_URL, ENDPOINTS, JSONObject
 from batchgen.client._retry import RetryPolicy
+from batchgen.client._wait import ADAPTIVE_POLLING
 
 __all__ = [
     "BASE_URL_ENV",
@@ -95,14 +99,10 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
             args.output,
             args.endpoint,
             poll_interval=args.poll_interval,
-            metadata=args.metadata or None,
-            max_decoding_length=args.max_decoding_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
             error_file_path=args.error_output,
             progress=False if args.no_progress else None,
             on_progress=announce,
+            **_batch_options(args),
         )
     except KeyboardInterrupt:
         if seen:
@@ -201,30 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(ENDPOINTS),
         help="the batch endpoint (default: the url of the file's first request)",
     )
-    submit.add_argument("--max-decoding-length", type=_positive_int, metavar="N", help="batch token limit")
-    submit.add_argument("--temperature", type=float, metavar="T")
-    submit.add_argument("--top-p", type=float, metavar="P")
-    submit.add_argument("--top-k", type=int, metavar="K")
     submit.add_argument(
-        "--metadata",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="batch metadata (repeatable)",
+        "--poll-interval",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help=f"seconds between polls (default: {ADAPTIVE_POLLING})",
     )
-    submit.add_argument("--poll-interval", type=_non_negative_float, default=5.0, metavar="SECONDS")
     submit.add_argument(
         "--no-progress", action="store_true", help="no progress line (default: shown on a terminal)"
     )
+    _add_batch_options(submit.add_argument_group("batch options"))
 
     status = add("status", _status, "print a batch as JSON")
     status.add_argument("id", metavar="ID", help="batch id")
 
     listing = add("list", _list, "print the batches, newest first, as JSON")
-    listing.add_argument(
-        "--limit", type=_positive_int, metavar="N", help="at most N batches (server max 100)"
-    )
+    listing.add_argument("--limit", type=positive_int, metavar="N", help="at most N batches (server max 100)")
     listing.add_argument("--after", metavar="ID", help="the batches after this batch id")
 
     cancel = add("cancel", _cancel, "cancel a batch and print it as JSON")
@@ -238,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     tail = add("tail", _tail, "print a batch's result lines as they are written, until it ends")
     tail.add_argument("id", metavar="ID", help="batch id")
     tail.add_argument("--errors", action="store_true", help="also print the error file's lines")
-    tail.add_argument("--poll-interval", type=_non_negative_float, default=1.0, metavar="SECONDS")
+    tail.add_argument("--poll-interval", type=non_negative_float, default=1.0, metavar="SECONDS")
 
     add("pool", _pool, "print the server's pool status as JSON")
     return parser
@@ -261,14 +253,14 @@ def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--retries",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=default(5),
         metavar="N",
         help="retries of a request refused (429, 503) or unanswered (default: 5)",
     )
     group.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=default(60.0),
         metavar="SECONDS",
         help="timeout of each HTTP request (default: 60)",
@@ -283,31 +275,26 @@ def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
     return options
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
+def _add_batch_options(group: argparse._ArgumentGroup) -> None:
+    """A flag per field of `BatchOptions` (`--max-decoding-length`, …), with its default."""
+    for option in fields(BatchOptions):
+        flag = flag_of(option)
+        name = "--" + option.name.replace("_", "-")
+        if flag.pairs:
+            group.add_argument(name, type=flag.parse, action="append", metavar=flag.metavar, help=flag.help)
+        else:
+            group.add_argument(
+                name, type=flag.parse, default=option.default, metavar=flag.metavar, help=flag.help
+            )
 
 
-def _number(convert: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    parse.__name__ = what  # argparse names the type in its messages
-    return parse
-
-
-_positive_int = _number(int, lambda n: n > 0, "a positive integer")
-_non_negative_int = _number(int, lambda n: n >= 0, "an integer >= 0")
-_positive_float = _number(float, lambda x: x > 0, "a positive number")
-_non_negative_float = _number(float, lambda x: x >= 0, "a number >= 0")
+def _batch_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `BatchOptions` keywords of `submit_batch`, from the parsed flags."""
+    values: dict[str, Any] = {}
+    for option in fields(BatchOptions):
+        value = getattr(args, option.name)
+        values[option.name] = dict(value) if flag_of(option).pairs and value is not None else value
+    return values
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -316,7 +303,6 @@ _non_negative_float = _number(float, lambda x: x >= 0, "a number >= 0")
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]) and return the exit status."""
     args = build_parser().parse_args(argv)
-    args.metadata = dict(getattr(args, "metadata", []))
     _configure_logging(args.verbose)
     base_url = args.base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
     command: Command = args.command

@@ -1,0 +1,120 @@
+"""`submit_batch` as steps both clients take in the same order, sending what each step returns:
+
+submission = submit_batch(input_file_path, ...)    # a Submission
+uploaded = call(submission.upload())
+created = call(submission.create(uploaded))
+batch = wait(submission.wait(created))
+for download in submission.downloads(batch):
+    download_to(download)
+return submission.finish(batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchgen.client import _requests as req
+from batchgen.client._exceptions import BatchGenClientError
+from batchgen.client._files import Download, download_file_to, endpoint_of
+from batchgen.client._options import DEFAULT_COMPLETION_WINDOW, BatchOptions
+from batchgen.client._requests import JSONObject, RequestSpec, StrPath
+from batchgen.client._wait import ProgressCallback, Wait, check_poll_interval, finish_wait
+
+__all__ = ["Submission", "object_id", "submit_batch"]
+
+
+def submit_batch(
+    input_file_path: StrPath,
+    output_file_path: StrPath | None = None,
+    endpoint: str | None = None,
+    *,
+    poll_interval: float | None = None,
+    timeout: float | None = None,
+    completion_window: str = DEFAULT_COMPLETION_WINDOW,
+    metadata: Mapping[str, str] | None = None,
+    max_decoding_length: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    error_file_path: StrPath | None = None,
+    raise_on_failure: bool = False,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Submission:
+    """Upload → create → wait → download; returns the final batch.
+
+    `endpoint` None means the `url` of the file's first request. The output (and, if
+    `error_file_path` is given, the error file) is downloaded whenever the final batch names
+    one — a failed or cancelled batch may carry partial results. `poll_interval`, `progress`
+    and `on_progress` are `wait_for_batch`'s.
+    """
+    check_poll_interval(poll_interval)
+    return Submission(
+        input_file_path=Path(input_file_path),
+        endpoint=endpoint if endpoint is not None else endpoint_of(input_file_path),
+        options=BatchOptions(completion_window, metadata, max_decoding_length, temperature, top_p, top_k),
+        poll_interval=poll_interval,
+        timeout=timeout,
+        progress=progress,
+        on_progress=on_progress,
+        output_file_path=output_file_path,
+        error_file_path=error_file_path,
+        raise_on_failure=raise_on_failure,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One `submit_batch`: what to upload, create and wait for, and where its results go."""
+
+    input_file_path: Path
+    endpoint: str
+    options: BatchOptions
+    poll_interval: float | None
+    timeout: float | None
+    progress: bool | None
+    on_progress: ProgressCallback | None
+    output_file_path: StrPath | None
+    error_file_path: StrPath | None
+    raise_on_failure: bool
+
+    def upload(self) -> RequestSpec:
+        return req.upload_file(self.input_file_path, "batch")
+
+    def create(self, uploaded: JSONObject) -> RequestSpec:
+        return req.create(object_id(uploaded, "file"), self.endpoint, self.options)
+
+    def wait(self, created: JSONObject) -> Wait:
+        """The wait for the created batch; it never raises on failure (see `finish`)."""
+        return Wait(
+            object_id(created, "batch"),
+            self.poll_interval,
+            self.timeout,
+            progress=self.progress,
+            on_progress=self.on_progress,
+        )
+
+    def downloads(self, batch: Mapping[str, Any]) -> list[Download]:
+        """A download for each result file that was asked for and that the final batch names."""
+        wanted = [("output_file_id", self.output_file_path), ("error_file_id", self.error_file_path)]
+        downloads: list[Download] = []
+        for key, path in wanted:
+            file_id = batch.get(key)
+            if path is not None and isinstance(file_id, str) and file_id:
+                downloads.append(download_file_to(file_id, path))
+        return downloads
+
+    def finish(self, batch: JSONObject) -> JSONObject:
+        """The batch `submit_batch` returns, once its results are downloaded."""
+        return finish_wait(batch, raise_on_failure=self.raise_on_failure)
+
+
+def object_id(obj: Mapping[str, Any], kind: str) -> str:
+    """The `id` of a file or batch object the server returned."""
+    value = obj.get("id")
+    if not isinstance(value, str) or not value:
+        raise BatchGenClientError(f"the server returned a {kind} object without an id: {obj!r}")
+    return value
