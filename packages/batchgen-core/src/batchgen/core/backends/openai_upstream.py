@@ -46,6 +46,7 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
+from batchgen.core.backends.text import trim_at_stop
 from batchgen.core.backends.upstream_concurrency import (
     AdaptiveLimit,
     UpstreamHealth,
@@ -168,17 +169,15 @@ def parse_result(endpoint: str, payload: Any) -> GenerationResult:
 
 
 def without_stop_sequence(result: GenerationResult, stop: Sequence[str]) -> GenerationResult:
-    """The result without the stop sequence it ended on; some servers (transformers serve) keep it.
+    """A ``stop`` result cut before the first stop string in its text; some servers keep it.
 
-    OpenAI's text never contains the stop sequence that ended it. A result that ended with
-    ``stop`` and whose text ends with one of the request's stop strings ended on that string.
+    OpenAI's text never contains a stop sequence; ``transformers serve`` leaves the one that ended
+    the text at its end. A ``length`` result is left as the upstream wrote it.
     """
     if result.finish_reason != "stop":
         return result
-    for sequence in stop:
-        if sequence and result.text.endswith(sequence):
-            return attrs.evolve(result, text=result.text[: -len(sequence)])
-    return result
+    text, cut = trim_at_stop(result.text, stop)
+    return attrs.evolve(result, text=text) if cut else result
 
 
 def error_message(payload: Any, text: str) -> str:

@@ -44,6 +44,7 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages
 from batchgen.core.models import GenerationRequest, GenerationResult, Health, SamplingParameters
 
 logger = logging.getLogger("batchgen.backends.sglang")
@@ -54,30 +55,9 @@ _NAMED_OPTIONS = ("model_path", "tp_size", "dp_size", "context_length", "mem_fra
 #: HTTP statuses SGLang attaches to refusals that may succeed when tried again.
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-
 _PROMPT_TOO_LONG = re.compile(
     r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)", re.IGNORECASE
 )
-
-
-def split_reasoning(text: str, *, opened_by_prompt: bool = False) -> tuple[str, str | None]:
-    """Separate a ``<think>…</think>`` block at the start of ``text`` from the answer.
-
-    ``opened_by_prompt``: the chat template already wrote ``<think>``, so the output starts
-    inside the block. As in SGLang's reasoning parser, a block that never closes (the output
-    limit cut it off) is all reasoning.
-    """
-    body = text
-    if not opened_by_prompt:
-        stripped = text.lstrip()
-        if not stripped.startswith(_THINK_OPEN):
-            return text, None
-        body = stripped[len(_THINK_OPEN) :]
-    reasoning, closed, answer = body.partition(_THINK_CLOSE)
-    if not closed:
-        return "", body.strip()
-    return answer.lstrip(), reasoning.strip()
 
 
 def rejection_for(message: str) -> RequestRejected:
@@ -105,25 +85,6 @@ def sampling_params(sampling: SamplingParameters, max_new_tokens: int) -> dict[s
     if sampling.stop:
         params["stop"] = list(sampling.stop)
     return params
-
-
-def _text_messages(messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
-    """Messages with OpenAI text content parts joined into one string, as chat templates expect."""
-    result = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise RequestRejected(
-                        "invalid_request", f"The sglang backend takes text content only, not {kind!r} parts."
-                    )
-                texts.append(str(part.get("text", "")))
-            message = {**message, "content": "\n".join(texts)}
-        result.append(message)
-    return result
 
 
 @attrs.define(eq=False)
@@ -325,7 +286,9 @@ class SGLangBackend:
                 )
             try:
                 text = tokenizer.apply_chat_template(
-                    _text_messages(request.messages), tokenize=False, add_generation_prompt=True
+                    text_messages(request.messages, backend="sglang"),
+                    tokenize=False,
+                    add_generation_prompt=True,
                 )
             except RequestRejected:
                 raise
@@ -335,7 +298,7 @@ class SGLangBackend:
                 ) from exc
             # The template wrote the special tokens itself, as SGLang's chat endpoint assumes.
             ids = list(tokenizer.encode(text, add_special_tokens=False))
-            return _Prompt(ids, text, len(ids), opens_reasoning=text.rstrip().endswith(_THINK_OPEN))
+            return _Prompt(ids, text, len(ids), opens_reasoning=prompt_opens_reasoning(text))
         prompt = request.prompt
         if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
             return _Prompt(list(prompt), None, len(prompt))

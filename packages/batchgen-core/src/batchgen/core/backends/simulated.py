@@ -22,6 +22,7 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.text import flatten_content, trim_at_stop
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
 _WORDS = [
@@ -64,14 +65,6 @@ _WORD_CYCLE = _WORDS * (1 + 48 // len(_WORDS) + 1)
 
 #: Tokens a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
-
-
-def _message_text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
 
 
 class SimulatedBackend:
@@ -117,7 +110,7 @@ class SimulatedBackend:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         if request.messages is not None:
             return sum(
-                len(_message_text(message.get("content")).split()) + TOKENS_PER_MESSAGE
+                len(_content(message).split()) + TOKENS_PER_MESSAGE
                 for message in request.messages
             )
         return len((request.prompt or "").split())
@@ -125,7 +118,7 @@ class SimulatedBackend:
     def _prompt_key(self, request: GenerationRequest) -> bytes:
         if request.messages is not None:
             text = "\x1e".join(
-                f"{m.get('role')}\x1f{_message_text(m.get('content'))}" for m in request.messages
+                f"{m.get('role')}\x1f{_content(m)}" for m in request.messages
             )
         else:
             text = request.prompt or ""
@@ -140,16 +133,10 @@ class SimulatedBackend:
         length = min(natural_length, limit)
         start = (draw >> 16) % len(_WORDS)
         text = " ".join(_WORD_CYCLE[start : start + length])
-        finish_reason = "stop"
-        for stop in request.sampling.stop:
-            cut = text.find(stop)
-            if cut != -1:
-                text = text[:cut]
-                length = len(text.split())
-                break
-        else:
-            if natural_length > limit:
-                finish_reason = "length"
+        text, stopped = trim_at_stop(text, request.sampling.stop)
+        if stopped:
+            length = len(text.split())
+        finish_reason = "length" if natural_length > limit and not stopped else "stop"
         return GenerationResult(
             text=text,
             finish_reason=finish_reason,
@@ -209,6 +196,10 @@ class SimulatedBackend:
         cancel = self._running.get(request_id)
         if cancel is not None:
             cancel()
+
+
+def _content(message: dict[str, object]) -> str:
+    return flatten_content(message.get("content"), backend="simulated")
 
 
 def _settle(waiter: asyncio.Future[bool], finished: bool) -> None:
