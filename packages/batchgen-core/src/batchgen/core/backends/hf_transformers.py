@@ -100,6 +100,8 @@ class TransformersBackend:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        if self._thread is not None:
+            return
         await anyio.to_thread.run_sync(self._load)
         self._token = anyio.lowlevel.current_token()
         self._thread = threading.Thread(target=self._work, name="batchgen-transformers", daemon=True)
@@ -129,6 +131,9 @@ class TransformersBackend:
         logger.info("serving %s on %s (context %d)", self.model_name, device, self.context_length)
 
     async def stop(self) -> None:
+        """Abort what is running (its rows stop at the next token), then end the worker thread."""
+        for pending in self._pending.values():
+            pending.aborted = True
         if self._thread is not None:
             self._queue.put(_STOP)
             await anyio.to_thread.run_sync(self._thread.join)
@@ -145,6 +150,8 @@ class TransformersBackend:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if self._failure is not None:
             raise BackendUnavailable(self._failure)
+        if self._thread is None:
+            raise BackendUnavailable("the transformers model is not loaded; start the backend first")
         pending = _Pending(request, anyio.Event())
         self._pending[request.request_id] = pending
         self._queue.put(pending)

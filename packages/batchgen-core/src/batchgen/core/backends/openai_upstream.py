@@ -317,6 +317,8 @@ class OpenAIUpstreamBackend:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Open the HTTP client, probe every upstream once, and start re-probing down ones."""
+        if self._client is not None:
+            return
         try:
             import httpx
         except ImportError as exc:  # pragma: no cover - depends on the environment

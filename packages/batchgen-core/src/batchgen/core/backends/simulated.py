@@ -18,6 +18,7 @@ from collections.abc import Callable
 import anyio
 
 from batchgen.core.backends.base import (
+    BackendUnavailable,
     RequestAborted,
     TransientBackendError,
     context_length_exceeded,
@@ -177,6 +178,8 @@ class SimulatedBackend:
             raise RequestAborted(request_id)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not self._started:
+            raise BackendUnavailable("the simulated backend is not started")
         prompt_tokens = self.count_prompt_tokens(request)
         if prompt_tokens > self.context_length:
             raise context_length_exceeded(prompt_tokens, self.context_length)
