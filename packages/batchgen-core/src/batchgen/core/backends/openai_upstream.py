@@ -46,6 +46,8 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import positive_int
+from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import trim_at_stop
 from batchgen.core.backends.upstream_concurrency import (
     AdaptiveLimit,
@@ -573,3 +575,35 @@ class OpenAIUpstreamBackend:
     def _down_reason(self) -> str:
         errors = ", ".join(f"{u.url} ({u.health.last_error})" for u in self.upstreams)
         return f"every upstream server is down: {errors}; each is probed until it answers again"
+
+
+SPEC = BackendSpec(
+    name="openai",
+    factory=OpenAIUpstreamBackend,
+    summary="spreads requests over OpenAI-compatible --upstream servers",
+    options=(
+        BackendOption(
+            "upstreams",
+            "--upstream",
+            help="base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:30000/v1",
+            repeatable=True,
+            metavar="URL",
+            required=True,
+        ),
+        BackendOption("api_key", "--upstream-api-key", help="bearer token sent to the upstreams"),
+        BackendOption(
+            "model",
+            "--upstream-model",
+            help="model name sent upstream",
+            default_help="the first model the first answering upstream lists",
+        ),
+        BackendOption(
+            "max_concurrency",
+            "--upstream-max-concurrency",
+            positive_int,
+            64,
+            "most requests in flight to one upstream; concurrency adapts below this",
+        ),
+    ),
+    context_length_keyword="context_length",
+)

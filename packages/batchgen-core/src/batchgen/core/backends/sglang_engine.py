@@ -32,6 +32,7 @@ import asyncio
 import inspect
 import logging
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -44,6 +45,8 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import key_value, positive_int
+from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages
 from batchgen.core.models import GenerationRequest, GenerationResult, Health, SamplingParameters
 
@@ -114,7 +117,7 @@ class SGLangBackend:
         dp_size: int = 1,
         mem_fraction_static: float | None = None,
         context_length: int | None = None,
-        engine_args: dict[str, Any] | None = None,
+        engine_args: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
         model_name: str | None = None,
         abort_grace_s: float = 1.0,
     ) -> None:
@@ -372,3 +375,38 @@ def _shutdown_quietly(engine: Any) -> None:
         engine.shutdown()
     except Exception:
         logger.warning("shutting the SGLang engine down failed", exc_info=True)
+
+
+SPEC = BackendSpec(
+    name="sglang",
+    factory=SGLangBackend,
+    summary="drives SGLang's offline engine in this process (GPU machines)",
+    options=(
+        BackendOption(
+            "model_path",
+            "--model-path",
+            aliases=("--model",),
+            help="the model path (or id) handed to sglang.Engine",
+            required=True,
+        ),
+        BackendOption("tp_size", "--tp-size", positive_int, 1, "tensor parallel size"),
+        BackendOption("dp_size", "--dp-size", positive_int, 1, "data parallel size"),
+        BackendOption(
+            "mem_fraction_static",
+            "--mem-fraction-static",
+            float,
+            help="fraction of GPU memory for weights and KV cache",
+            default_help="SGLang's own",
+        ),
+        BackendOption(
+            "engine_args",
+            "--sglang-arg",
+            key_value,
+            help="any other sglang.Engine argument, e.g. --sglang-arg chunked_prefill_size=8192; "
+            "values that read as JSON are decoded",
+            repeatable=True,
+            metavar="KEY=VALUE",
+        ),
+    ),
+    context_length_keyword="context_length",
+)

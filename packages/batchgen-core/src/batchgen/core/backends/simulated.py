@@ -23,6 +23,8 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import fraction, non_negative_float
+from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import flatten_content, trim_at_stop
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
@@ -110,17 +112,12 @@ class SimulatedBackend:
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         if request.messages is not None:
-            return sum(
-                len(_content(message).split()) + TOKENS_PER_MESSAGE
-                for message in request.messages
-            )
+            return sum(len(_content(message).split()) + TOKENS_PER_MESSAGE for message in request.messages)
         return len((request.prompt or "").split())
 
     def _prompt_key(self, request: GenerationRequest) -> bytes:
         if request.messages is not None:
-            text = "\x1e".join(
-                f"{m.get('role')}\x1f{_content(m)}" for m in request.messages
-            )
+            text = "\x1e".join(f"{m.get('role')}\x1f{_content(m)}" for m in request.messages)
         else:
             text = request.prompt or ""
         sampling = request.sampling
@@ -208,3 +205,35 @@ def _content(message: dict[str, object]) -> str:
 def _settle(waiter: asyncio.Future[bool], finished: bool) -> None:
     if not waiter.done():
         waiter.set_result(finished)
+
+
+SPEC = BackendSpec(
+    name="simulated",
+    factory=SimulatedBackend,
+    summary="runs no model: deterministic made-up text, for tests and benchmarks",
+    options=(
+        BackendOption(
+            "latency_s",
+            "--simulated-latency-s",
+            non_negative_float,
+            0.0,
+            "seconds each simulated request takes, before per-token time",
+        ),
+        BackendOption(
+            "token_latency_s",
+            "--simulated-token-latency-s",
+            non_negative_float,
+            0.0,
+            "extra seconds per simulated output token",
+        ),
+        BackendOption(
+            "failure_rate",
+            "--simulated-failure-rate",
+            fraction,
+            0.0,
+            "share of simulated attempts that fail transiently (retried, then an error line)",
+        ),
+        BackendOption("seed", "--simulated-seed", int, 0, "seed of the simulated text"),
+    ),
+    context_length_keyword="context_length",
+)
