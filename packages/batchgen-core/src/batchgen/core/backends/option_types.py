@@ -38,7 +38,7 @@ def key_value(text: str) -> tuple[str, object]:
     reads as JSON (``8192``, ``true``, ``[1, 2]``) is decoded; any other value stays a string."""
     key, separator, raw = text.partition("=")
     if not separator or not key:
-        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+        raise ValueError("expected KEY=VALUE")
     try:
         value: object = json.loads(raw)
     except ValueError:
