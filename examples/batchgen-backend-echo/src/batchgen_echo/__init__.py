@@ -27,7 +27,9 @@ from batchgen.core.models import GenerationRequest, GenerationResult, Health
 class EchoBackend:
     name = "echo"
 
-    def __init__(self, *, prefix: str | None = None, token_delay_s: float = 0.0, context_length: int = 4096):
+    def __init__(
+        self, *, prefix: str | None = None, token_delay_s: float = 0.0, context_length: int = 4096
+    ) -> None:
         self.prefix = prefix
         self.token_delay_s = token_delay_s
         self.context_length = context_length
