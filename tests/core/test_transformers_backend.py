@@ -1,4 +1,4 @@
-"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching.
+"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching, text rules.
 
 The tiny model (``tiny_model`` in tests/conftest.py) uses SmolLM2's tokenizer and has no
 end-of-sequence token, so every row runs to its own limit unless aborted.
@@ -6,13 +6,15 @@ end-of-sequence token, so every row runs to its own limit unless aborted.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import anyio
+import attrs
 import pytest
 
-from batchgen.core.backends import RequestAborted
+from batchgen.core.backends import RequestAborted, RequestRejected
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, SamplingParameters
 
@@ -80,3 +82,40 @@ async def test_abort_stops_a_running_request_at_the_next_token(tiny_model: Path,
         assert backend.health().healthy
     finally:
         await backend.stop()
+
+
+async def test_text_parts_are_joined_and_a_think_block_the_template_opened_is_reasoning(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    thinking = tmp_path / "thinking"
+    shutil.copytree(tiny_model, thinking)
+    template = thinking / "chat_template.jinja"
+    opening = "'<|im_start|>assistant\n'"
+    assert opening in template.read_text()
+    template.write_text(template.read_text().replace(opening, "'<|im_start|>assistant\n<think>\n'"))
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    request = GenerationRequest(
+        request_id="parts",
+        endpoint=CHAT_COMPLETIONS,
+        sampling=SamplingParameters(max_tokens=5),
+        messages=({"role": "user", "content": parts},),
+    )
+    results = {}
+    for name, model in (("plain", tiny_model), ("thinking", thinking)):
+        backend = TransformersBackend(model=str(model), cache_dir=tmp_path)
+        await backend.start()
+        try:
+            results[name] = await backend.generate(request)
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+            with pytest.raises(RequestRejected, match="takes text content only"):
+                await backend.generate(
+                    attrs.evolve(
+                        request, request_id="image", messages=({"role": "user", "content": [image]},)
+                    )
+                )
+        finally:
+            await backend.stop()
+    # The tiny model never writes </think>: inside a block the template opened, it is all reasoning.
+    assert results["plain"].reasoning_content is None and results["plain"].text
+    assert results["thinking"].text == "" and results["thinking"].reasoning_content is not None
+    assert results["thinking"].completion_tokens == 5
