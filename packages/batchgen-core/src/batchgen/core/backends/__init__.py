@@ -1,7 +1,9 @@
-"""Inference backends behind one ``Backend`` protocol, loaded lazily by name.
+"""Inference backends behind one ``Backend`` protocol, found by name through entry points.
 
-``load_backend("simulated", ...)`` imports only what that backend needs, so importing
-``batchgen.core`` never imports torch or sglang.
+Each backend is one module ending in a ``BackendSpec`` that a package registers under the
+``batchgen.backends`` entry-point group; ``load_backend("simulated", ...)`` finds it there and
+builds it. Backend modules import their engines only when started, so importing
+``batchgen.core`` or listing the backends never imports torch or sglang.
 """
 
 from batchgen.core.backends.base import (
@@ -11,14 +13,28 @@ from batchgen.core.backends.base import (
     RequestRejected,
     TransientBackendError,
 )
-from batchgen.core.backends.registry import BACKEND_NAMES, load_backend
+from batchgen.core.backends.registry import (
+    BackendLoadError,
+    UnknownBackend,
+    backend_names,
+    backend_spec,
+    backend_specs,
+    load_backend,
+)
+from batchgen.core.backends.spec import BackendOption, BackendSpec
 
 __all__ = [
-    "BACKEND_NAMES",
     "Backend",
+    "BackendLoadError",
+    "BackendOption",
+    "BackendSpec",
     "BackendUnavailable",
     "RequestAborted",
     "RequestRejected",
     "TransientBackendError",
+    "UnknownBackend",
+    "backend_names",
+    "backend_spec",
+    "backend_specs",
     "load_backend",
 ]

