@@ -36,7 +36,7 @@ def write_input(path: Path, count: int) -> None:
                 "method": "POST",
                 "url": "/v1/chat/completions",
                 "body": {
-                    "model": "any",
+                    "model": "default",
                     "messages": [{"role": "user", "content": f"Question {i}: what is 2+2?"}],
                 },
             }

@@ -97,7 +97,7 @@ def chat_line(custom_id: str, content: str = "What is 2+2?", **body: object) -> 
         "custom_id": custom_id,
         "method": "POST",
         "url": "/v1/chat/completions",
-        "body": {"model": "any", "messages": [{"role": "user", "content": content}], **body},
+        "body": {"model": "default", "messages": [{"role": "user", "content": content}], **body},
     }
 
 

@@ -34,10 +34,21 @@ from tests.live import LiveServer, chat_line, free_port, start_server, write_jso
 LONG_PROMPT = "word " * 200  # over --max-context-length 50: an error line
 
 
+FLAGS = ("--simulated-latency-s", "0.2", "--max-pool-size", "10", "--max-context-length", "50")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    flags = ["--simulated-latency-s", "0.2", "--max-pool-size", "10", "--max-context-length", "50"]
-    live = start_server(tmp_path_factory.mktemp("cli") / "storage", *flags)
+    """The user guide's conventions: every request's line in the output file."""
+    live = start_server(tmp_path_factory.mktemp("cli") / "storage", *FLAGS)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def openai_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """OpenAI's conventions: failed lines in a separate error file, ``expired`` past the window."""
+    live = start_server(tmp_path_factory.mktemp("cli-openai") / "storage", *FLAGS, "--error-file", "openai")
     yield live
     live.stop()
 
@@ -89,10 +100,28 @@ def test_submit_waits_downloads_and_prints_the_batch(server: LiveServer, tmp_pat
     sampling = {key: batch[key] for key in ("max_decoding_length", "temperature", "top_p", "top_k")}
     assert sampling == {"max_decoding_length": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 5}
     assert batch["metadata"] == {"team": "a", "run": "1=x"}
-    assert len(out.read_text().splitlines()) == 19
-    assert [json.loads(line)["custom_id"] for line in err.read_text().splitlines()] == ["request-3"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(row["custom_id"] for row in rows) == sorted(f"request-{i}" for i in range(20))
+    assert [row["custom_id"] for row in rows if row["error"]] == ["request-3"]
+    assert batch["error_file_id"] is None and not err.exists()
     assert f"batch {batch['id']} created" in result.stderr
     assert "done," not in result.stderr  # stderr is not a terminal: no progress line
+
+
+def test_submit_with_openai_conventions_writes_failed_lines_to_the_error_output(
+    openai_server: LiveServer, tmp_path: Path
+) -> None:
+    path = requests_file(tmp_path / "input.jsonl", 20, long=frozenset({3}))
+    out, err = tmp_path / "output.jsonl", tmp_path / "errors.jsonl"
+    result = batchgen(
+        "submit", str(path), "-o", str(out), "--error-output", str(err), "--max-decoding-length", "8",
+        "--poll-interval", "0.1", "--base-url", openai_server.base_url,
+    )  # fmt: skip
+    assert result.returncode == EXIT_OK, result.stderr
+    batch = json.loads(result.stdout)
+    assert batch["request_counts"] == {"total": 20, "completed": 19, "failed": 1}
+    assert len(out.read_text().splitlines()) == 19
+    assert [json.loads(line)["custom_id"] for line in err.read_text().splitlines()] == ["request-3"]
 
 
 def test_submit_draws_a_progress_line_on_a_terminal(server: LiveServer, tmp_path: Path) -> None:
@@ -132,16 +161,22 @@ def test_submit_of_a_batch_that_fails_exits_1(server_factory, tmp_path: Path) ->
     assert result.stderr.count("capacity_exceeded") == 1  # errors.data and error: said once
 
 
-def test_submit_of_a_batch_that_expires_exits_1(server: LiveServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("conventions", "status"), [("server", "failed"), ("openai_server", "expired")])
+def test_submit_of_a_batch_that_runs_out_of_time_exits_1(
+    request: pytest.FixtureRequest, tmp_path: Path, conventions: str, status: str
+) -> None:
+    live: LiveServer = request.getfixturevalue(conventions)
     path = requests_file(tmp_path / "input.jsonl", 200)  # about 4 s of work, given 1 s
     out = str(tmp_path / "out.jsonl")
-    args = ("--completion-window", "1s", "--base-url", server.base_url)  # polls after 1, 2.5, 4.75 s
+    args = ("--completion-window", "1s", "--base-url", live.base_url)  # polls after 1, 2.5, 4.75 s
     result = batchgen("submit", str(path), "-o", out, *args)
     assert result.returncode == EXIT_BATCH_FAILED, result.stderr
     batch = json.loads(result.stdout)
-    assert (batch["status"], batch["completion_window"]) == ("expired", "1s")
+    assert (batch["status"], batch["completion_window"]) == (status, "1s")
     assert batch["request_counts"]["completed"] < 200
-    assert f"batch {batch['id']} ended expired" in result.stderr
+    assert f"batch {batch['id']} ended {status}" in result.stderr
+    if status == "failed":
+        assert "timed out" in result.stderr and batch["error"]["code"] == "batch_failed"
 
 
 # --- status, list, pool, download, cancel ----------------------------------------------------------
@@ -190,9 +225,12 @@ def test_cancel_then_tail_exits_1(server: LiveServer, client: BatchGenHttpClient
 # --- tail ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("conventions", "output_lines"), [("server", 100), ("openai_server", 97)])
 def test_tail_prints_every_line_of_a_running_batch(
-    server: LiveServer, client: BatchGenHttpClient, tmp_path: Path
+    request: pytest.FixtureRequest, tmp_path: Path, conventions: str, output_lines: int
 ) -> None:
+    server: LiveServer = request.getfixturevalue(conventions)
+    client = BatchGenHttpClient(server.base_url)
     long = frozenset({7, 50, 93})
     batch = start_batch(client, requests_file(tmp_path / "input.jsonl", 100, long=long))
     args = ("tail", batch["id"], "--errors", "--poll-interval", "0.2", "--base-url", server.base_url)
@@ -213,7 +251,8 @@ def test_tail_prints_every_line_of_a_running_batch(
 
     outputs_only = batchgen("tail", batch["id"], "--base-url", server.base_url)  # ended: prints, exits
     assert outputs_only.returncode == EXIT_OK
-    assert len(outputs_only.stdout.splitlines()) == 97
+    assert len(outputs_only.stdout.splitlines()) == output_lines
+    client.close()
 
 
 def test_submit_polls_adaptively_unless_told_an_interval() -> None:

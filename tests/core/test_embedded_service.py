@@ -108,16 +108,16 @@ async def test_prompt_too_long_is_an_error_line_and_the_batch_goes_on(tmp_path: 
         batch = await service.wait_for_batch((await service.create_batch(file.id, "/v1/chat/completions")).id)
         assert batch.status is BatchStatus.COMPLETED
         assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
-        assert batch.error_file_id is not None
-        errors, _ = await service.file_content(batch.error_file_id)
-        [error] = _read_lines(errors)
+        assert batch.error_file_id is None  # the failed request's line is in the output file
+        output, _ = await service.file_content(batch.output_file_id or "")
+        lines = _read_lines(output)
+        [error] = [line for line in lines if line["error"] is not None]
         assert error["custom_id"] == "long" and error["response"] is None
         assert error["error"] == {
             "code": "context_length_exceeded",
             "message": "Prompt length 203 exceeds model context 50",
         }
-        output, _ = await service.file_content(batch.output_file_id or "")
-        assert {line["custom_id"] for line in _read_lines(output)} == {"short", "short-2"}
+        assert {line["custom_id"] for line in lines if line["error"] is None} == {"short", "short-2"}
 
 
 @pytest.mark.parametrize("failure_rate", [0.3, 1.0])
@@ -131,8 +131,9 @@ async def test_injected_failures_are_retried_then_written_as_errors(
         file = await service.create_file(b"".join(_line(f"r{i}") for i in range(200)))
         batch = await service.wait_for_batch((await service.create_batch(file.id, "/v1/chat/completions")).id)
         assert batch.status is BatchStatus.COMPLETED
-        output = _read_lines(service.blobs.output_path(batch.id))
-        errors = _read_lines(service.blobs.error_path(batch.id))
+        lines = _read_lines(service.blobs.output_path(batch.id))
+        output = [line for line in lines if line["error"] is None]
+        errors = [line for line in lines if line["error"] is not None]
         # Counters equal the lines written, and every request ends exactly once.
         assert (batch.request_counts.completed, batch.request_counts.failed) == (len(output), len(errors))
         ids = [line["custom_id"] for line in output + errors]

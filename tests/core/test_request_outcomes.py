@@ -95,8 +95,10 @@ async def _run(storage: Path, kinds: list[str]) -> tuple[Batch, list[dict], list
         batch = await service.create_batch(file.id, "/v1/chat/completions")
         with anyio.fail_after(30):
             batch = await service.wait_for_batch(batch.id)
-        output = _lines(service.blobs.output_path(batch.id))
-        errors = _lines(service.blobs.error_path(batch.id))
+        lines = _lines(service.blobs.output_path(batch.id))  # failed requests' lines are here too
+        assert not service.blobs.error_path(batch.id).exists()
+        output = [line for line in lines if line["error"] is None]
+        errors = [line for line in lines if line["error"] is not None]
         return batch, output, errors
 
 

@@ -20,7 +20,14 @@ from typing import Any
 import anyio
 import pytest
 
-from batchgen.core import BatchParameters, BatchService, BatchStatus, ServiceSettings, load_backend
+from batchgen.core import (
+    BatchParameters,
+    BatchService,
+    BatchStatus,
+    ServiceSettings,
+    ServiceUnavailable,
+    load_backend,
+)
 from batchgen.core.backends import BackendUnavailable
 from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for
 from batchgen.core.models import Batch
@@ -59,7 +66,7 @@ def _chat(custom_id: str, content: Any, **body: object) -> bytes:
         "custom_id": custom_id,
         "method": "POST",
         "url": CHAT,
-        "body": {"model": "any", "messages": [{"role": "user", "content": content}], **body},
+        "body": {"model": "default", "messages": [{"role": "user", "content": content}], **body},
     }
     return json.dumps(line).encode() + b"\n"
 
@@ -272,8 +279,9 @@ async def test_prompt_longer_than_the_context_is_an_error_line_and_the_output_li
             [{"role": "user", "content": long_prompt}], tokenize=False, add_generation_prompt=True
         )
         prompt_tokens = len(tokenizer.encode(rendered, add_special_tokens=False))
-        errors = await _lines(service, batch.error_file_id)
-        assert errors["long"]["response"] is None
+        lines = await _lines(service, batch.output_file_id)  # failed requests' lines are here too
+        errors = {custom_id: line for custom_id, line in lines.items() if line["error"] is not None}
+        assert set(errors) == {"long"} and errors["long"]["response"] is None
         assert errors["long"]["error"] == {
             "code": "context_length_exceeded",
             "message": f"Prompt length {prompt_tokens} exceeds model context 64",
@@ -281,7 +289,7 @@ async def test_prompt_longer_than_the_context_is_an_error_line_and_the_output_li
         assert not [call for call in engine.calls if "word word" in call.prompt_text]  # never sent
         tight = _call_for(engine, "w w w")
         assert tight.sampling_params["max_new_tokens"] == 64 - len(tight.input_ids) - 1
-        assert set(await _lines(service, batch.output_file_id)) == {"short", "tight"}
+        assert set(lines) - set(errors) == {"short", "tight"}
 
 
 async def test_a_busy_engine_is_retried_then_written_as_an_error_line(
@@ -291,7 +299,8 @@ async def test_a_busy_engine_is_retried_then_written_as_an_error_line(
         batch = await _run(service, _chat("busy", "[fake:busy] please") + _chat("fine", "hello"))
         assert batch.status is BatchStatus.COMPLETED
         assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
-        errors = await _lines(service, batch.error_file_id)
+        errors = await _lines(service, batch.output_file_id)
+        assert errors["fine"]["error"] is None
         assert errors["busy"]["error"]["code"] == "backend_error"
         assert "The request queue is full." in errors["busy"]["error"]["message"]
         [engine] = sglang.Engine.instances
@@ -344,9 +353,8 @@ async def test_engine_death_fails_running_batches_and_makes_the_service_unhealth
         assert health.reason.startswith("the SGLang engine died: FakeEngineDied")
         [engine] = sglang.Engine.instances
         calls = len(engine.calls)
-        later = await _run(service, _chat("later", "anyone there?"))
-        assert later.status is BatchStatus.FAILED and later.error is not None
-        assert "the SGLang engine died" in later.error.message
+        with pytest.raises(ServiceUnavailable, match="the SGLang engine died"):  # 503 while unhealthy
+            await _run(service, _chat("later", "anyone there?"))
         assert len(engine.calls) == calls  # a dead engine is not called again
     assert engine.shutdown_called
 

@@ -132,7 +132,7 @@ def test_completions_endpoint(client: openai.OpenAI, tmp_path: Path) -> None:
             "custom_id": f"c{i}",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": "any", "prompt": f"Once upon a time {i}", "max_tokens": 5},
+            "body": {"model": "default", "prompt": f"Once upon a time {i}", "max_tokens": 5},
         }
         for i in range(4)
     ]

@@ -155,7 +155,7 @@ def test_a_batch_runs_over_two_real_upstreams(
                 "custom_id": f"c{i}",
                 "method": "POST",
                 "url": "/v1/completions",
-                "body": {"model": "any", "prompt": prompt, "max_tokens": 6, "stop": ["."]},
+                "body": {"model": "default", "prompt": prompt, "max_tokens": 6, "stop": ["."]},
             }
             for i, prompt in enumerate(["The capital of France is", "One, two, three,"])
         ]

@@ -16,6 +16,7 @@ import attrs
 
 from batchgen.core.backends import BackendSpec, backend_specs
 from batchgen.core.backends.option_types import non_negative_float, positive_int
+from batchgen.core.service import ERROR_FILE_MODES
 from batchgen.server.backend_flags import (
     add_backend_flags,
     backend_options,
@@ -107,6 +108,23 @@ def build_parser(
         "upload sets its own expires_after (default: keep files until deleted)",
     )
     add(
+        "--error-file",
+        choices=ERROR_FILE_MODES,
+        default=_DEFAULTS.error_file,
+        help="'output': every request's line goes to the batch's output file, failed ones with "
+        "\"response\": null and \"error\" set, and a batch that runs out of its completion window "
+        "ends failed (the user guide); 'openai': failed lines go to a separate error file "
+        "(error_file_id) and such a batch ends expired (OpenAI's Batch API)",
+    )
+    add(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name the model answers to in a request's \"model\" field (repeatable); the "
+        "model's own name and \"default\" are always accepted, and GET /v1/models lists them all",
+    )
+    add(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default=_DEFAULTS.log_level,
@@ -158,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"BatchGen starting on http://{settings.host}:{settings.port} "
         f"(backend: {settings.backend}, storage: {settings.storage_path}); it answers once the "
-        "backend is ready (the first transformers start converts the model, about half a minute)",
+        "backend is ready (the first transformers start converts the model once, about 20-30 s)",
         file=sys.stderr,
         flush=True,
     )

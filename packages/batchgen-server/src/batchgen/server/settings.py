@@ -35,6 +35,8 @@ class ServerSettings:
     fsync_interval_ms: int = 1000
     shutdown_grace_s: float = 10.0
     file_expiry_s: int | None = None
+    error_file: str = "output"
+    served_model_name: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     log_level: str = "info"
 
     def service_settings(self) -> ServiceSettings:
@@ -47,6 +49,8 @@ class ServerSettings:
             fsync_interval_ms=self.fsync_interval_ms,
             shutdown_grace_s=self.shutdown_grace_s,
             file_expiry_s=self.file_expiry_s,
+            error_file=self.error_file,
+            served_model_names=self.served_model_name,
         )
 
     def build_backend(self) -> Backend:
