@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,10 @@ ERROR_FILE_MODES = ("output", "openai")
 DEFAULT_MODEL_ALIAS = "default"
 
 
+def _names(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
 @attrs.frozen
 class ServiceSettings:
     """Everything the service needs besides its backend."""
@@ -91,7 +96,7 @@ class ServiceSettings:
     #: error file and such a batch ends ``expired`` (OpenAI's Batch API).
     error_file: str = attrs.field(default="output", validator=attrs.validators.in_(ERROR_FILE_MODES))
     #: More names the model answers to in a request's ``model`` field, besides its own name.
-    served_model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    served_model_names: tuple[str, ...] = attrs.field(default=(), converter=_names)
     #: ``Retry-After`` seconds sent with a 503 while the service is unhealthy.
     unhealthy_retry_after_s: int = 5
 
