@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from tests.live import LiveServer, chat_line, write_jsonl
+from tests.helpers import chat_line, completion_line, write_jsonl
+from tests.live import LiveServer
 
 
 @pytest.fixture
@@ -98,7 +100,7 @@ def test_batches_list_pages_newest_first(client: openai.OpenAI, tmp_path: Path) 
     assert len(seen) == len(set(seen))
 
 
-def test_cancel_running_batch(live_server: LiveServer, server_factory, tmp_path: Path) -> None:
+def test_cancel_running_batch(server_factory: Callable[..., LiveServer], tmp_path: Path) -> None:
     slow = server_factory("--simulated-latency-s", "0.2", "--max-pool-size", "2")
     with openai.OpenAI(base_url=slow.api_url, api_key="unused", max_retries=0) as sdk:
         file_id = _upload(sdk, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(200)]))
@@ -122,20 +124,12 @@ def test_cancel_running_batch(live_server: LiveServer, server_factory, tmp_path:
         written = sdk.files.content(cancelled.output_file_id).content.splitlines()
         assert len(written) == counts.completed
         assert sdk.batches.retrieve(batch.id).request_counts.completed == counts.completed  # type: ignore[union-attr]
-        pool = __import__("httpx").get(f"{slow.base_url}/v1/pool/status").json()
+        pool = httpx.get(f"{slow.base_url}/v1/pool/status").json()
         assert pool["intake_pool_size"] == 0 and pool["active_batches"] == 0
 
 
 def test_completions_endpoint(client: openai.OpenAI, tmp_path: Path) -> None:
-    lines = [
-        {
-            "custom_id": f"c{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"model": "any", "prompt": f"Once upon a time {i}", "max_tokens": 5},
-        }
-        for i in range(4)
-    ]
+    lines = [completion_line(f"c{i}", f"Once upon a time {i}", model="any", max_tokens=5) for i in range(4)]
     file_id = _upload(client, write_jsonl(tmp_path / "in.jsonl", lines))
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     while batch.status not in {"completed", "failed"}:
