@@ -1,7 +1,12 @@
-"""Shared fixtures: live servers, and the ``live`` marker with its guard.
+"""Shared fixtures: in-process and live servers, and the ``live`` marker with its guard.
 
-``live_server`` / ``server_factory`` start real ``batchgen-server`` processes on 127.0.0.1
-(``tests.live``).
+Two ways to reach a server:
+
+* ``api`` / ``api_factory``: the real Litestar app (``create_app``) with the simulated backend, a
+  real SQLite file and real files under ``tmp_path``, driven in this process by Litestar's
+  ``TestClient`` (an ``httpx.Client``). Flags are the ``batchgen-server`` command's own.
+* ``live_server`` / ``server_factory``: real ``batchgen-server`` processes on 127.0.0.1
+  (``tests.live``), for what needs a process: signals, a real port, ``curl``, other programs.
 
 A test that starts any process (a server, ``transformers serve``, ``curl``, the ``batchgen``
 command, a fresh Python) is marked ``live``: automatically when it uses a live fixture or sits in
@@ -14,11 +19,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
 
+from batchgen.server.app import create_app
+from batchgen.server.cli import settings_from_args
 from tests.live import LiveServer, start_server
 
 #: Fixtures that start ``batchgen-server`` processes: a test using one is ``live``.
@@ -81,6 +91,33 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         _process_guard.test = None
+
+
+def in_process_app(storage_path: Path, *flags: str) -> Litestar:
+    """The app ``batchgen-server --backend simulated --storage-path … FLAGS`` would serve."""
+    storage_path.mkdir(parents=True, exist_ok=True)
+    argv = ["--backend", "simulated", "--storage-path", str(storage_path), *flags]
+    return create_app(settings_from_args(argv))
+
+
+@pytest.fixture
+def api_factory(tmp_path: Path) -> Iterator[Callable[..., TestClient[Litestar]]]:
+    """In-process servers with the given flags and storage ``tmp_path / storage``, stopped after the test."""
+    with ExitStack() as stack:
+
+        def make(*flags: str, storage: str = "storage") -> TestClient[Litestar]:
+            app = in_process_app(tmp_path / storage, *flags)
+            return stack.enter_context(TestClient(app, timeout=30))
+
+        yield make
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient[Litestar]]:
+    """One in-process server with the default flags, shared by a test module."""
+    app = in_process_app(tmp_path_factory.mktemp("api") / "storage")
+    with TestClient(app, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture

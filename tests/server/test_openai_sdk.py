@@ -167,28 +167,3 @@ def test_batch_level_parameters_through_extra_body(client: openai.OpenAI, tmp_pa
     lines = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines()]
     tokens = {line["custom_id"]: line["response"]["body"]["usage"]["completion_tokens"] for line in lines}
     assert tokens == {"a": 3, "b": 2}  # simulated answers are 4+ tokens long, so both limits bind
-
-
-def test_content_serves_byte_ranges(live_server: LiveServer, tmp_path: Path) -> None:
-    import httpx
-
-    path = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(3)])
-    data = path.read_bytes()
-    with httpx.Client(base_url=live_server.base_url) as client:
-        file_id = client.post("/v1/files", files={"file": path.open("rb")}, data={"purpose": "batch"}).json()[
-            "id"
-        ]
-        url = f"/v1/files/{file_id}/content"
-        whole = client.get(url)
-        assert whole.status_code == 200 and whole.content == data
-        assert whole.headers["accept-ranges"] == "bytes"
-        tail = client.get(url, headers={"Range": "bytes=10-"})
-        assert tail.status_code == 206 and tail.content == data[10:]
-        assert tail.headers["content-range"] == f"bytes 10-{len(data) - 1}/{len(data)}"
-        middle = client.get(url, headers={"Range": "bytes=5-9"})
-        assert (middle.status_code, middle.content) == (206, data[5:10])
-        suffix = client.get(url, headers={"Range": "bytes=-4"})
-        assert (suffix.status_code, suffix.content) == (206, data[-4:])
-        past = client.get(url, headers={"Range": f"bytes={len(data)}-"})
-        assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{len(data)}"
-        assert past.json()["error"]["code"] == "range_not_satisfiable"
