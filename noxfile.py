@@ -1,7 +1,7 @@
 """Development sessions for the BatchGen monorepo.
 
 nox -s unit     the fast loop: every test that needs no model and starts no process (no torch)
-nox -s tests    the whole test suite (live servers on 127.0.0.1, the openai SDK, the model)
+nox -s tests    the whole test suite with coverage (live servers on 127.0.0.1, the openai SDK, the model)
 nox -s lint     ruff; mypy over the three packages and the tests; mypy --strict over the client
 nox -s serve    run batchgen-server (arguments after -- are passed to it)
 nox -s bench    run the benchmarks in benchmarks/ (arguments after -- go to each)
@@ -21,7 +21,7 @@ CONSTRAINTS = ("-c", "constraints.txt")
 UNIT_DEPS = ("pytest", "hypothesis", "anyio", "openai", "httpx")
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive.
-TEST_DEPS = (*UNIT_DEPS, "transformers[serving]")
+TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]")
 #: Tests that need neither torch nor another process.
 UNIT_MARKERS = "not model and not live"
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
@@ -48,10 +48,12 @@ def unit(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Run the test suite; pass pytest arguments after --."""
+    """The whole test suite with coverage (floor: fail_under in pyproject.toml); pytest arguments after --."""
     _install_packages(session, *TEST_DEPS)
     _install_model(session)
-    session.run("pytest", *session.posargs)
+    # The floor holds for the whole suite; a run given pytest arguments (a subset, say) only reports.
+    floor = ("--cov-fail-under=0",) if session.posargs else ()
+    session.run("pytest", "--cov", "--cov-report=term", *floor, *session.posargs)
 
 
 @nox.session(python=PYTHON)
