@@ -21,13 +21,14 @@ COMPLETIONS = "/v1/completions"
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 
 
-def chat_line(custom_id: str, content: str = "What is 2+2?", **body: object) -> dict[str, Any]:
-    """One ``/v1/chat/completions`` request line; ``body`` adds or replaces body fields."""
+def chat_line(custom_id: str, content: object = "What is 2+2?", **body: object) -> dict[str, Any]:
+    """One ``/v1/chat/completions`` request line; ``content`` is a string or a list of parts, and
+    ``body`` adds or replaces body fields. The model is "default", the name every server serves."""
     return {
         "custom_id": custom_id,
         "method": "POST",
         "url": CHAT,
-        "body": {"model": "any", "messages": [{"role": "user", "content": content}], **body},
+        "body": {"model": "default", "messages": [{"role": "user", "content": content}], **body},
     }
 
 

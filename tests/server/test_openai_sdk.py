@@ -129,7 +129,9 @@ def test_cancel_running_batch(server_factory: Callable[..., LiveServer], tmp_pat
 
 
 def test_completions_endpoint(client: openai.OpenAI, tmp_path: Path) -> None:
-    lines = [completion_line(f"c{i}", f"Once upon a time {i}", model="any", max_tokens=5) for i in range(4)]
+    lines = [
+        completion_line(f"c{i}", f"Once upon a time {i}", model="default", max_tokens=5) for i in range(4)
+    ]
     file_id = _upload(client, write_jsonl(tmp_path / "in.jsonl", lines))
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     while batch.status not in {"completed", "failed"}:
