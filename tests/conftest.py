@@ -49,25 +49,15 @@ LIVE_TESTS = frozenset(
     }
 )
 
-#: Single tests (in modules not edited here) that need torch without saying so.
-MODEL_TESTS = frozenset(
-    {
-        # Its late server runs the default backend, transformers, converting SmolLM2 on first start.
-        "tests/client/test_client_live.py::test_server_down_then_up",
-    }
-)
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``live`` every test that uses a live fixture or is listed above; ``model`` those listed."""
+    """Mark ``live`` every test that uses a live fixture or is listed above."""
     for item in items:
         module = item.path.relative_to(config.rootpath).as_posix()
         test_id = f"{module}::{item.name.split('[')[0]}"
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & LIVE_FIXTURES or module in LIVE_MODULES or test_id in LIVE_TESTS:
             item.add_marker(pytest.mark.live)
-        if test_id in MODEL_TESTS:
-            item.add_marker(pytest.mark.model)
 
 
 #: Audit events raised when a process is started.
