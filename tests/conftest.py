@@ -1,22 +1,136 @@
-"""Shared fixtures: real ``batchgen-server`` processes on 127.0.0.1, each with its own storage; a
-tiny model folder; the example echo backend package, installed."""
+"""Shared fixtures: in-process and live servers, and the ``live`` marker with its guard.
+
+Two ways to reach a server:
+
+* ``api`` / ``api_factory``: the real Litestar app (``create_app``) with the simulated backend, a
+  real SQLite file and real files under ``tmp_path``, driven in this process by Litestar's
+  ``TestClient`` (an ``httpx.Client``). Flags are the ``batchgen-server`` command's own.
+* ``live_server`` / ``server_factory``: real ``batchgen-server`` processes on 127.0.0.1
+  (``tests.live``), for what needs a process: signals, a real port, ``curl``, other programs.
+
+A test that starts any process (a server, ``transformers serve``, ``curl``, the ``batchgen``
+command, a fresh Python) is marked ``live``: automatically when it uses a live fixture or sits in
+one of ``LIVE_MODULES``, else by hand or in ``LIVE_TESTS``. A test that is not marked ``live``
+and starts a process anyway fails, so ``pytest -m "not live"`` (``nox -s unit``) runs exactly
+the tests that need no process, and none is left out by mistake.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
 
+from batchgen.server.app import create_app
+from batchgen.server.cli import settings_from_args
 from tests.live import LiveServer, start_server
 from tests.tiny_model import build_tiny_model
+
+#: Fixtures that start ``batchgen-server`` processes: a test using one is ``live``.
+LIVE_FIXTURES = frozenset({"live_server", "server_factory", "echo_site"})
+#: Fixtures that need torch and transformers: a test using one is ``model``.
+MODEL_FIXTURES = frozenset({"tiny_model"})
+#: Modules (not edited here) whose every test starts a process of its own.
+LIVE_MODULES = frozenset(
+    {
+        "tests/client/test_cli.py",  # runs the `batchgen` command, mostly against a live server
+        "tests/client/test_client_live.py",  # live servers, some started by the test itself
+        "tests/server/test_openai_upstream_server.py",  # `transformers serve` upstreams
+    }
+)
+#: Single tests (in modules not edited here) that start a fresh Python.
+LIVE_TESTS = frozenset(
+    {
+        "tests/client/test_client_mock.py::test_importing_the_client_is_light",
+        "tests/core/test_sglang_backend.py::test_importing_and_building_the_backend_does_not_import_sglang",
+        "tests/core/test_backend_registry.py::test_listing_and_loading_every_backend_imports_no_engine",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``live`` every test that uses a live fixture or is listed above, ``model`` every test
+    that uses a model fixture."""
+    for item in items:
+        module = item.path.relative_to(config.rootpath).as_posix()
+        test_id = f"{module}::{item.name.split('[')[0]}"
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & LIVE_FIXTURES or module in LIVE_MODULES or test_id in LIVE_TESTS:
+            item.add_marker(pytest.mark.live)
+        if fixtures & MODEL_FIXTURES:
+            item.add_marker(pytest.mark.model)
+
+
+#: Audit events raised when a process is started.
+_PROCESS_EVENTS = frozenset(
+    {"subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.exec", "os.fork", "os.forkpty"}
+)
+
+
+class _ProcessGuard:
+    """An audit hook failing any attempt to start a process while a test not marked ``live`` runs."""
+
+    def __init__(self) -> None:
+        self.test: str | None = None
+
+    def __call__(self, event: str, args: tuple[Any, ...]) -> None:
+        if self.test is not None and event in _PROCESS_EVENTS:
+            raise RuntimeError(
+                f"{self.test} started a process ({event} {args[:2]!r}) but is not marked live: "
+                "mark it with @pytest.mark.live, or list it in tests/conftest.py"
+            )
+
+
+_process_guard = _ProcessGuard()
+sys.addaudithook(_process_guard)  # audit hooks cannot be removed; the guard is off between tests
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _process_guard.test = None if item.get_closest_marker("live") else item.nodeid
+    try:
+        return (yield)
+    finally:
+        _process_guard.test = None
+
+
+def in_process_app(storage_path: Path, *flags: str) -> Litestar:
+    """The app ``batchgen-server --backend simulated --storage-path … FLAGS`` would serve."""
+    storage_path.mkdir(parents=True, exist_ok=True)
+    argv = ["--backend", "simulated", "--storage-path", str(storage_path), *flags]
+    return create_app(settings_from_args(argv))
+
+
+@pytest.fixture
+def api_factory(tmp_path: Path) -> Iterator[Callable[..., TestClient[Litestar]]]:
+    """In-process servers with the given flags and storage ``tmp_path / storage``, stopped after the test."""
+    with ExitStack() as stack:
+
+        def make(*flags: str, storage: str = "storage") -> TestClient[Litestar]:
+            app = in_process_app(tmp_path / storage, *flags)
+            return stack.enter_context(TestClient(app, timeout=30))
+
+        yield make
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient[Litestar]]:
+    """One in-process server with the default flags, shared by a test module."""
+    app = in_process_app(tmp_path_factory.mktemp("api") / "storage")
+    with TestClient(app, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
-    """Start servers with custom flags; each is stopped at the end of the test."""
+    """Start ``batchgen-server`` processes with custom flags; each is stopped at the end of the test."""
     servers: list[LiveServer] = []
 
     def make(*flags: str, storage: str = "storage") -> LiveServer:
@@ -31,7 +145,7 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One default server (simulated backend) shared by a test module."""
+    """One default ``batchgen-server`` process (simulated backend) shared by a test module."""
     server = start_server(tmp_path_factory.mktemp("live") / "storage")
     yield server
     server.stop()

@@ -1,8 +1,11 @@
-"""Test helpers: start a real ``batchgen-server`` process on 127.0.0.1, and build input files."""
+"""Live servers: start a real ``batchgen-server`` process on 127.0.0.1 and wait until it answers.
+
+Tests that use these are marked ``live`` (see ``tests/conftest.py``). The request builders and
+REST helpers live in ``tests.helpers``; the ones other modules import from here are re-exported.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -12,6 +15,18 @@ from pathlib import Path
 
 import attrs
 import httpx
+
+from tests.helpers import chat_line, wait_for_status, write_jsonl
+
+__all__ = [
+    "LiveServer",
+    "chat_line",
+    "free_port",
+    "start_server",
+    "wait_for_status",
+    "wait_until_ready",
+    "write_jsonl",
+]
 
 
 @attrs.define
@@ -90,27 +105,3 @@ def wait_until_ready(process: subprocess.Popen[bytes], url: str, log_path: Path,
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer within {timeout_s} s:\n{log_path.read_text()}")
-
-
-def chat_line(custom_id: str, content: str = "What is 2+2?", **body: object) -> dict[str, object]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"model": "default", "messages": [{"role": "user", "content": content}], **body},
-    }
-
-
-def write_jsonl(path: Path, lines: list[dict[str, object]]) -> Path:
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
-def wait_for_status(client: httpx.Client, batch_id: str, statuses: set[str], timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        batch = client.get(f"/v1/batches/{batch_id}").json()
-        if batch["status"] in statuses:
-            return batch
-        time.sleep(0.05)
-    raise AssertionError(f"batch {batch_id} did not reach {statuses}: {batch}")

@@ -109,7 +109,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], di
     params=[
         "simulated",
         "sglang",
-        "echo",
+        pytest.param("echo", marks=pytest.mark.live),  # pip-installs the example package
         pytest.param("transformers", marks=pytest.mark.model),
         pytest.param("openai", marks=pytest.mark.model),
     ]

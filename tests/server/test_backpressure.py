@@ -1,83 +1,76 @@
-"""Backpressure: a full intake pool answers 429 with Retry-After, and pool status tracks the work."""
+"""Backpressure: a full intake pool answers 429 with Retry-After, and pool status tracks the work.
+
+The real app runs in this process (Litestar's test client) over real SQLite and files.
+"""
 
 from __future__ import annotations
 
 import httpx
 
-from tests.live import chat_line, wait_for_status, write_jsonl
+from tests.helpers import ApiFactory, chat_line, jsonl, post_batch, upload, wait_for_status
 
 
-def _create(client: httpx.Client, tmp_path, name: str, count: int) -> httpx.Response:
-    path = write_jsonl(tmp_path / f"{name}.jsonl", [chat_line(f"{name}-{i}") for i in range(count)])
-    with path.open("rb") as stream:
-        file_id = client.post("/v1/files", files={"file": stream}, data={"purpose": "batch"}).json()["id"]
-    return client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"})
+def _create(client: httpx.Client, name: str, count: int) -> httpx.Response:
+    file_id = upload(client, jsonl(*[chat_line(f"{name}-{i}") for i in range(count)]))["id"]
+    return post_batch(client, file_id)
 
 
-def test_full_intake_pool_gives_429_then_accepts_after_draining(server_factory, tmp_path) -> None:
-    server = server_factory(
+def test_full_intake_pool_gives_429_then_accepts_after_draining(api_factory: ApiFactory) -> None:
+    client = api_factory(
         "--max-intake-capacity", "10", "--max-pool-size", "2", "--simulated-latency-s", "0.3"
     )
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        idle = client.get("/v1/pool/status").json()
-        assert idle == {
-            "intake_pool_size": 0,
-            "intake_pool_capacity": 10,
-            "scheduling_pool_active": 0,
-            "scheduling_pool_free": 2,
-            "scheduling_pool_capacity": 2,
-            "active_batches": 0,
-            "pool_mode": True,
-        }
-        first = _create(client, tmp_path, "first", 10)
-        assert first.status_code == 200
-        wait_for_status(client, first.json()["id"], {"in_progress"})
-        busy = client.get("/v1/pool/status").json()
-        assert busy["scheduling_pool_active"] == 2 and busy["scheduling_pool_free"] == 0
-        assert busy["intake_pool_size"] == 8 and busy["active_batches"] == 1
+    idle = client.get("/v1/pool/status").json()
+    assert idle == {
+        "intake_pool_size": 0,
+        "intake_pool_capacity": 10,
+        "scheduling_pool_active": 0,
+        "scheduling_pool_free": 2,
+        "scheduling_pool_capacity": 2,
+        "active_batches": 0,
+        "pool_mode": True,
+    }
+    first = _create(client, "first", 10)
+    assert first.status_code == 200
+    wait_for_status(client, first.json()["id"], {"in_progress"})
+    busy = client.get("/v1/pool/status").json()
+    assert busy["scheduling_pool_active"] == 2 and busy["scheduling_pool_free"] == 0
+    assert busy["intake_pool_size"] == 8 and busy["active_batches"] == 1
 
-        rejected = _create(client, tmp_path, "second", 5)
-        assert rejected.status_code == 429
-        assert int(rejected.headers["Retry-After"]) > 0
-        error = rejected.json()["error"]
-        assert error["code"] == "capacity_exceeded" and "intake" in error["message"]
+    rejected = _create(client, "second", 5)
+    assert rejected.status_code == 429
+    assert int(rejected.headers["Retry-After"]) > 0
+    error = rejected.json()["error"]
+    assert error["code"] == "capacity_exceeded" and "intake" in error["message"]
 
-        done = wait_for_status(client, first.json()["id"], {"completed"})
-        assert done["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
-        assert client.get("/v1/pool/status").json() == idle
-        retried = _create(client, tmp_path, "third", 5)
-        assert retried.status_code == 200
-        assert (
-            wait_for_status(client, retried.json()["id"], {"completed"})["request_counts"]["completed"] == 5
-        )
+    done = wait_for_status(client, first.json()["id"], {"completed"})
+    assert done["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
+    assert client.get("/v1/pool/status").json() == idle
+    retried = _create(client, "third", 5)
+    assert retried.status_code == 200
+    assert wait_for_status(client, retried.json()["id"], {"completed"})["request_counts"]["completed"] == 5
 
 
-def test_batch_larger_than_the_intake_pool_fails_with_capacity_exceeded(server_factory, tmp_path) -> None:
-    server = server_factory("--max-intake-capacity", "3")
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        created = _create(client, tmp_path, "big", 4)
-        assert created.status_code == 200
-        failed = wait_for_status(client, created.json()["id"], {"failed"})
-        assert failed["error"]["code"] == "capacity_exceeded"
-        assert "room for 3" in failed["error"]["message"]
-        assert failed["errors"]["data"][0]["code"] == "capacity_exceeded"
-        assert failed["failed_at"] is not None
-        assert client.get("/health").status_code == 200
+def test_batch_larger_than_the_intake_pool_fails_with_capacity_exceeded(api_factory: ApiFactory) -> None:
+    client = api_factory("--max-intake-capacity", "3")
+    created = _create(client, "big", 4)
+    assert created.status_code == 200
+    failed = wait_for_status(client, created.json()["id"], {"failed"})
+    assert failed["error"]["code"] == "capacity_exceeded"
+    assert "room for 3" in failed["error"]["message"]
+    assert failed["errors"]["data"][0]["code"] == "capacity_exceeded"
+    assert failed["failed_at"] is not None
+    assert client.get("/health").status_code == 200
 
 
-def test_second_active_batch_on_the_same_file_is_400(server_factory, tmp_path) -> None:
-    server = server_factory("--simulated-latency-s", "0.5", "--max-pool-size", "1")
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        path = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(3)])
-        with path.open("rb") as stream:
-            file_id = client.post("/v1/files", files={"file": stream}, data={"purpose": "batch"}).json()["id"]
-        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-        first = client.post("/v1/batches", json=body).json()
-        duplicate = client.post("/v1/batches", json=body)
-        assert duplicate.status_code == 400
-        assert first["id"] in duplicate.json()["error"]["message"]
-        delete = client.delete(f"/v1/files/{file_id}")
-        assert delete.status_code == 409
-        client.post(f"/v1/batches/{first['id']}/cancel")
-        wait_for_status(client, first["id"], {"cancelled"})
-        assert client.post("/v1/batches", json=body).status_code == 200
+def test_second_active_batch_on_the_same_file_is_400(api_factory: ApiFactory) -> None:
+    client = api_factory("--simulated-latency-s", "0.5", "--max-pool-size", "1")
+    file_id = upload(client, jsonl(*[chat_line(f"r{i}") for i in range(3)]))["id"]
+    first = post_batch(client, file_id).json()
+    duplicate = post_batch(client, file_id)
+    assert duplicate.status_code == 400
+    assert first["id"] in duplicate.json()["error"]["message"]
+    delete = client.delete(f"/v1/files/{file_id}")
+    assert delete.status_code == 409
+    client.post(f"/v1/batches/{first['id']}/cancel")
+    wait_for_status(client, first["id"], {"cancelled"})
+    assert post_batch(client, file_id).status_code == 200

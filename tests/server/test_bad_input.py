@@ -1,75 +1,63 @@
-"""Bad input gets a clear OpenAI-shaped 4xx naming the problem, and the server stays healthy."""
+"""Bad input gets a clear OpenAI-shaped 4xx naming the problem, and the server stays healthy.
+
+The real app runs in this process (Litestar's test client) over real SQLite and files.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.live import LiveServer, chat_line
-
-
-@pytest.fixture(scope="module")
-def http(live_server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
-        yield client
+from tests.helpers import (
+    ApiFactory,
+    api_error,
+    chat_line,
+    create_batch,
+    jsonl,
+    post_file,
+    upload,
+    wait_for_status,
+)
 
 
 @pytest.fixture(autouse=True)
-def _server_stays_healthy(http: httpx.Client) -> Iterator[None]:
+def _server_stays_healthy(api: httpx.Client) -> Iterator[None]:
     yield
-    assert http.get("/health").json() == {"status": "healthy"}
+    assert api.get("/health").json() == {"status": "healthy"}
 
 
-def _jsonl(*lines: object) -> bytes:
-    return b"".join(
-        (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
-    )
-
-
-def _upload(http: httpx.Client, content: bytes, purpose: str = "batch") -> httpx.Response:
-    return http.post("/v1/files", files={"file": ("input.jsonl", content)}, data={"purpose": purpose})
-
-
-def _error(response: httpx.Response, status: int) -> dict[str, object]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
-
-
-def _file_count(http: httpx.Client) -> int:
-    return len(http.get("/v1/files").json()["data"])
+def _file_count(api: httpx.Client) -> int:
+    return len(api.get("/v1/files").json()["data"])
 
 
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b"this is not json\n", "line 1: not valid JSON"),
-        (_jsonl(chat_line("a")) + b"\xff\xfe{}\n", "line 2: not valid UTF-8"),
-        (_jsonl(chat_line("a"), [1, 2]), "line 2: a line must be a JSON object"),
+        (jsonl(chat_line("a")) + b"\xff\xfe{}\n", "line 2: not valid UTF-8"),
+        (jsonl(chat_line("a"), [1, 2]), "line 2: a line must be a JSON object"),
         (
-            _jsonl({k: v for k, v in chat_line("a").items() if k != "custom_id"}),
+            jsonl({k: v for k, v in chat_line("a").items() if k != "custom_id"}),
             "line 1: missing 'custom_id'",
         ),
         (
-            _jsonl(chat_line("same"), chat_line("other"), chat_line("same")),
+            jsonl(chat_line("same"), chat_line("other"), chat_line("same")),
             "line 3: duplicate custom_id 'same'",
         ),
-        (_jsonl({**chat_line("a"), "method": "GET"}), "line 1: 'method' must be \"POST\""),
-        (_jsonl({**chat_line("a"), "url": "/v1/embeddings"}), "line 1: 'url' must be one of"),
+        (jsonl({**chat_line("a"), "method": "GET"}), "line 1: 'method' must be \"POST\""),
+        (jsonl({**chat_line("a"), "url": "/v1/embeddings"}), "line 1: 'url' must be one of"),
         (
-            _jsonl(
+            jsonl(
                 chat_line("a"),
                 {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
             ),
             "line 2: 'url' '/v1/completions' differs",
         ),
-        (_jsonl({**chat_line("a"), "body": "hello"}), "line 1: 'body' must be a JSON object"),
-        (_jsonl({**chat_line("a"), "body": {"messages": []}}), "'body.messages' must be a non-empty list"),
+        (jsonl({**chat_line("a"), "body": "hello"}), "line 1: 'body' must be a JSON object"),
+        (jsonl({**chat_line("a"), "body": {"messages": []}}), "'body.messages' must be a non-empty list"),
         (b"", "the file contains no requests"),
         (b"\n  \n", "the file contains no requests"),
     ],
@@ -89,57 +77,56 @@ def _file_count(http: httpx.Client) -> int:
     ],
 )
 def test_invalid_batch_file_is_rejected_with_line_numbers(
-    http: httpx.Client, content: bytes, expected: str
+    api: httpx.Client, content: bytes, expected: str
 ) -> None:
-    before = _file_count(http)
-    error = _error(_upload(http, content), 400)
+    before = _file_count(api)
+    error = api_error(post_file(api, content), 400)
     assert expected in str(error["message"])
     assert error["code"] == "invalid_batch_file"
-    assert _file_count(http) == before, "a rejected file must not be stored"
+    assert _file_count(api) == before, "a rejected file must not be stored"
 
 
-def test_many_problems_are_summarised(http: httpx.Client) -> None:
+def test_many_problems_are_summarised(api: httpx.Client) -> None:
     content = b"".join(b"nope\n" for _ in range(25))
-    message = str(_error(_upload(http, content), 400)["message"])
+    message = str(api_error(post_file(api, content), 400)["message"])
     assert "line 1:" in message and "line 10:" in message and "line 11:" not in message
     assert "(and 15 more)" in message
 
 
-def test_oversized_upload_is_413(server_factory, tmp_path) -> None:
-    server = server_factory("--max-upload-bytes", "2000", storage="small")
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        near = _jsonl(*[chat_line(f"r{i}") for i in range(30)])  # a few KB: refused while streaming
-        assert len(near) > 2000
-        _error(client.post("/v1/files", files={"file": ("in.jsonl", near)}, data={"purpose": "batch"}), 413)
-        huge = near * 200  # far over: refused from Content-Length
-        _error(client.post("/v1/files", files={"file": ("in.jsonl", huge)}, data={"purpose": "batch"}), 413)
-        assert client.get("/v1/files").json()["data"] == []
-        assert list((server.storage_path / "staging").iterdir()) == []
-        ok = _jsonl(chat_line("fits"))
-        assert (
-            client.post("/v1/files", files={"file": ("in.jsonl", ok)}, data={"purpose": "batch"}).status_code
-            == 200
-        )
+def test_oversized_upload_is_413(api_factory: ApiFactory, tmp_path: Path) -> None:
+    client = api_factory("--max-upload-bytes", "2000", storage="small")
+    near = jsonl(*[chat_line(f"r{i}") for i in range(30)])  # a few KB: refused while streaming
+    assert len(near) > 2000
+    api_error(client.post("/v1/files", files={"file": ("in.jsonl", near)}, data={"purpose": "batch"}), 413)
+    huge = near * 200  # far over: refused from Content-Length
+    api_error(client.post("/v1/files", files={"file": ("in.jsonl", huge)}, data={"purpose": "batch"}), 413)
+    assert client.get("/v1/files").json()["data"] == []
+    assert list((tmp_path / "small" / "staging").iterdir()) == []
+    ok = jsonl(chat_line("fits"))
+    assert (
+        client.post("/v1/files", files={"file": ("in.jsonl", ok)}, data={"purpose": "batch"}).status_code
+        == 200
+    )
 
 
 @pytest.mark.parametrize(
     ("request_kwargs", "expected"),
     [
         ({"files": {"purpose": (None, "batch")}}, "no 'file' part"),
-        ({"files": {"file": ("in.jsonl", _jsonl(chat_line("a")))}}, "'purpose' is required"),
+        ({"files": {"file": ("in.jsonl", jsonl(chat_line("a")))}}, "'purpose' is required"),
         (
-            {"files": {"file": ("in.jsonl", _jsonl(chat_line("a")))}, "data": {"purpose": "bogus"}},
+            {"files": {"file": ("in.jsonl", jsonl(chat_line("a")))}, "data": {"purpose": "bogus"}},
             "purpose must be one of",
         ),
         ({"content": b"{}", "headers": {"content-type": "application/json"}}, "multipart/form-data"),
     ],
     ids=["no-file", "no-purpose", "bad-purpose", "not-multipart"],
 )
-def test_malformed_uploads(http: httpx.Client, request_kwargs: dict, expected: str) -> None:
-    assert expected in str(_error(http.post("/v1/files", **request_kwargs), 400)["message"])
+def test_malformed_uploads(api: httpx.Client, request_kwargs: dict, expected: str) -> None:
+    assert expected in str(api_error(api.post("/v1/files", **request_kwargs), 400)["message"])
 
 
-def test_unknown_ids_are_404(http: httpx.Client) -> None:
+def test_unknown_ids_are_404(api: httpx.Client) -> None:
     for method, path in [
         ("GET", "/v1/files/file-missing"),
         ("DELETE", "/v1/files/file-missing"),
@@ -147,13 +134,13 @@ def test_unknown_ids_are_404(http: httpx.Client) -> None:
         ("GET", "/v1/batches/batch_missing"),
         ("POST", "/v1/batches/batch_missing/cancel"),
     ]:
-        error = _error(http.request(method, path), 404)
+        error = api_error(api.request(method, path), 404)
         assert "missing" in str(error["message"])
 
 
 @pytest.fixture(scope="module")
-def chat_file_id(http: httpx.Client) -> str:
-    return str(_upload(http, _jsonl(chat_line("a"), chat_line("b"))).json()["id"])
+def chat_file_id(api: httpx.Client) -> str:
+    return str(upload(api, jsonl(chat_line("a"), chat_line("b")))["id"])
 
 
 @pytest.mark.parametrize(
@@ -196,36 +183,31 @@ def chat_file_id(http: httpx.Client) -> str:
     ],
 )
 def test_malformed_create_batch(
-    http: httpx.Client, chat_file_id: str, body: object, expected: str, param: str | None
+    api: httpx.Client, chat_file_id: str, body: dict[str, object] | bytes, expected: str, param: str | None
 ) -> None:
     if isinstance(body, dict):
-        body = {"input_file_id": chat_file_id, "endpoint": "/v1/chat/completions", **body}
-        response = http.post("/v1/batches", json=body)
+        full = {"input_file_id": chat_file_id, "endpoint": "/v1/chat/completions", **body}
+        response = api.post("/v1/batches", json=full)
     else:
-        response = http.post("/v1/batches", content=body, headers={"content-type": "application/json"})
-    error = _error(response, 400)
+        response = api.post("/v1/batches", content=body, headers={"content-type": "application/json"})
+    error = api_error(response, 400)
     assert expected in str(error["message"])
     assert error["param"] == param
 
 
-def test_batch_on_a_non_batch_file_is_400(http: httpx.Client) -> None:
-    file_id = _upload(http, b"anything at all", purpose="user_data").json()["id"]
+def test_batch_on_a_non_batch_file_is_400(api: httpx.Client) -> None:
+    file_id = upload(api, b"anything at all", purpose="user_data")["id"]
     body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-    assert "purpose 'user_data'" in str(_error(http.post("/v1/batches", json=body), 400)["message"])
+    assert "purpose 'user_data'" in str(api_error(api.post("/v1/batches", json=body), 400)["message"])
 
 
-def test_bad_list_parameters(http: httpx.Client) -> None:
-    assert "limit" in str(_error(http.get("/v1/batches", params={"limit": 101}), 400)["message"])
-    assert "limit" in str(_error(http.get("/v1/batches", params={"limit": "abc"}), 400)["message"])
-    assert "order" in str(_error(http.get("/v1/files", params={"order": "sideways"}), 400)["message"])
+def test_bad_list_parameters(api: httpx.Client) -> None:
+    assert "limit" in str(api_error(api.get("/v1/batches", params={"limit": 101}), 400)["message"])
+    assert "limit" in str(api_error(api.get("/v1/batches", params={"limit": "abc"}), 400)["message"])
+    assert "order" in str(api_error(api.get("/v1/files", params={"order": "sideways"}), 400)["message"])
 
 
-def test_cancel_of_a_finished_batch_is_409(http: httpx.Client) -> None:
-    file_id = _upload(http, _jsonl(chat_line("only"))).json()["id"]
-    batch = http.post(
-        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-    ).json()
-    for _ in range(200):
-        if http.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed":
-            break
-    assert "completed" in str(_error(http.post(f"/v1/batches/{batch['id']}/cancel"), 409)["message"])
+def test_cancel_of_a_finished_batch_is_409(api: httpx.Client) -> None:
+    batch = create_batch(api, upload(api, jsonl(chat_line("only")))["id"])
+    wait_for_status(api, batch["id"], {"completed"})
+    assert "completed" in str(api_error(api.post(f"/v1/batches/{batch['id']}/cancel"), 409)["message"])

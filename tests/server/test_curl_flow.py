@@ -7,7 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.live import LiveServer, chat_line, write_jsonl
+from tests.helpers import chat_line, write_jsonl
+from tests.live import LiveServer
 
 
 def curl(*args: str) -> str:

@@ -1,11 +1,12 @@
 """Nothing finished is lost: kills and restarts, fast cancellation, expiry, idempotency, full disks.
 
-Every test runs real ``batchgen-server`` processes on 127.0.0.1 over one storage folder.
+Kills, restarts and the full disk (a tmpfs mounted with ``mount``) run real ``batchgen-server``
+processes on 127.0.0.1; the rest run the real app in this process (Litestar's test client).
+Both use real SQLite and real files.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import sqlite3
@@ -17,30 +18,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live import LiveServer, chat_line, wait_for_status, write_jsonl
-
-TERMINAL = {"completed", "failed", "cancelled", "expired"}
-
-
-def _upload(client: httpx.Client, path: Path, **headers: str) -> dict:
-    with path.open("rb") as stream:
-        response = client.post(
-            "/v1/files", files={"file": stream}, data={"purpose": "batch"}, headers=headers
-        )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _create(client: httpx.Client, file_id: str, **extra: object) -> dict:
-    response = client.post(
-        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", **extra}
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+from tests.helpers import (
+    TERMINAL,
+    ApiFactory,
+    chat_line,
+    create_batch,
+    jsonl,
+    post_file,
+    read_jsonl,
+    upload,
+    wait_for_status,
+    write_jsonl,
+)
+from tests.live import LiveServer
 
 
 def _persisted_completed(storage: Path, batch_id: str) -> int:
@@ -63,7 +53,7 @@ def test_stopped_at_random_points_every_request_ends_exactly_once(
     rng = random.Random(1234)
     server = server_factory(*flags, storage="durable")
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        batch_id = _create(client, _upload(client, input_path)["id"])["id"]
+        batch_id = create_batch(client, upload(client, input_path)["id"])["id"]
     output = server.storage_path / "incremental" / f"{batch_id}.jsonl"
 
     kept: bytes = b""
@@ -88,83 +78,78 @@ def test_stopped_at_random_points_every_request_ends_exactly_once(
         batch = wait_for_status(client, batch_id, TERMINAL, timeout_s=120)
     assert batch["status"] == "completed"
     assert output.read_bytes().startswith(kept)
-    ids = [line["custom_id"] for line in _lines(output)]
+    ids = [line["custom_id"] for line in read_jsonl(output)]
     assert len(ids) == len(set(ids)) == total, "every request ends with exactly one line"
     assert set(ids) == {f"r{i}" for i in range(total)}
     assert batch["request_counts"] == {"total": total, "completed": total, "failed": 0}
     assert batch["usage"]["output_tokens"] == sum(
-        line["response"]["body"]["usage"]["completion_tokens"] for line in _lines(output)
+        line["response"]["body"]["usage"]["completion_tokens"] for line in read_jsonl(output)
     )
 
 
-def test_cancel_aborts_in_flight_requests_within_seconds(server_factory, tmp_path: Path) -> None:
-    server = server_factory("--simulated-latency-s", "60", "--max-pool-size", "8")
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        batch = _create(
-            client,
-            _upload(client, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(50)]))[
-                "id"
-            ],
-        )
-        wait_for_status(client, batch["id"], {"in_progress"})
-        deadline = time.monotonic() + 10
-        while (
-            client.get("/v1/pool/status").json()["scheduling_pool_active"] < 8 and time.monotonic() < deadline
-        ):
-            time.sleep(0.02)
-        started = time.monotonic()
-        client.post(f"/v1/batches/{batch['id']}/cancel").raise_for_status()
-        cancelled = wait_for_status(client, batch["id"], {"cancelled"}, timeout_s=10)
-        assert time.monotonic() - started < 3, "in-flight requests were not aborted"
-        assert cancelled["request_counts"] == {"total": 50, "completed": 0, "failed": 0}
-        pool = client.get("/v1/pool/status").json()
-        assert pool["scheduling_pool_active"] == 0 and pool["intake_pool_size"] == 0
+def test_cancel_aborts_in_flight_requests_within_seconds(api_factory: ApiFactory) -> None:
+    client = api_factory("--simulated-latency-s", "60", "--max-pool-size", "8")
+    batch = create_batch(client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(50)]))["id"])
+    wait_for_status(client, batch["id"], {"in_progress"})
+    deadline = time.monotonic() + 10
+    while client.get("/v1/pool/status").json()["scheduling_pool_active"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = time.monotonic()
+    client.post(f"/v1/batches/{batch['id']}/cancel").raise_for_status()
+    cancelled = wait_for_status(client, batch["id"], {"cancelled"}, timeout_s=10)
+    assert time.monotonic() - started < 3, "in-flight requests were not aborted"
+    assert cancelled["request_counts"] == {"total": 50, "completed": 0, "failed": 0}
+    pool = client.get("/v1/pool/status").json()
+    assert pool["scheduling_pool_active"] == 0 and pool["intake_pool_size"] == 0
 
 
-def test_batch_past_its_window_expires_with_partial_results(server_factory, tmp_path: Path) -> None:
-    server = server_factory("--simulated-latency-s", "0.3", "--max-pool-size", "1")
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        path = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(40)])
-        batch = _create(client, _upload(client, path)["id"], completion_window="2s")
-        expired = wait_for_status(client, batch["id"], {"expired", "completed"}, timeout_s=20)
-        assert expired["status"] == "expired"
-        assert expired["expired_at"] is not None and expired["expired_at"] >= expired["expires_at"]
-        done = expired["request_counts"]["completed"]
-        assert 1 <= done < 40
-        content = client.get(f"/v1/files/{expired['output_file_id']}/content").content
-        assert len(content.splitlines()) == done
-        time.sleep(0.5)
-        assert client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == done
+@pytest.mark.parametrize(("flags", "status"), [((), "failed"), (("--error-file", "openai"), "expired")])
+def test_batch_past_its_window_ends_with_partial_results(
+    api_factory: ApiFactory, flags: tuple[str, ...], status: str
+) -> None:
+    """The guide: ``failed`` with ``batch_failed`` saying it timed out; OpenAI's switch: ``expired``."""
+    client = api_factory("--simulated-latency-s", "0.3", "--max-pool-size", "1", *flags)
+    file_id = upload(client, jsonl(*[chat_line(f"r{i}") for i in range(40)]))["id"]
+    batch = create_batch(client, file_id, completion_window="2s")
+    ended = wait_for_status(client, batch["id"], {"expired", "failed", "completed"}, timeout_s=20)
+    assert ended["status"] == status
+    stamp = "expired_at" if status == "expired" else "failed_at"
+    assert ended[stamp] is not None and ended[stamp] >= ended["expires_at"]
+    done = ended["request_counts"]["completed"]
+    assert 1 <= done < 40
+    if status == "failed":
+        assert ended["error"]["code"] == "batch_failed"
+        message = ended["error"]["message"]
+        assert "timed out" in message and "2s" in message and f"{done} of 40 requests finished" in message
+        assert ended["errors"]["data"][0]["code"] == "batch_failed"
+    else:
+        assert ended["error"] is None and ended["errors"] is None
+    content = client.get(f"/v1/files/{ended['output_file_id']}/content").content
+    assert len(content.splitlines()) == done
+    time.sleep(0.5)
+    again = client.get(f"/v1/batches/{batch['id']}").json()
+    assert (again["status"], again["request_counts"]["completed"]) == (status, done)
 
 
-def test_idempotency_key_returns_the_same_objects(live_server: LiveServer, tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "in.jsonl", [chat_line("a"), chat_line("b")])
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
-        first_file = _upload(client, path, **{"Idempotency-Key": "file-key-1"})
-        assert _upload(client, path, **{"Idempotency-Key": "file-key-1"})["id"] == first_file["id"]
-        other = write_jsonl(tmp_path / "other.jsonl", [chat_line("c")])
-        with other.open("rb") as stream:
-            clash = client.post(
-                "/v1/files",
-                files={"file": stream},
-                data={"purpose": "batch"},
-                headers={"Idempotency-Key": "file-key-1"},
-            )
-        assert clash.status_code == 409 and "Idempotency-Key" in clash.json()["error"]["message"]
+def test_idempotency_key_returns_the_same_objects(api_factory: ApiFactory) -> None:
+    client = api_factory()
+    content = jsonl(chat_line("a"), chat_line("b"))
+    first_file = upload(client, content, headers={"Idempotency-Key": "file-key-1"})
+    assert upload(client, content, headers={"Idempotency-Key": "file-key-1"})["id"] == first_file["id"]
+    clash = post_file(client, jsonl(chat_line("c")), headers={"Idempotency-Key": "file-key-1"})
+    assert clash.status_code == 409 and "Idempotency-Key" in clash.json()["error"]["message"]
 
-        body = {"input_file_id": first_file["id"], "endpoint": "/v1/chat/completions"}
-        headers = {"Idempotency-Key": "batch-key-1"}
-        first = client.post("/v1/batches", json=body, headers=headers).json()
-        again = client.post("/v1/batches", json=body, headers=headers)
-        assert again.status_code == 200 and again.json()["id"] == first["id"]
-        changed = client.post("/v1/batches", json={**body, "metadata": {"x": "y"}}, headers=headers)
-        assert changed.status_code == 409
-        batches = [
-            b["id"]
-            for b in client.get("/v1/batches").json()["data"]
-            if b["input_file_id"] == first_file["id"]
-        ]
-        assert batches == [first["id"]]
+    body = {"input_file_id": first_file["id"], "endpoint": "/v1/chat/completions"}
+    headers = {"Idempotency-Key": "batch-key-1"}
+    first = client.post("/v1/batches", json=body, headers=headers).json()
+    again = client.post("/v1/batches", json=body, headers=headers)
+    assert again.status_code == 200 and again.json()["id"] == first["id"]
+    changed = client.post("/v1/batches", json={**body, "metadata": {"x": "y"}}, headers=headers)
+    assert changed.status_code == 409
+    batches = [
+        b["id"] for b in client.get("/v1/batches").json()["data"] if b["input_file_id"] == first_file["id"]
+    ]
+    assert batches == [first["id"]]
 
 
 @pytest.fixture
@@ -180,57 +165,44 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_full_disk_fails_the_batch_keeps_lines_and_the_server(
-    server_factory, small_disk: Path, tmp_path: Path
+    server_factory: Callable[..., LiveServer], small_disk: Path
 ) -> None:
     server = server_factory("--fsync-interval-ms", "50", storage="disk")
     assert server.storage_path.resolve() == small_disk.resolve()
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        big = _create(
-            client,
-            _upload(client, write_jsonl(tmp_path / "big.jsonl", [chat_line(f"r{i}") for i in range(3000)]))[
-                "id"
-            ],
-        )
+        big = create_batch(client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(3000)]))["id"])
         failed = wait_for_status(client, big["id"], TERMINAL, timeout_s=60)
         assert failed["status"] == "failed"
         assert failed["error"]["code"] == "batch_failed"
         assert "No space left on device" in failed["error"]["message"]
         output = small_disk / "incremental" / f"{big['id']}.jsonl"
-        lines = _lines(output)  # every line written is whole JSON
+        lines = read_jsonl(output)  # every line written is whole JSON
         assert 0 < len(lines) == failed["request_counts"]["completed"] < 3000
         assert client.get("/health").json() == {"status": "healthy"}
 
         assert client.delete(f"/v1/files/{failed['output_file_id']}").status_code == 200
-        small = _create(
-            client,
-            _upload(client, write_jsonl(tmp_path / "small.jsonl", [chat_line("x"), chat_line("y")]))["id"],
-        )
+        small = create_batch(client, upload(client, jsonl(chat_line("x"), chat_line("y")))["id"])
         assert wait_for_status(client, small["id"], TERMINAL)["status"] == "completed"
 
 
-def test_files_expire_and_free_their_disk(server_factory, tmp_path: Path) -> None:
-    server = server_factory("--file-expiry-s", "2")
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        path = write_jsonl(tmp_path / "in.jsonl", [chat_line("a")])
-        with path.open("rb") as stream:
-            short = client.post(
-                "/v1/files",
-                files={"file": stream},
-                data={
-                    "purpose": "batch",
-                    "expires_after[anchor]": "created_at",
-                    "expires_after[seconds]": "1",
-                },
-            ).json()
-        assert short["expires_at"] == short["created_at"] + 1
-        default = _upload(client, path)
-        assert default["expires_at"] == default["created_at"] + 2
-        batch = wait_for_status(client, _create(client, default["id"])["id"], TERMINAL)
-        output = client.get(f"/v1/files/{batch['output_file_id']}").json()
-        assert output["expires_at"] is not None
-        time.sleep(3.5)
-        for file_id in (short["id"], default["id"], batch["output_file_id"]):
-            assert client.get(f"/v1/files/{file_id}").status_code == 404
-        assert list((server.storage_path / "files").iterdir()) == []
-        assert not (server.storage_path / "incremental" / f"{batch['id']}.jsonl").exists()
-        assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed"
+def test_files_expire_and_free_their_disk(api_factory: ApiFactory, tmp_path: Path) -> None:
+    client = api_factory("--file-expiry-s", "2")
+    content = jsonl(chat_line("a"))
+    short = client.post(
+        "/v1/files",
+        files={"file": ("in.jsonl", content)},
+        data={"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "1"},
+    ).json()
+    assert short["expires_at"] == short["created_at"] + 1
+    default = upload(client, content)
+    assert default["expires_at"] == default["created_at"] + 2
+    batch = wait_for_status(client, create_batch(client, default["id"])["id"], TERMINAL)
+    output = client.get(f"/v1/files/{batch['output_file_id']}").json()
+    assert output["expires_at"] is not None
+    time.sleep(3.5)
+    for file_id in (short["id"], default["id"], batch["output_file_id"]):
+        assert client.get(f"/v1/files/{file_id}").status_code == 404
+    storage = tmp_path / "storage"
+    assert list((storage / "files").iterdir()) == []
+    assert not (storage / "incremental" / f"{batch['id']}.jsonl").exists()
+    assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed"

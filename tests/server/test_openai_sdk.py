@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from tests.live import LiveServer, chat_line, write_jsonl
+from tests.helpers import chat_line, completion_line, write_jsonl
+from tests.live import LiveServer
 
 
 @pytest.fixture
@@ -98,7 +100,7 @@ def test_batches_list_pages_newest_first(client: openai.OpenAI, tmp_path: Path) 
     assert len(seen) == len(set(seen))
 
 
-def test_cancel_running_batch(live_server: LiveServer, server_factory, tmp_path: Path) -> None:
+def test_cancel_running_batch(server_factory: Callable[..., LiveServer], tmp_path: Path) -> None:
     slow = server_factory("--simulated-latency-s", "0.2", "--max-pool-size", "2")
     with openai.OpenAI(base_url=slow.api_url, api_key="unused", max_retries=0) as sdk:
         file_id = _upload(sdk, write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(200)]))
@@ -122,19 +124,13 @@ def test_cancel_running_batch(live_server: LiveServer, server_factory, tmp_path:
         written = sdk.files.content(cancelled.output_file_id).content.splitlines()
         assert len(written) == counts.completed
         assert sdk.batches.retrieve(batch.id).request_counts.completed == counts.completed  # type: ignore[union-attr]
-        pool = __import__("httpx").get(f"{slow.base_url}/v1/pool/status").json()
+        pool = httpx.get(f"{slow.base_url}/v1/pool/status").json()
         assert pool["intake_pool_size"] == 0 and pool["active_batches"] == 0
 
 
 def test_completions_endpoint(client: openai.OpenAI, tmp_path: Path) -> None:
     lines = [
-        {
-            "custom_id": f"c{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"model": "default", "prompt": f"Once upon a time {i}", "max_tokens": 5},
-        }
-        for i in range(4)
+        completion_line(f"c{i}", f"Once upon a time {i}", model="default", max_tokens=5) for i in range(4)
     ]
     file_id = _upload(client, write_jsonl(tmp_path / "in.jsonl", lines))
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
@@ -173,28 +169,3 @@ def test_batch_level_parameters_through_extra_body(client: openai.OpenAI, tmp_pa
     lines = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines()]
     tokens = {line["custom_id"]: line["response"]["body"]["usage"]["completion_tokens"] for line in lines}
     assert tokens == {"a": 3, "b": 2}  # simulated answers are 4+ tokens long, so both limits bind
-
-
-def test_content_serves_byte_ranges(live_server: LiveServer, tmp_path: Path) -> None:
-    import httpx
-
-    path = write_jsonl(tmp_path / "in.jsonl", [chat_line(f"r{i}") for i in range(3)])
-    data = path.read_bytes()
-    with httpx.Client(base_url=live_server.base_url) as client:
-        file_id = client.post("/v1/files", files={"file": path.open("rb")}, data={"purpose": "batch"}).json()[
-            "id"
-        ]
-        url = f"/v1/files/{file_id}/content"
-        whole = client.get(url)
-        assert whole.status_code == 200 and whole.content == data
-        assert whole.headers["accept-ranges"] == "bytes"
-        tail = client.get(url, headers={"Range": "bytes=10-"})
-        assert tail.status_code == 206 and tail.content == data[10:]
-        assert tail.headers["content-range"] == f"bytes 10-{len(data) - 1}/{len(data)}"
-        middle = client.get(url, headers={"Range": "bytes=5-9"})
-        assert (middle.status_code, middle.content) == (206, data[5:10])
-        suffix = client.get(url, headers={"Range": "bytes=-4"})
-        assert (suffix.status_code, suffix.content) == (206, data[-4:])
-        past = client.get(url, headers={"Range": f"bytes={len(data)}-"})
-        assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{len(data)}"
-        assert past.json()["error"]["code"] == "range_not_satisfiable"

