@@ -112,7 +112,7 @@ def build_parser(
         choices=ERROR_FILE_MODES,
         default=_DEFAULTS.error_file,
         help="'output': every request's line goes to the batch's output file, failed ones with "
-        "\"response\": null and \"error\" set, and a batch that runs out of its completion window "
+        '"response": null and "error" set, and a batch that runs out of its completion window '
         "ends failed (the user guide); 'openai': failed lines go to a separate error file "
         "(error_file_id) and such a batch ends expired (OpenAI's Batch API)",
     )
@@ -121,8 +121,8 @@ def build_parser(
         action="append",
         default=[],
         metavar="NAME",
-        help="another name the model answers to in a request's \"model\" field (repeatable); the "
-        "model's own name and \"default\" are always accepted, and GET /v1/models lists them all",
+        help='another name the model answers to in a request\'s "model" field (repeatable); the '
+        'model\'s own name and "default" are always accepted, and GET /v1/models lists them all',
     )
     add(
         "--log-level",
