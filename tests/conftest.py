@@ -133,8 +133,8 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     """Start ``batchgen-server`` processes with custom flags; each is stopped at the end of the test."""
     servers: list[LiveServer] = []
 
-    def make(*flags: str, storage: str = "storage") -> LiveServer:
-        server = start_server(tmp_path / storage, *flags)
+    def make(*flags: str, storage: str = "storage", ready: tuple[int, ...] = (200,)) -> LiveServer:
+        server = start_server(tmp_path / storage, *flags, ready=ready)
         servers.append(server)
         return server
 

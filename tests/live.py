@@ -58,7 +58,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(storage_path: Path, *flags: str, timeout_s: float = 60.0) -> LiveServer:
+def start_server(
+    storage_path: Path, *flags: str, timeout_s: float = 60.0, ready: tuple[int, ...] = (200,)
+) -> LiveServer:
     """Start ``batchgen-server`` with ``flags`` and wait until /health answers."""
     port = free_port()
     storage_path.mkdir(parents=True, exist_ok=True)
@@ -85,21 +87,28 @@ def start_server(storage_path: Path, *flags: str, timeout_s: float = 60.0) -> Li
     )
     server = LiveServer(process, f"http://127.0.0.1:{port}", storage_path, log_path)
     try:
-        wait_until_ready(process, f"{server.base_url}/health", log_path, timeout_s)
+        wait_until_ready(process, f"{server.base_url}/health", log_path, timeout_s, ready)
     except RuntimeError:
         server.stop()
         raise
     return server
 
 
-def wait_until_ready(process: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float) -> None:
-    """Wait until GET ``url`` answers 200; raise with the process's log if it exits or times out."""
+def wait_until_ready(
+    process: subprocess.Popen[bytes],
+    url: str,
+    log_path: Path,
+    timeout_s: float,
+    ready: tuple[int, ...] = (200,),
+) -> None:
+    """Wait until GET ``url`` answers one of ``ready`` (200: healthy); raise with the process's log
+    if it exits or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the process serving {url} exited early:\n{log_path.read_text()}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code in ready:
                 return
         except httpx.TransportError:
             pass

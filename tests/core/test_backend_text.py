@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -44,7 +46,7 @@ def test_missing_content_is_empty_and_other_parts_are_rejected_naming_the_backen
 
 
 def test_text_messages_flatten_lists_and_keep_everything_else() -> None:
-    messages = (
+    messages: tuple[dict[str, Any], ...] = (
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "tool_calls": []},
