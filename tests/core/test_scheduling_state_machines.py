@@ -3,7 +3,7 @@
 ``SchedulerMachine`` drives the real ``IntakePool``, ``SchedulingPool`` and ``Scheduler`` with
 random batches (some given as an explicit subset of lines, as after a restart), admissions,
 finishes and cancels, and checks them against a plain model of which (batch, line) requests are
-queued, running, finished or dropped. It states the invariants of ARCHITECTURE.md that these
+queued, running, finished or dropped. It states the invariants of docs/architecture.md that these
 classes own:
 
 1. Conservation: every request of an accepted batch ends exactly once, admitted (then finished)

@@ -2,8 +2,7 @@
 
 SGLang needs CUDA and cannot be installed on the CPU-only machines the tests run on, so BatchGen's
 ``sglang`` backend is tested against this stand-in. It implements only the slice of SGLang's
-offline-engine API that the backend uses, shaped as SGLang documents it (the SGLang section of
-``shared/DEPENDENCIES.md``; upstream ``python/sglang/srt/entrypoints/engine.py`` and
+offline-engine API that the backend uses, shaped as SGLang documents it (upstream ``python/sglang/srt/entrypoints/engine.py`` and
 ``python/sglang/srt/managers/tokenizer_manager.py``):
 
 - ``Engine(**server_args)``: keyword arguments as ``ServerArgs`` takes them (``model_path``,
@@ -60,7 +59,7 @@ from typing import Any, ClassVar
 
 __version__ = "0.0.0+fake"
 
-#: The sampling parameter names SGLang's ``SamplingParams`` accepts (DEPENDENCIES.md's list).
+#: The sampling parameter names SGLang's ``SamplingParams`` accepts.
 SAMPLING_PARAMETERS = frozenset(
     {
         "max_new_tokens",

@@ -113,7 +113,7 @@ def build_parser(
         default=_DEFAULTS.error_file,
         help="'output': every request's line goes to the batch's output file, failed ones with "
         '"response": null and "error" set, and a batch that runs out of its completion window '
-        "ends failed (the user guide); 'openai': failed lines go to a separate error file "
+        "ends failed (BatchGen's default); 'openai': failed lines go to a separate error file "
         "(error_file_id) and such a batch ends expired (OpenAI's Batch API)",
     )
     add(

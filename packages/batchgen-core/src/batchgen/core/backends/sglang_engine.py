@@ -1,7 +1,7 @@
 """SGLangBackend: SGLang's in-process offline ``Engine``, the GPU production engine.
 
 ``sglang`` is imported when the backend starts, never when this module is imported, so BatchGen
-installs and runs without it. What is used of SGLang is the contract in DEPENDENCIES.md:
+installs and runs without it. What is used of SGLang is this part of its documented interface:
 ``sglang.Engine(**server_args)``, ``await engine.async_generate(input_ids=... | prompt=...,
 sampling_params=..., rid=...)``, ``engine.tokenizer_manager.abort_request(rid)``,
 ``engine.tokenizer_manager.tokenizer`` and ``.context_len``, and ``engine.shutdown()``.
