@@ -111,7 +111,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], di
         "sglang",
         pytest.param("echo", marks=pytest.mark.live),  # pip-installs the example package
         pytest.param("transformers", marks=pytest.mark.model),
-        pytest.param("openai", marks=pytest.mark.model),
+        pytest.param("openai", marks=[pytest.mark.model, pytest.mark.live]),  # transformers serve
     ]
 )
 def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Subject:
