@@ -10,7 +10,6 @@ streaming request is refused at upload, a create while unhealthy is ServiceUnava
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import anyio
@@ -19,6 +18,7 @@ import pytest
 from batchgen.core import BatchService, BatchStatus, InvalidBatchFile, ServiceSettings, ServiceUnavailable
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.models import Health
+from tests.helpers import chat_line, jsonl, read_jsonl
 
 pytestmark = pytest.mark.anyio
 
@@ -29,17 +29,7 @@ def anyio_backend() -> str:
 
 
 def _line(custom_id: str, content: str = "hello", **body: object) -> bytes:
-    request = {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": content}], **body},
-    }
-    return json.dumps(request).encode() + b"\n"
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return jsonl(chat_line(custom_id, content, **body))
 
 
 def _mixed_input(failing: int, passing: int) -> bytes:
@@ -59,7 +49,7 @@ async def test_by_default_every_request_has_its_line_in_the_output_file(
         assert batch.status is BatchStatus.COMPLETED
         assert batch.error_file_id is None
         path, _ = await service.file_content(batch.output_file_id or "")
-        lines = _lines(path)
+        lines = read_jsonl(path)
         assert path == tmp_path / "incremental" / f"{batch.id}.jsonl"
     assert sorted(line["custom_id"] for line in lines) == sorted(
         [f"bad{i}" for i in range(failing)] + [f"ok{i}" for i in range(passing)]
@@ -81,8 +71,8 @@ async def test_openai_convention_writes_failed_lines_to_a_separate_error_file(tm
         assert batch.error_file_id is not None
         output, _ = await service.file_content(batch.output_file_id or "")
         errors, _ = await service.file_content(batch.error_file_id)
-        assert sorted(line["custom_id"] for line in _lines(output)) == ["ok0", "ok1", "ok2"]
-        assert sorted(line["custom_id"] for line in _lines(errors)) == ["bad0", "bad1"]
+        assert sorted(line["custom_id"] for line in read_jsonl(output)) == ["ok0", "ok1", "ok2"]
+        assert sorted(line["custom_id"] for line in read_jsonl(errors)) == ["bad0", "bad1"]
 
 
 @pytest.mark.parametrize(
@@ -99,7 +89,7 @@ async def test_a_batch_out_of_time_ends_as_the_convention_says(
             batch = await service.wait_for_batch(batch.id)
         assert batch.status is status
         path, _ = await service.file_content(batch.output_file_id or "")
-        finished = len(_lines(path))
+        finished = len(read_jsonl(path))
     assert 0 < finished < 40
     assert batch.request_counts.completed == finished
     if status is BatchStatus.FAILED:
@@ -186,7 +176,7 @@ async def test_a_restart_counts_failed_lines_in_the_output_file_and_writes_none_
         with anyio.fail_after(10):
             batch = await service.wait_for_batch(batch.id)
         path, _ = await service.file_content(batch.output_file_id or "")
-    lines = _lines(path)
+    lines = read_jsonl(path)
     assert sorted(line["custom_id"] for line in lines) == sorted(
         f"bad{i}" if i % 2 else f"ok{i}" for i in range(30)
     )

@@ -8,7 +8,6 @@ order and count; the batch must complete with one line per request and counters 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from batchgen.core import BatchService, BatchStatus, ServiceSettings
 from batchgen.core.backends import RequestAborted, RequestRejected, TransientBackendError
 from batchgen.core.models import Batch, GenerationRequest, GenerationResult, Health
+from tests.helpers import chat_line, jsonl, read_jsonl
 
 #: What each kind of request does, and the line it must end with (None: an output line).
 KINDS: dict[str, str | None] = {
@@ -75,17 +75,8 @@ class ScriptedBackend:
 
 
 def _line(custom_id: str, kind: str) -> bytes:
-    body: dict[str, object] = {"messages": [{"role": "user", "content": kind}]}
-    if kind == "bad max_tokens":
-        body["max_tokens"] = "many"
-    if kind == "bad stop":
-        body["stop"] = [1]
-    request = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-    return json.dumps(request).encode() + b"\n"
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    bad = {"bad max_tokens": {"max_tokens": "many"}, "bad stop": {"stop": [1]}}.get(kind, {})
+    return jsonl(chat_line(custom_id, kind, **bad))
 
 
 async def _run(storage: Path, kinds: list[str]) -> tuple[Batch, list[dict], list[dict]]:
@@ -95,7 +86,7 @@ async def _run(storage: Path, kinds: list[str]) -> tuple[Batch, list[dict], list
         batch = await service.create_batch(file.id, "/v1/chat/completions")
         with anyio.fail_after(30):
             batch = await service.wait_for_batch(batch.id)
-        lines = _lines(service.blobs.output_path(batch.id))  # failed requests' lines are here too
+        lines = read_jsonl(service.blobs.output_path(batch.id))  # failed requests' lines are here too
         assert not service.blobs.error_path(batch.id).exists()
         output = [line for line in lines if line["error"] is None]
         errors = [line for line in lines if line["error"] is not None]
@@ -145,7 +136,7 @@ def test_a_cancelled_batch_ends_its_hanging_requests_with_no_line(tmp_path: Path
                 await service.cancel_batch(batch.id)
                 batch = await service.wait_for_batch(batch.id)
             assert batch.status is BatchStatus.CANCELLED
-            assert [line["custom_id"] for line in _lines(service.blobs.output_path(batch.id))] == ["done"]
+            assert [line["custom_id"] for line in read_jsonl(service.blobs.output_path(batch.id))] == ["done"]
             assert service.scheduling_pool.active == 0
 
     anyio.run(main)
