@@ -74,8 +74,15 @@ class ScriptedBackend:
         return GenerationResult(text="fine", finish_reason="stop", prompt_tokens=2, completion_tokens=1)
 
 
+#: Body fields that make a request's sampling parameters invalid.
+BAD_BODIES: dict[str, dict[str, object]] = {
+    "bad max_tokens": {"max_tokens": "many"},
+    "bad stop": {"stop": [1]},
+}
+
+
 def _line(custom_id: str, kind: str) -> bytes:
-    bad = {"bad max_tokens": {"max_tokens": "many"}, "bad stop": {"stop": [1]}}.get(kind, {})
+    bad = BAD_BODIES.get(kind, {})
     return jsonl(chat_line(custom_id, kind, **bad))
 
 
