@@ -51,7 +51,7 @@ class Supervisor:
             return
         logger.critical("background task %r crashed; the batch service has stopped", name, exc_info=exc)
         first = not self.crashed
-        self.crashed.setdefault(name, f"{type(exc).__name__}: {exc}")
+        self.crashed.setdefault(name, _describe(exc))
         if first:
             reason = self.reason()
             for listener in self._listeners:
@@ -59,3 +59,10 @@ class Supervisor:
                     listener(reason)
                 except Exception:
                     logger.exception("a listener of the service's stop failed")
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of the exception, looking inside groups that hold a single one."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
