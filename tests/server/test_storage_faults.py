@@ -86,6 +86,10 @@ def test_a_full_disk_fails_only_the_batch_it_hits_and_everything_recovers(
         blobs_before = sorted((small_storage / "files").iterdir())
 
         filler = _fill(small_storage)
+        deadline = time.monotonic() + 60  # the batch fails at its next line, whatever the load
+        while f"batch {big['id']} failed" not in server.log_path.read_text():
+            assert time.monotonic() < deadline, "no line of the running batch hit the full disk"
+            time.sleep(0.05)
         refused = post_file(client, jsonl(chat_line("x")))
         assert refused.status_code == 507, refused.text
         error = refused.json()["error"]
