@@ -1,11 +1,14 @@
 """Starting a batch: index its input file, queue what is still to run, move it to in_progress.
 
 A new batch queues every line; a batch resumed after a restart queues only the lines whose
-custom_id has no result line yet.
+custom_id has no result line yet. Whatever goes wrong while starting one batch (its input cannot be
+read, its output file cannot be registered on a full disk, a bug) fails that batch with the reason
+and is logged with its traceback; it never reaches the service's other tasks.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -20,6 +23,7 @@ from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
 
 _decode = msgspec.json.Decoder().decode
+logger = logging.getLogger("batchgen.service")
 
 
 def lines_not_done(path: str, index: LineIndex, done: set[str]) -> list[int]:
@@ -49,7 +53,16 @@ class BatchStarter:
         self._wake_scheduler = wake_scheduler
 
     async def start(self, active: ActiveBatch, file: FileObject, done: set[str] | None = None) -> None:
-        """Index the input, queue the requests not in ``done``, and move the batch to in_progress."""
+        """Index the input, queue the requests not in ``done``, and move the batch to in_progress;
+        on any failure, fail the batch with the reason."""
+        try:
+            await self._start(active, file, done)
+        except Exception as exc:
+            logger.exception("batch %s could not be started", active.id)
+            self._intake_pool.drop(active.id)
+            self._tracker.fail(active, "batch_failed", f"The batch could not be started: {exc}")
+
+    async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
             index = await anyio.to_thread.run_sync(index_batch_file, file.path)
             lines: Sequence[int] | None = None
@@ -69,7 +82,8 @@ class BatchStarter:
                 f"{self._intake_pool.free} of {self._intake_pool.capacity}. Retry later or split the file.",
             )
             return
-        active.input_fd = os.open(file.path, os.O_RDONLY)
+        if active.input_fd is None:
+            active.input_fd = os.open(file.path, os.O_RDONLY)
         if active.batch.output_file_id is None:
             output = self._files.register_result_file(
                 active.id, active.output.path, "output", expires_after_s=active.batch.output_expires_after_s

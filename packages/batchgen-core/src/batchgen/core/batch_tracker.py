@@ -3,7 +3,13 @@
 ``BatchTracker`` holds one ``ActiveBatch`` per unfinished batch. Each move of a batch goes through
 the state machine (``batch_lifecycle.advance``) and is persisted at once; counters are persisted
 in groups (``flush``), since the result files, not the counters, record what finished. A batch that
-reaches a terminal status is synced, closed and forgotten.
+reaches a terminal status is synced, closed and forgotten once that status is saved.
+
+A status a client has seen never changes afterwards, across restarts too, so callers see a batch's
+status only once it is saved. When the metadata store refuses a save (a full disk, an I/O error),
+the batch goes on in memory (a failed batch stops working at once), callers keep seeing its last
+saved status, and ``flush`` retries the save until it lands; ``unsaved`` says what waits meanwhile.
+A restart before it lands resumes the batch from the status callers saw.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from batchgen.core.batch_lifecycle import advance
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCounts, Usage
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
+from batchgen.core.storage_faults import storage_fault
 
 logger = logging.getLogger("batchgen.service")
 
@@ -42,6 +49,14 @@ class ActiveBatch:
     completion_tokens: int = 0
     in_flight: set[str] = attrs.Factory(set)
     dirty: bool = False
+    #: The batch as last saved in the metadata store: the status callers see.
+    saved: Batch | None = None
+    #: Why the latest save failed, while ``batch`` holds changes not saved yet.
+    unsaved_reason: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.saved is None:
+            self.saved = self.batch
 
     @property
     def id(self) -> str:
@@ -55,10 +70,20 @@ class ActiveBatch:
     def finished(self) -> int:
         return self.completed + self.failed
 
+    def state(self) -> Batch:
+        """The batch as it is now, with its live counters (what a save writes)."""
+        return self._with_counters(self.batch)
+
     def snapshot(self) -> Batch:
+        """What callers see: the batch as last saved (its status never runs ahead of the store),
+        with its live counters."""
+        assert self.saved is not None
+        return self._with_counters(self.batch if self.unsaved_reason is None else self.saved)
+
+    def _with_counters(self, batch: Batch) -> Batch:
         return attrs.evolve(
-            self.batch,
-            request_counts=RequestCounts(self.batch.request_counts.total, self.completed, self.failed),
+            batch,
+            request_counts=RequestCounts(batch.request_counts.total, self.completed, self.failed),
             usage=Usage(self.prompt_tokens, self.completion_tokens),
         )
 
@@ -107,9 +132,8 @@ class BatchTracker:
         if target.is_terminal:
             self._close(active)
         active.batch = advance(active.batch, target, now=now(), error=error)
-        self.persist(active)
-        if target.is_terminal:
-            self._active.pop(active.id, None)
+        if self.persist(active) and target.is_terminal:
+            self._active.pop(active.id, None)  # else kept until ``flush`` saves it
 
     def cancel(self, active: ActiveBatch) -> None:
         """Drop the batch's queued requests and abort those in flight; it ends once they have."""
@@ -152,15 +176,44 @@ class BatchTracker:
             self._abort_request(request_id)
 
     # --- persistence -----------------------------------------------------------------------
-    def persist(self, active: ActiveBatch) -> None:
-        self._metadata.save_batch(active.snapshot())
+    def persist(self, active: ActiveBatch) -> bool:
+        """Save the batch; on a storage fault keep it unsaved (``flush`` retries) and return False."""
+        state = active.state()
+        try:
+            self._metadata.save_batch(state)
+        except Exception as exc:
+            fault = storage_fault(exc, f"save batch {active.id}")
+            if fault is None:
+                raise
+            if active.unsaved_reason is None:
+                logger.warning("batch %s (%s) is not saved yet: %s", active.id, state.status.value, fault)
+            active.unsaved_reason = fault.message
+            return False
+        if active.unsaved_reason is not None:
+            logger.info("batch %s (%s) is saved again", active.id, state.status.value)
+        active.saved = state
+        active.unsaved_reason = None
         active.dirty = False
+        return True
 
     def flush(self) -> None:
-        """Persist the counters of every batch whose counters moved since the last flush."""
+        """Save every batch whose counters moved or whose last save failed; a batch that ended is
+        forgotten once saved. Raise if a save still fails, so the maintenance job reports it."""
+        failures: list[str] = []
         for active in self:
-            if active.dirty:
-                self.persist(active)
+            if not (active.dirty or active.unsaved_reason is not None):
+                continue
+            if self.persist(active):
+                if active.status.is_terminal:
+                    self._active.pop(active.id, None)
+            else:
+                failures.append(f"batch {active.id}: {active.unsaved_reason}")
+        if failures:
+            raise OSError(f"{len(failures)} batch(es) not saved: {failures[0]}")
+
+    def unsaved(self) -> dict[str, str]:
+        """Batches whose latest status or counters the store has not taken yet, with the reason."""
+        return {active.id: active.unsaved_reason for active in self if active.unsaved_reason is not None}
 
     def open_writers(self) -> list[ResultWriter]:
         return [writer for active in self for writer in (active.output, active.errors) if writer.opened]
@@ -168,7 +221,13 @@ class BatchTracker:
     def close_all(self) -> None:
         """At shutdown: persist and close every batch, leaving it unfinished for the next start."""
         for active in self:
-            self.persist(active)
+            if not self.persist(active):
+                logger.error(
+                    "batch %s could not be saved at shutdown; the next start resumes it from its "
+                    "last saved status (%s)",
+                    active.id,
+                    active.snapshot().status.value,
+                )
             self._close(active)
         self._active.clear()
 

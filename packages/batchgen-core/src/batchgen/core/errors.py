@@ -7,7 +7,9 @@
      ├── Conflict                                 the operation clashes with current state
      ├── PayloadTooLarge     (also ValueError)   an upload over the size limit
      ├── IntakeFull                               the intake pool cannot take the batch now
-     └── ServiceUnavailable                       the backend or service is not able to serve
+     ├── ServiceUnavailable                       the backend or service is not able to serve
+     └── StorageUnavailable                       storage refused a write or read (full disk, I/O
+                                                  error, read-only folder); nothing was changed
 
 The server maps each class to one HTTP status; the service never raises HTTP errors itself.
 """
@@ -88,3 +90,17 @@ class ServiceUnavailable(BatchGenError):
     def __init__(self, message: str, retry_after_s: int = 5) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class StorageUnavailable(BatchGenError):
+    """Storage refused the call (a full disk, an I/O error, a read-only folder); nothing was made.
+
+    ``disk_full`` tells a full disk (or quota) from other faults; either way the call may be
+    retried after ``retry_after_s``, once the fault is gone.
+    """
+
+    def __init__(self, message: str, *, disk_full: bool, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
+        self.retry_after_s = retry_after_s
+        self.code = "insufficient_storage" if disk_full else "storage_unavailable"

@@ -69,12 +69,16 @@ class FileCatalogue:
         self, content: bytes | str | os.PathLike[str], *, filename: str | None, purpose: str
     ) -> FileObject:
         staging = self.new_upload_path()
-        if isinstance(content, bytes):
-            staging.write_bytes(content)
-            name = filename or "upload.jsonl"
-        else:
-            await anyio.to_thread.run_sync(shutil.copyfile, content, staging)
-            name = filename or Path(content).name
+        try:
+            if isinstance(content, bytes):
+                staging.write_bytes(content)
+                name = filename or "upload.jsonl"
+            else:
+                await anyio.to_thread.run_sync(shutil.copyfile, content, staging)
+                name = filename or Path(content).name
+        except BaseException:
+            self._blobs.remove(staging)  # a half-written copy (a full disk) is not left behind
+            raise
         return await self.add_file(staging, filename=name, purpose=purpose)
 
     async def add_file(
@@ -135,17 +139,20 @@ class FileCatalogue:
             url=url,
             expires_at=None if lifetime is None else created + lifetime,
         )
-        if idempotency_key is not None:
-            try:  # a twin upload with the same key may have finished while this one validated
+        try:
+            if idempotency_key is not None:
+                # a twin upload with the same key may have finished while this one validated
                 earlier = self._ledger.replay(idempotency_key, "file", call)
-            except Conflict:
-                self._blobs.remove(path)
-                raise
-            if earlier is not None:
-                self._blobs.remove(path)
-                return self.get(earlier)
-            self._ledger.record(idempotency_key, "file", call, file.id, created)
-        self._metadata.insert_file(file)
+                if earlier is not None:
+                    self._blobs.remove(path)
+                    return self.get(earlier)
+            # the row and its key in one step: a failure (a full disk) records neither
+            self._metadata.insert_file(
+                file, idempotency=self._ledger.entry(idempotency_key, "file", call, created)
+            )
+        except BaseException:
+            self._blobs.remove(path)  # no row points at it: an upload that fails leaves nothing
+            raise
         return file
 
     # --- result files ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from batchgen.core.errors import Conflict
-from batchgen.core.storage import MetadataStore
+from batchgen.core.storage import IdempotencyRecord, MetadataStore
 
 
 def fingerprint(*parts: Any) -> str:
@@ -39,5 +39,9 @@ class IdempotencyLedger:
             )
         return object_id
 
-    def record(self, key: str, scope: str, call_fingerprint: str, object_id: str, created_at: int) -> None:
-        self._metadata.put_idempotency_key(key, scope, call_fingerprint, object_id, created_at)
+    @staticmethod
+    def entry(
+        key: str | None, scope: str, call_fingerprint: str, created_at: int
+    ) -> IdempotencyRecord | None:
+        """What to record with the new object (in the same step as it, see ``MetadataStore``)."""
+        return None if key is None else IdempotencyRecord(key, scope, call_fingerprint, created_at)

@@ -33,6 +33,7 @@ from batchgen.core.parameters import ServerDefaults, resolve_sampling
 from batchgen.core.results import error_line, output_line
 from batchgen.core.scheduling import IntakeEntry
 from batchgen.core.storage import ResultWriter
+from batchgen.core.storage_faults import storage_fault
 
 logger = logging.getLogger("batchgen.service")
 
@@ -83,8 +84,15 @@ class RequestExecutor:
         try:
             await self._execute(active, custom_id, body, request_id)
         except Exception as exc:
-            logger.exception("batch %s: request %r raised", active.id, custom_id)
-            self.record_error(active, custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
+            fault = storage_fault(exc, f"record the result of request {custom_id!r}")
+            if fault is not None:  # its line cannot be stored: the batch fails, as on a failed write
+                logger.warning("batch %s: %s", active.id, fault.message)
+                self._tracker.fail(
+                    active, "batch_failed", f"{fault.message} Lines written before this are kept."
+                )
+            else:
+                logger.exception("batch %s: request %r raised", active.id, custom_id)
+                self.record_error(active, custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
         finally:
             active.in_flight.discard(request_id)
             self._tracker.settle(active)

@@ -14,20 +14,24 @@ The facade checks calls and delegates; the work is done by parts with one job ea
 - ``BatchStarter`` (index a batch's input and queue it) and ``recovery`` (resume after a restart);
 - the intake pool, the scheduling pool and the ``Scheduler`` (``scheduling``);
 - ``RequestExecutor`` (run one request, write exactly one line);
-- ``Maintenance`` (supervised periodic jobs: counter flushes, fsyncs, expiry).
+- ``Maintenance`` (supervised periodic jobs: counter flushes, fsyncs, expiry), and the
+  ``Supervisor`` (the scheduler loop and one-shot tasks: a crash stops the core, visibly).
 
 Starting goes through one ``AsyncExitStack``: a failure at any step undoes the steps before it.
+A storage fault (a full disk, an I/O error, a read-only folder) in a call raises
+``StorageUnavailable`` and leaves nothing half made; in a batch it fails that batch only.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.abc
@@ -62,6 +66,8 @@ from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
+from batchgen.core.storage_faults import storage_faults_as_errors
+from batchgen.core.supervision import Supervisor
 
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
 
@@ -74,6 +80,24 @@ DEFAULT_MODEL_ALIAS = "default"
 
 def _names(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(values)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _storage_call(action: str) -> Callable[[Callable[_P, Awaitable[_R]]], Callable[_P, Awaitable[_R]]]:
+    """A service call whose storage faults are raised as ``StorageUnavailable`` naming ``action``."""
+
+    def decorate(call: Callable[_P, Awaitable[_R]]) -> Callable[_P, Awaitable[_R]]:
+        @functools.wraps(call)
+        async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with storage_faults_as_errors(action):
+                return await call(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 @attrs.frozen
@@ -113,7 +137,15 @@ class _Parts:
             metadata,
             service.blobs,
             service.intake_pool,
-            abort_request=lambda request_id: tasks.start_soon(service.backend.abort, request_id),
+            abort_request=lambda request_id: tasks.start_soon(
+                functools.partial(
+                    service.supervisor.run,
+                    f"abort {request_id}",
+                    service.backend.abort,
+                    request_id,
+                    critical=False,
+                )
+            ),
         )
         self.files = FileCatalogue(
             metadata,
@@ -138,10 +170,21 @@ class _Parts:
 class BatchService:
     """Files, batches and the machinery that runs them; use as an async context manager."""
 
-    def __init__(self, settings: ServiceSettings, backend: Backend) -> None:
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        backend: Backend,
+        *,
+        open_metadata: Callable[[Path], MetadataStore] | None = None,
+        blobs: BlobStore | None = None,
+    ) -> None:
+        """``open_metadata(path)`` and ``blobs`` replace the SQLite store (opened at start) and the
+        local blob store under ``settings.storage_path``."""
         self.settings = settings
         self.backend = backend
-        self.blobs: BlobStore = LocalBlobStore(settings.storage_path)
+        self._open_metadata = open_metadata or SQLiteMetadataStore
+        self.blobs: BlobStore = blobs if blobs is not None else LocalBlobStore(settings.storage_path)
+        self.supervisor = Supervisor()
         self.intake_pool = IntakePool(settings.max_intake_capacity)
         self.scheduling_pool = SchedulingPool(settings.max_pool_size)
         self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, self._run_request)
@@ -162,7 +205,7 @@ class BatchService:
 
     async def _start(self) -> None:
         async with AsyncExitStack() as stack:
-            metadata = SQLiteMetadataStore(self.settings.storage_path / "metadata.sqlite3")
+            metadata = self._open_metadata(self.settings.storage_path / "metadata.sqlite3")
             stack.callback(metadata.close)
             self.blobs.clear_staging()
             await self.backend.start()
@@ -171,14 +214,14 @@ class BatchService:
             tasks = await stack.enter_async_context(anyio.create_task_group())
             self._parts = parts = _Parts(self, metadata, tasks)
             stack.push_async_callback(self._drain, tasks)
-            await tasks.start(self.scheduler.run)
+            await tasks.start(self._run_scheduler)
             self.maintenance.add(
                 "flush counters", self.settings.counters_flush_interval_s, parts.tracker.flush
             )
             self.maintenance.add("fsync results", self.settings.fsync_interval_ms / 1000, self._sync_results)
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
             self.maintenance.start(tasks)
-            recover(metadata, self.blobs, parts.tracker, parts.starter, tasks.start_soon)
+            recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
             self._exit_stack = stack.pop_all()
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -190,6 +233,24 @@ class BatchService:
         stack, self._exit_stack = self._exit_stack, None
         if stack is not None:
             await stack.__aexit__(*exc_info)
+
+    async def _run_scheduler(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The scheduler loop, supervised: a crash stops the core visibly instead of silently."""
+        try:
+            await self.scheduler.run(task_status=task_status)
+        except Exception as exc:
+            self.supervisor.record_crash("scheduler", exc)
+
+    def _spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Start a supervised one-shot task (a batch start) in the service's task group."""
+        name = getattr(function, "__qualname__", "task")
+        self.parts.tasks.start_soon(functools.partial(self.supervisor.run, name, function, *args))
+
+    def on_stop(self, listener: Callable[[str], object]) -> None:
+        """Call ``listener(reason)`` if the core stops while running (a supervised task crashed)."""
+        self.supervisor.on_stop(listener)
 
     async def _drain(self, tasks: anyio.abc.TaskGroup) -> None:
         self.scheduler.paused = True
@@ -240,12 +301,14 @@ class BatchService:
         """Remove a staging file (harmless when ``add_file`` already consumed it)."""
         self.blobs.remove(staging_path)
 
+    @_storage_call("store the file")
     async def create_file(
         self, content: bytes | str | os.PathLike[str], *, filename: str | None = None, purpose: str = "batch"
     ) -> FileObject:
         """Store a file given as bytes or as a path on disk (copied, not moved)."""
         return await self.parts.files.create_file(content, filename=filename, purpose=purpose)
 
+    @_storage_call("store the file")
     async def add_file(
         self,
         staging_path: Path,
@@ -268,17 +331,21 @@ class BatchService:
             idempotency_key=idempotency_key,
         )
 
+    @_storage_call("read the file's record")
     async def get_file(self, file_id: str) -> FileObject:
         return self.parts.files.get(file_id)
 
+    @_storage_call("list the files")
     async def list_files(
         self, *, after: str | None = None, limit: int = 10000, order: str = "desc", purpose: str | None = None
     ) -> tuple[list[FileObject], bool]:
         return self.parts.files.list(after=after, limit=limit, order=order, purpose=purpose)
 
+    @_storage_call("delete the file")
     async def delete_file(self, file_id: str) -> None:
         self.parts.files.delete(file_id)
 
+    @_storage_call("read the file")
     async def file_content(self, file_id: str) -> tuple[Path, int]:
         """The file's path and how many bytes of it to read now (an output file keeps growing)."""
         return self.parts.files.content(file_id)
@@ -291,6 +358,7 @@ class BatchService:
         return None
 
     # --- batches --------------------------------------------------------------------------
+    @_storage_call("record the batch")
     async def create_batch(
         self,
         input_file_id: str,
@@ -347,6 +415,9 @@ class BatchService:
                 param="endpoint",
             )
         for other in self.metadata.batches_using_file(file.id):
+            tracked = parts.tracker.get(other.id)
+            if tracked is not None:
+                other = tracked.batch  # its status now, saved or not
             if other.input_file_id == file.id and other.status.is_active:
                 raise InvalidRequest(
                     f"Batch '{other.id}' is already running on file '{file.id}'; "
@@ -375,13 +446,16 @@ class BatchService:
             output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
         )
-        self.metadata.insert_batch(batch)
-        if idempotency_key is not None:
-            parts.ledger.record(idempotency_key, "batch", call, batch.id, created)
+        # the row and its key in one step: a failure (a full disk) records neither, and nothing
+        # is tracked before the row exists
+        self.metadata.insert_batch(
+            batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created)
+        )
         active = parts.tracker.track(batch)
-        parts.tasks.start_soon(parts.starter.start, active, file)
+        self._spawn(parts.starter.start, active, file)
         return active.snapshot()
 
+    @_storage_call("read the batch")
     async def get_batch(self, batch_id: str) -> Batch:
         active = self.parts.tracker.get(batch_id)
         if active is not None:
@@ -391,6 +465,7 @@ class BatchService:
             raise NotFound(f"No batch with id '{batch_id}'.")
         return batch
 
+    @_storage_call("list the batches")
     async def list_batches(self, *, after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be between 1 and 100", param="limit")
@@ -399,6 +474,7 @@ class BatchService:
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
         return live, has_more
 
+    @_storage_call("cancel the batch")
     async def cancel_batch(self, batch_id: str) -> Batch:
         """Drop the batch's queued requests at once and abort those in flight."""
         active = self.parts.tracker.get(batch_id)
@@ -407,14 +483,21 @@ class BatchService:
             raise Conflict(f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.")
         if active.status is BatchStatus.CANCELLING:
             return active.snapshot()
+        if active.status.is_terminal:  # ended; its status is still being saved
+            raise Conflict(f"Batch '{batch_id}' has ended and cannot be cancelled.")
         if active.status is BatchStatus.FINALIZING:
             raise Conflict(f"Batch '{batch_id}' is finalizing and cannot be cancelled.")
         self.parts.tracker.cancel(active)
         return active.snapshot()
 
     async def wait_for_batch(self, batch_id: str, *, poll_interval: float = 0.05) -> Batch:
-        """Wait until the batch reaches a terminal status and return it (for pipelines and tests)."""
+        """Wait until the batch reaches a terminal status and return it (for pipelines and tests).
+
+        Raises ServiceUnavailable if the service's core stops meanwhile.
+        """
         while True:
+            if self.supervisor.crashed:
+                raise ServiceUnavailable(f"The batch service has stopped: {self.supervisor.reason()}")
             batch = await self.get_batch(batch_id)
             if batch.status.is_terminal:
                 return batch
@@ -463,6 +546,8 @@ class BatchService:
     def health(self) -> Health:
         if self._parts is None:
             return Health(False, "the batch service is not running")
+        if self.supervisor.crashed:
+            return Health(False, f"the batch service has stopped: {self.supervisor.reason()}")
         failing = self.maintenance.failing()
         if failing:
             problems = "; ".join(f"{name}: {error}" for name, error in failing.items())

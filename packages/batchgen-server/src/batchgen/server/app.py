@@ -1,8 +1,14 @@
-"""``create_app``: the Litestar application, wired to one BatchService started in its lifespan."""
+"""``create_app``: the Litestar application, wired to one BatchService started in its lifespan.
+
+If the service's core stops while the app runs (a supervised background task crashed, or the
+service's task group ended), ``on_service_stopped(reason)`` is called, so that the process running
+the app can exit non-zero and be restarted (``cli`` does).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
@@ -24,15 +30,36 @@ def _provide_service(state: State) -> BatchService:
     return service
 
 
-def create_app(settings: ServerSettings | None = None, service: BatchService | None = None) -> Litestar:
+logger = logging.getLogger("batchgen.server")
+
+
+def create_app(
+    settings: ServerSettings | None = None,
+    service: BatchService | None = None,
+    *,
+    on_service_stopped: Callable[[str], object] | None = None,
+) -> Litestar:
     """Build the app; the service (made from ``settings`` unless given) runs while the app does."""
     settings = settings or ServerSettings()
     service = service or BatchService(settings.service_settings(), settings.build_backend())
 
+    def stopped(reason: str) -> None:
+        logger.critical("the batch service stopped: %s", reason)
+        if on_service_stopped is not None:
+            on_service_stopped(reason)
+
     @asynccontextmanager
     async def run_service(_: Litestar) -> AsyncIterator[None]:
-        async with service:
-            yield
+        started = False
+        try:
+            async with service:
+                started = True
+                service.on_stop(stopped)
+                yield
+        except BaseException as exc:
+            if started:  # the core died under the app (its task group was cancelled by a crash)
+                stopped(f"{type(exc).__name__}: {exc}")
+            raise
 
     return Litestar(
         route_handlers=[FilesController, BatchesController, pool_status, health, models],

@@ -1,7 +1,8 @@
 """The ``batchgen-server`` command: parse flags into ServerSettings and serve the app with uvicorn.
 
 The server's own flags are listed here; each installed backend's flags come from the options its
-``BackendSpec`` declares (``backend_flags``).
+``BackendSpec`` declares (``backend_flags``). The process exits non-zero when the service could
+not start (3) or stopped while serving (1), so that systemd or Kubernetes restarts it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from batchgen.server.backend_flags import (
 from batchgen.server.settings import ServerSettings
 
 _DEFAULTS = ServerSettings()
+#: Exit statuses: the service could not start (as uvicorn's own), or it stopped while serving.
+EXIT_STARTUP_FAILED = 3
+EXIT_SERVICE_STOPPED = 1
 _POSITIVE_INT = command_line_type(positive_int)
 _NON_NEGATIVE_FLOAT = command_line_type(non_negative_float)
 
@@ -169,8 +173,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    stopped: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def service_stopped(reason: str) -> None:
+        """The core stopped under a running server: exit non-zero so a supervisor restarts it."""
+        stopped.append(reason)
+        if server is not None:
+            server.should_exit = True
+
     try:
-        app = create_app(settings)
+        app = create_app(settings, on_service_stopped=service_stopped)
     except ValueError as exc:
         parser.error(str(exc))
     print(
@@ -180,7 +193,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    )
+    server.run()
+    if stopped:
+        print(f"batchgen-server: the batch service stopped: {stopped[0]}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_SERVICE_STOPPED)
+    if not server.started:
+        sys.exit(EXIT_STARTUP_FAILED)
 
 
 if __name__ == "__main__":

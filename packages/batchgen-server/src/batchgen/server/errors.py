@@ -1,7 +1,11 @@
 """The one map from errors to OpenAI-shaped HTTP responses.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the
-matching status, and ``Retry-After`` on 429 and 503. Controllers never build error responses.
+matching status, and ``Retry-After`` on 429, 503 and 507. Controllers never build error responses.
+
+A storage fault (a full disk: 507 Insufficient Storage; an I/O error or a read-only folder: 503)
+answers with its reason wherever it is raised, also from the server's own writes (an upload being
+received), never as a 500.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from batchgen.core.errors import (
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    StorageUnavailable,
 )
+from batchgen.core.storage_faults import storage_fault
 
 logger = logging.getLogger("batchgen.server")
 
@@ -30,6 +36,7 @@ _STATUS_AND_TYPE: tuple[tuple[type[BatchGenError], int, str], ...] = (
     (Conflict, 409, "invalid_request_error"),
     (IntakeFull, 429, "rate_limit_error"),
     (ServiceUnavailable, 503, "server_error"),
+    (StorageUnavailable, 503, "server_error"),  # 507 when the disk is full, below
 )
 
 
@@ -54,6 +61,8 @@ def handle_service_error(_: Request, exc: Exception) -> Response[dict[str, objec
     assert isinstance(exc, BatchGenError)
     for kind, status, type_ in _STATUS_AND_TYPE:
         if isinstance(exc, kind):
+            if isinstance(exc, StorageUnavailable) and exc.disk_full:
+                status = 507
             return error_response(
                 status,
                 exc.message,
@@ -79,7 +88,11 @@ def handle_http_error(_: Request, exc: Exception) -> Response[dict[str, object]]
     return error_response(exc.status_code, message, type_=type_, code=None)
 
 
-def handle_unexpected_error(_: Request, exc: Exception) -> Response[dict[str, object]]:
+def handle_unexpected_error(request: Request, exc: Exception) -> Response[dict[str, object]]:
+    fault = storage_fault(exc, "store the data")
+    if fault is not None:
+        logger.warning("%s %s: %s", request.method, request.url.path, fault.message)
+        return handle_service_error(request, fault)
     logger.exception("unexpected error", exc_info=exc)
     return error_response(
         500, "The server hit an internal error.", type_="server_error", code="internal_error"

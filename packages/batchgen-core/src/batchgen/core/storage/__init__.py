@@ -5,7 +5,7 @@
 - ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back.
 """
 
-from batchgen.core.storage.interfaces import BlobStore, MetadataStore, ResultWriter
+from batchgen.core.storage.interfaces import BlobStore, IdempotencyRecord, MetadataStore, ResultWriter
 from batchgen.core.storage.local_blobs import LocalBlobStore
 from batchgen.core.storage.result_files import FinishedLines, OutputWriter, read_finished_lines
 from batchgen.core.storage.sqlite_metadata import SQLiteMetadataStore
@@ -13,6 +13,7 @@ from batchgen.core.storage.sqlite_metadata import SQLiteMetadataStore
 __all__ = [
     "BlobStore",
     "FinishedLines",
+    "IdempotencyRecord",
     "LocalBlobStore",
     "MetadataStore",
     "OutputWriter",

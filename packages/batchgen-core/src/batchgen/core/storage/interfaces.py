@@ -16,8 +16,20 @@ import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 from batchgen.core.models import Batch, FileObject
 from batchgen.core.storage.result_files import FinishedLines
+
+
+@attrs.frozen
+class IdempotencyRecord:
+    """An ``Idempotency-Key`` to record with the object its call made (scope: "file" or "batch")."""
+
+    key: str
+    scope: str
+    fingerprint: str
+    created_at: int
 
 
 @runtime_checkable
@@ -31,8 +43,9 @@ class MetadataStore(Protocol):
     def close(self) -> None:
         """Release the store; no call may follow."""
 
-    def insert_file(self, file: FileObject) -> None:
-        """Record a new file; its id must not exist yet."""
+    def insert_file(self, file: FileObject, *, idempotency: IdempotencyRecord | None = None) -> None:
+        """Record a new file; its id must not exist yet. With ``idempotency``, record that key for
+        it in the same step: both are recorded or, when the call raises, neither."""
 
     def get_file(self, file_id: str) -> FileObject | None: ...
 
@@ -52,8 +65,8 @@ class MetadataStore(Protocol):
     def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
         """Record a key once; recording an existing key raises."""
 
-    def insert_batch(self, batch: Batch) -> None:
-        """Record a new batch; its id must not exist yet."""
+    def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
+        """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``."""
 
     def save_batch(self, batch: Batch) -> None:
         """Overwrite a recorded batch with this state."""

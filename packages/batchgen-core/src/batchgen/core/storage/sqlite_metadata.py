@@ -24,6 +24,7 @@ from batchgen.core.models import (
     RequestCounts,
     Usage,
 )
+from batchgen.core.storage.interfaces import IdempotencyRecord
 
 _FILE_COLUMNS = {
     "seq": int,
@@ -195,7 +196,7 @@ class SQLiteMetadataStore:
         return int(row[0])
 
     # --- files -----------------------------------------------------------------------------
-    def insert_file(self, file: FileObject) -> None:
+    def insert_file(self, file: FileObject, *, idempotency: IdempotencyRecord | None = None) -> None:
         row = {
             "seq": self._next_seq("files"),
             "id": file.id,
@@ -208,7 +209,9 @@ class SQLiteMetadataStore:
             "url": file.url,
             "expires_at": file.expires_at,
         }
-        self._files.insert(row)
+        with self._db.atomic():
+            self._files.insert(row)
+            self._put_key(idempotency, file.id)
 
     def get_file(self, file_id: str) -> FileObject | None:
         rows = list(self._files.rows_where("id = ?", [file_id], limit=1))
@@ -251,6 +254,12 @@ class SQLiteMetadataStore:
             return None
         return rows[0]["scope"], rows[0]["fingerprint"], rows[0]["object_id"]
 
+    def _put_key(self, record: IdempotencyRecord | None, object_id: str) -> None:
+        if record is not None:
+            self.put_idempotency_key(
+                record.key, record.scope, record.fingerprint, object_id, record.created_at
+            )
+
     def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
         self._idempotency.insert(
             {
@@ -263,8 +272,10 @@ class SQLiteMetadataStore:
         )
 
     # --- batches ---------------------------------------------------------------------------
-    def insert_batch(self, batch: Batch) -> None:
-        self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
+    def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
+        with self._db.atomic():
+            self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
+            self._put_key(idempotency, batch.id)
 
     def save_batch(self, batch: Batch) -> None:
         self._batches.update(batch.id, _batch_to_row(batch))
