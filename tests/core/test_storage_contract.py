@@ -179,6 +179,15 @@ def test_idempotency_keys_are_recorded_once(metadata: MetadataStore) -> None:
     assert metadata.get_idempotency_key("k") == ("batch", "fp", "batch_a")
 
 
+def test_a_forgotten_idempotency_key_can_be_recorded_again(metadata: MetadataStore) -> None:
+    metadata.put_idempotency_key("k", "file", "fp", "file-a", 1000)
+    metadata.delete_idempotency_key("k")
+    metadata.delete_idempotency_key("never-recorded")
+    assert metadata.get_idempotency_key("k") is None
+    metadata.put_idempotency_key("k", "file", "fp", "file-b", 1001)
+    assert metadata.get_idempotency_key("k") == ("file", "fp", "file-b")
+
+
 # --- metadata: batches -------------------------------------------------------------------------
 def test_a_batch_round_trips_with_every_field(storage: Storage) -> None:
     store = storage.open_metadata()

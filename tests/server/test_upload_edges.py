@@ -58,3 +58,30 @@ def test_a_byte_order_mark_at_the_start_is_dropped(api: httpx.Client) -> None:
     assert tiny["bytes"] == 2
     inside = post_file(api, data + b"\xef\xbb\xbf" + jsonl(chat_line("bom-3")))
     assert api_error(inside, 400)["message"]  # only a leading BOM is dropped
+
+
+def test_idempotency_keys_must_be_1_to_255_characters(api: httpx.Client) -> None:
+    data = jsonl(chat_line("key"))
+    for key in ("", "k" * 256):
+        error = api_error(post_file(api, data, headers={"Idempotency-Key": key}), 400)
+        assert error["param"] == "Idempotency-Key"
+        file_id = upload(api, data)["id"]
+        refused = api.post(
+            "/v1/batches",
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
+            headers={"Idempotency-Key": key},
+        )
+        assert api_error(refused, 400)["param"] == "Idempotency-Key"
+    longest = {"Idempotency-Key": "k" * 255}
+    assert upload(api, data, headers=longest)["id"] == upload(api, data, headers=longest)["id"]
+
+
+def test_a_retried_upload_whose_first_file_was_deleted_makes_a_new_file(api: httpx.Client) -> None:
+    data = jsonl(chat_line("again"))
+    headers = {"Idempotency-Key": "retry-after-delete"}
+    first = upload(api, data, headers=headers)
+    assert api.delete(f"/v1/files/{first['id']}").status_code == 200
+    second = upload(api, data, headers=headers)
+    assert second["id"] != first["id"]
+    assert api.get(f"/v1/files/{second['id']}").status_code == 200
+    assert upload(api, data, headers=headers)["id"] == second["id"]  # and the key now names it

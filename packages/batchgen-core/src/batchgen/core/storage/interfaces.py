@@ -52,6 +52,9 @@ class MetadataStore(Protocol):
     def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
         """Record a key once; recording an existing key raises."""
 
+    def delete_idempotency_key(self, key: str) -> None:
+        """Forget a key (its object is gone); forgetting an unknown key is harmless."""
+
     def insert_batch(self, batch: Batch) -> None:
         """Record a new batch; its id must not exist yet."""
 

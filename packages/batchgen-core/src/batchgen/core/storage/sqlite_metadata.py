@@ -262,6 +262,9 @@ class SQLiteMetadataStore:
             }
         )
 
+    def delete_idempotency_key(self, key: str) -> None:
+        self._idempotency.delete_where("key = ?", [key])
+
     # --- batches ---------------------------------------------------------------------------
     def insert_batch(self, batch: Batch) -> None:
         self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
