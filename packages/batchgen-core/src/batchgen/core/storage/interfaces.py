@@ -25,7 +25,9 @@ class MetadataStore(Protocol):
     """Rows for files, batches and idempotency keys, durable once a call returns.
 
     Lists are in creation order (``descending`` for newest first) and page with ``after``, the id
-    of the last object of the previous page; each returns the page and whether more follow.
+    of the last object of the previous page; each returns the page and whether more follow. A
+    cursor naming a file deleted since still pages on from where that file was; a cursor naming an
+    object that never existed raises InvalidRequest (``param="after"``).
     """
 
     def close(self) -> None:
@@ -63,8 +65,10 @@ class MetadataStore(Protocol):
 
     def get_batch(self, batch_id: str) -> Batch | None: ...
 
-    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        """Newest first."""
+    def list_batches(
+        self, *, after: str | None, limit: int, descending: bool = True
+    ) -> tuple[list[Batch], bool]:
+        """Newest first unless not ``descending``."""
 
     def active_batches(self) -> list[Batch]:
         """Batches in a non-terminal status, oldest first (what a restart resumes)."""
