@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import (
     Batch,
     BatchErrorInfo,
@@ -179,6 +180,15 @@ def test_idempotency_keys_are_recorded_once(metadata: MetadataStore) -> None:
     assert metadata.get_idempotency_key("k") == ("batch", "fp", "batch_a")
 
 
+def test_a_forgotten_idempotency_key_can_be_recorded_again(metadata: MetadataStore) -> None:
+    metadata.put_idempotency_key("k", "file", "fp", "file-a", 1000)
+    metadata.delete_idempotency_key("k")
+    metadata.delete_idempotency_key("never-recorded")
+    assert metadata.get_idempotency_key("k") is None
+    metadata.put_idempotency_key("k", "file", "fp", "file-b", 1001)
+    assert metadata.get_idempotency_key("k") == ("file", "fp", "file-b")
+
+
 # --- metadata: batches -------------------------------------------------------------------------
 def test_a_batch_round_trips_with_every_field(storage: Storage) -> None:
     store = storage.open_metadata()
@@ -209,6 +219,86 @@ def test_active_batches_are_the_unfinished_ones_oldest_first(metadata: MetadataS
     active = metadata.active_batches()
     assert [b.status for b in active] == [s for s in BatchStatus if s.is_active]
     assert [b.id for b in active] == sorted(b.id for b in active)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    count=st.integers(1, 30),
+    limit=st.integers(1, 6),
+    descending=st.booleans(),
+    deletions=st.lists(st.lists(st.integers(0, 29), max_size=6), max_size=12),
+    data=st.data(),
+)
+def test_paging_while_files_are_deleted_yields_every_survivor_once(
+    storage: Storage,
+    count: int,
+    limit: int,
+    descending: bool,
+    deletions: list[list[int]],
+    data: st.DataObject,
+) -> None:
+    """Between pages, any files are deleted (the cursor's own file too): the pages still end with
+    every file never deleted, each once, in creation order, and never repeat one."""
+    store = storage.open_metadata()
+    ids = [f"file-{i:03d}" for i in range(count)]
+    try:
+        for file_id in ids:
+            store.insert_file(_file(file_id))
+        deleted: set[str] = set()
+        seen: list[str] = []
+        after = None
+        for page_number in range(count + 1):
+            page, has_more = store.list_files(after=after, limit=limit, descending=descending, purpose=None)
+            seen += [f.id for f in page]
+            if not has_more:
+                break
+            after = page[-1].id
+            if data.draw(st.booleans(), label="delete the cursor's file"):
+                deleted.add(after)
+                store.delete_file(after)
+            for index in deletions[page_number] if page_number < len(deletions) else []:
+                if index < count:
+                    deleted.add(ids[index])
+                    store.delete_file(ids[index])
+        survivors = [file_id for file_id in ids if file_id not in deleted]
+        assert len(seen) == len(set(seen))
+        assert seen == sorted(seen, reverse=descending)
+        assert set(survivors) <= set(seen)
+    finally:
+        for file_id in ids:
+            store.delete_file(file_id)
+        store.close()
+
+
+def test_a_cursor_naming_no_object_ever_stored_is_refused(metadata: MetadataStore) -> None:
+    metadata.insert_file(_file("file-a"))
+    metadata.insert_batch(_batch("batch_a"))
+    with pytest.raises(InvalidRequest) as refused:
+        metadata.list_files(after="file-never", limit=10, descending=True, purpose=None)
+    assert refused.value.param == "after"
+    with pytest.raises(InvalidRequest):
+        metadata.list_batches(after="batch_never", limit=10)
+
+
+def test_a_deleted_files_number_is_not_given_again(metadata: MetadataStore) -> None:
+    metadata.insert_file(_file("file-a"))
+    metadata.insert_file(_file("file-b"))
+    metadata.delete_file("file-b")  # the newest: a store numbering by max(live) would reuse its number
+    metadata.insert_file(_file("file-c"))
+    page, _ = metadata.list_files(after="file-b", limit=10, descending=False, purpose=None)
+    assert [f.id for f in page] == ["file-c"]
+    page, _ = metadata.list_files(after="file-b", limit=10, descending=True, purpose=None)
+    assert [f.id for f in page] == ["file-a"]
+
+
+def test_batch_pages_go_either_way(metadata: MetadataStore) -> None:
+    ids = [f"batch_{i:02d}" for i in range(5)]
+    for batch_id in ids:
+        metadata.insert_batch(_batch(batch_id))
+    first, more = metadata.list_batches(after=None, limit=2, descending=False)
+    assert ([b.id for b in first], more) == (ids[:2], True)
+    rest, more = metadata.list_batches(after=first[-1].id, limit=10, descending=False)
+    assert ([b.id for b in rest], more) == (ids[2:], False)
 
 
 def test_batch_pages_are_newest_first(metadata: MetadataStore) -> None:

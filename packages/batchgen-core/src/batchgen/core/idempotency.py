@@ -2,6 +2,9 @@
 
 A call carrying a key is fingerprinted (a hash of its arguments). A repeat with the same key and
 fingerprint gets the first call's object back; the same key with other arguments is a Conflict.
+A key must be 1 to ``MAX_KEY_LENGTH`` characters (an empty key would be shared by every caller).
+When the object a key made is gone (a file deleted since), the key is forgotten, so the repeat
+makes a new object instead of answering 404 for ever.
 """
 
 from __future__ import annotations
@@ -11,13 +14,26 @@ from typing import Any
 
 import msgspec
 
-from batchgen.core.errors import Conflict
+from batchgen.core.errors import Conflict, InvalidRequest
 from batchgen.core.storage import IdempotencyRecord, MetadataStore
+
+MAX_KEY_LENGTH = 255
 
 
 def fingerprint(*parts: Any) -> str:
     """A stable hash of a call's arguments (dict order does not matter)."""
     return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()
+
+
+def check_key(key: str) -> None:
+    """InvalidRequest unless ``key`` is a usable Idempotency-Key (1 to MAX_KEY_LENGTH characters)."""
+    if not key:
+        raise InvalidRequest("Idempotency-Key must not be empty", param="Idempotency-Key")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidRequest(
+            f"Idempotency-Key is {len(key)} characters; the limit is {MAX_KEY_LENGTH}",
+            param="Idempotency-Key",
+        )
 
 
 class IdempotencyLedger:
@@ -27,7 +43,12 @@ class IdempotencyLedger:
         self._metadata = metadata
 
     def replay(self, key: str, scope: str, call_fingerprint: str) -> str | None:
-        """The id an earlier call with this key made, or None; Conflict on a different call."""
+        """The id of the object an earlier call with this key made, if it still exists, or None.
+
+        InvalidRequest for an empty or too long key; Conflict when the key was used for a
+        different call.
+        """
+        check_key(key)
         recorded = self._metadata.get_idempotency_key(key)
         if recorded is None:
             return None
@@ -37,7 +58,17 @@ class IdempotencyLedger:
                 f"Idempotency-Key '{key}' was already used with a different request; "
                 "use a new key for a new request."
             )
+        if not self._exists(scope, object_id):
+            self._metadata.delete_idempotency_key(key)
+            return None
         return object_id
+
+    def _exists(self, scope: str, object_id: str) -> bool:
+        if scope == "file":
+            return self._metadata.get_file(object_id) is not None
+        if scope == "batch":
+            return self._metadata.get_batch(object_id) is not None
+        return True
 
     @staticmethod
     def entry(

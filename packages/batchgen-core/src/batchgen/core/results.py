@@ -3,6 +3,10 @@
 Output lines follow the OpenAI batch output format: ``{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error": null}`` with a ``chat.completion`` or
 ``text_completion`` body. Error lines carry ``"response": null`` and ``{"code", "message"}``.
+
+Every line is exactly one line to any reader: JSON escapes the ASCII control characters, and the
+three other characters Python's ``str.splitlines`` breaks at (U+0085, U+2028, U+2029), which
+JSON allows raw, are written as ``\\u`` escapes too (``_one_line``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,19 @@ import msgspec
 from batchgen.core.ids import new_request_id
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationResult
 
-_encode = msgspec.json.Encoder().encode
+_encode_json = msgspec.json.Encoder().encode
+#: UTF-8 of the line breaks JSON leaves raw, and their JSON escapes. In valid UTF-8 these byte
+#: sequences only ever encode those characters, so a byte replace is exact.
+_RAW_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def _one_line(value: Any) -> bytes:
+    """``value`` as JSON on one line, ending in a newline, with no raw Unicode line break inside."""
+    data = _encode_json(value)
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:
+        for raw, escaped in _RAW_BREAKS:
+            data = data.replace(raw, escaped)
+    return data + b"\n"
 
 
 def _response_body(endpoint: str, model: str, result: GenerationResult, created: int) -> dict[str, Any]:
@@ -62,7 +78,7 @@ def output_line(
         },
         "error": None,
     }
-    return _encode(line) + b"\n"
+    return _one_line(line)
 
 
 def error_line(custom_id: str, code: str, message: str) -> bytes:
@@ -72,4 +88,4 @@ def error_line(custom_id: str, code: str, message: str) -> bytes:
         "response": None,
         "error": {"code": code, "message": message},
     }
-    return _encode(line) + b"\n"
+    return _one_line(line)

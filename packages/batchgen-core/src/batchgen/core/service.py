@@ -466,11 +466,15 @@ class BatchService:
         return batch
 
     @_storage_call("list the batches")
-    async def list_batches(self, *, after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
+    async def list_batches(
+        self, *, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> tuple[list[Batch], bool]:
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be between 1 and 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
         tracker = self.parts.tracker
-        batches, has_more = self.metadata.list_batches(after=after, limit=limit)
+        batches, has_more = self.metadata.list_batches(after=after, limit=limit, descending=order == "desc")
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
         return live, has_more
 

@@ -15,9 +15,11 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
+from litestar.middleware import DefineMiddleware
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
+from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, handle_body_timeout
 from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
@@ -66,7 +68,9 @@ def create_app(
         dependencies={"service": Provide(_provide_service, sync_to_thread=False)},
         state=State({"service": service}),
         lifespan=[run_service],
+        middleware=[DefineMiddleware(BodyTimeoutMiddleware, body_timeout_s=settings.body_timeout_s)],
         exception_handlers={
+            BodyTimeout: handle_body_timeout,
             BatchGenError: handle_service_error,
             HTTPException: handle_http_error,
             Exception: handle_unexpected_error,

@@ -34,6 +34,17 @@ _POSITIVE_INT = command_line_type(positive_int)
 _NON_NEGATIVE_FLOAT = command_line_type(non_negative_float)
 
 
+def _positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0 (a timeout)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"must be a number of seconds above 0, got {text}")
+    return value
+
+
+_POSITIVE_FLOAT = command_line_type(_positive_seconds)
+
+
 def build_parser(
     specs: Sequence[BackendSpec] | None = None, problems: dict[str, str] | None = None
 ) -> argparse.ArgumentParser:
@@ -129,6 +140,52 @@ def build_parser(
         'model\'s own name and "default" are always accepted, and GET /v1/models lists them all',
     )
     add(
+        "--max-connections",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.max_connections,
+        help="most open client connections; a request arriving beyond it gets 503 at once. The "
+        "open-file limit is raised to fit it at start (or it is lowered to what the limit allows)",
+    )
+    add(
+        "--keep-alive-timeout-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.keep_alive_timeout_s,
+        help="close a keep-alive connection idle this long between requests (whole seconds)",
+    )
+    add(
+        "--header-timeout-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.header_timeout_s,
+        help="close a connection whose request headers are not complete this long after it opened "
+        "(or after the request's first byte): idle and slow-loris sockets",
+    )
+    add(
+        "--body-timeout-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.body_timeout_s,
+        help="answer 408 and close when no part of a request body arrives for this long; a slow "
+        "upload that keeps sending goes on",
+    )
+    add(
+        "--max-header-bytes",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.max_header_bytes,
+        help="largest request line and headers accepted (400 above it)",
+    )
+    add(
+        "--log-repeat-limit",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.log_repeat_limit,
+        help="log at most this many identical records (same place, same message) per "
+        "--log-repeat-interval-s; the next one let through says how many were suppressed",
+    )
+    add(
+        "--log-repeat-interval-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.log_repeat_interval_s,
+        help="the interval of --log-repeat-limit",
+    )
+    add(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default=_DEFAULTS.log_level,
@@ -168,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from batchgen.server.app import create_app
+    from batchgen.server.connection_limits import raise_open_file_limit, uvicorn_config
+    from batchgen.server.log_limits import limit_repeats
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -193,9 +252,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-    )
+    max_connections = raise_open_file_limit(settings.max_connections)
+    config = uvicorn_config(app, settings, max_connections=max_connections)  # configures logging
+    limit_repeats(settings.log_repeat_limit, settings.log_repeat_interval_s)
+    server = uvicorn.Server(config)
     server.run()
     if stopped:
         print(f"batchgen-server: the batch service stopped: {stopped[0]}", file=sys.stderr, flush=True)

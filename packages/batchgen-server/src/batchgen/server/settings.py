@@ -38,6 +38,14 @@ class ServerSettings:
     error_file: str = "output"
     served_model_name: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     log_level: str = "info"
+    #: The HTTP edge (``connection_limits``, ``body_timeout``, ``log_limits``).
+    max_connections: int = 1000
+    keep_alive_timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    log_repeat_limit: int = 5
+    log_repeat_interval_s: float = 60.0
 
     def service_settings(self) -> ServiceSettings:
         return ServiceSettings(

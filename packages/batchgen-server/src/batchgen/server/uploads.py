@@ -2,6 +2,9 @@
 
 The request body is parsed chunk by chunk with python-multipart's streaming parser, so an upload
 never sits in memory whole, and an upload over the size limit is stopped as soon as it passes it.
+A body that ends before the multipart's closing boundary (cut short, whatever its Content-Length
+or chunking said) is refused: what arrived is not known to be the whole file. A UTF-8 byte-order
+mark at the start of the file is dropped (editors on Windows add one; JSON forbids it).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from batchgen.core.errors import InvalidRequest, PayloadTooLarge
 
 #: The largest plain form field (such as ``purpose``) accepted.
 MAX_FIELD_BYTES = 1024
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @attrs.define
@@ -42,7 +46,9 @@ class _PartCollector:
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.file_seen = False
+        self.complete = False  # the closing boundary arrived
         self.size = 0
+        self._file_head: bytearray | None = None  # the file's first bytes, until a BOM is ruled out
 
     def callbacks(self) -> dict[str, object]:
         return {
@@ -53,6 +59,7 @@ class _PartCollector:
             "on_headers_finished": self._headers_finished,
             "on_part_data": self._part_data,
             "on_part_end": self._part_end,
+            "on_end": self._end,
         }
 
     def _part_begin(self) -> None:
@@ -75,23 +82,43 @@ class _PartCollector:
                 raise InvalidRequest("only one 'file' part may be sent", param="file")
             self.file_seen = True
             self._is_file = True
+            self._file_head = bytearray()
             raw_filename = options.get(b"filename")
             self.filename = raw_filename.decode("utf-8", "replace") if raw_filename else None
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._is_file:
-            self.size += end - start
-            if self.size > self._max_file_bytes:
-                raise PayloadTooLarge(f"The upload is larger than the limit of {self._max_file_bytes} bytes.")
-            self._destination.write(data[start:end])
+            chunk = data[start:end]
+            if self._file_head is not None:  # hold the first bytes back until a BOM is ruled out
+                self._file_head.extend(chunk)
+                if len(self._file_head) < len(UTF8_BOM):
+                    return
+                chunk = self._take_file_head()
+            self._write_file(chunk)
         else:
             self._value.extend(data[start:end])
             if len(self._value) > MAX_FIELD_BYTES:
                 raise InvalidRequest(f"form field {self._name!r} is too long", param=self._name)
 
+    def _take_file_head(self) -> bytes:
+        head = bytes(self._file_head or b"")
+        self._file_head = None
+        return head.removeprefix(UTF8_BOM)
+
+    def _write_file(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self._max_file_bytes:
+            raise PayloadTooLarge(f"The upload is larger than the limit of {self._max_file_bytes} bytes.")
+        self._destination.write(chunk)
+
     def _part_end(self) -> None:
+        if self._is_file and self._file_head is not None:  # a file shorter than a BOM
+            self._write_file(self._take_file_head())
         if not self._is_file and self._name is not None:
             self.fields[self._name] = self._value.decode("utf-8", "replace")
+
+    def _end(self) -> None:
+        self.complete = True
 
 
 async def receive_upload(
@@ -114,6 +141,12 @@ async def receive_upload(
             parser.finalize()
         except MultipartParseError as exc:
             raise InvalidRequest(f"the multipart body is malformed: {exc}", param="file") from exc
+    if not collector.complete:
+        raise InvalidRequest(
+            "the upload was cut short: the body ended before the multipart closing boundary, "
+            "so the file may be incomplete; nothing was stored",
+            param="file",
+        )
     if not collector.file_seen:
         raise InvalidRequest("the upload has no 'file' part", param="file")
     return ReceivedUpload(collector.fields, collector.filename, collector.size)

@@ -37,7 +37,9 @@ class MetadataStore(Protocol):
     """Rows for files, batches and idempotency keys, durable once a call returns.
 
     Lists are in creation order (``descending`` for newest first) and page with ``after``, the id
-    of the last object of the previous page; each returns the page and whether more follow.
+    of the last object of the previous page; each returns the page and whether more follow. A
+    cursor naming a file deleted since still pages on from where that file was; a cursor naming an
+    object that never existed raises InvalidRequest (``param="after"``).
     """
 
     def close(self) -> None:
@@ -65,6 +67,9 @@ class MetadataStore(Protocol):
     def put_idempotency_key(self, key: str, scope: str, fingerprint: str, object_id: str, now: int) -> None:
         """Record a key once; recording an existing key raises."""
 
+    def delete_idempotency_key(self, key: str) -> None:
+        """Forget a key (its object is gone); forgetting an unknown key is harmless."""
+
     def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
         """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``."""
 
@@ -73,8 +78,10 @@ class MetadataStore(Protocol):
 
     def get_batch(self, batch_id: str) -> Batch | None: ...
 
-    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        """Newest first."""
+    def list_batches(
+        self, *, after: str | None, limit: int, descending: bool = True
+    ) -> tuple[list[Batch], bool]:
+        """Newest first unless not ``descending``."""
 
     def active_batches(self) -> list[Batch]:
         """Batches in a non-terminal status, oldest first (what a restart resumes)."""

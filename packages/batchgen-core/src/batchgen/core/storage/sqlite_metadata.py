@@ -3,7 +3,10 @@
 The ``MetadataStore`` protocol (``storage.interfaces``) through sqlite-utils; the contract tests
 in ``tests/core/test_storage_contract.py`` say what any other implementation must do as well.
 Rows keep an insertion sequence number, which gives lists a stable newest-first order and
-``after`` cursors that survive equal timestamps.
+``after`` cursors that survive equal timestamps. A deleted file leaves its id and sequence number
+behind (``deleted_files``, two small columns), so a client paging with a cursor that names a file
+deleted meanwhile carries on where it was, and numbers are never reused; an id that never existed
+is refused as a cursor.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import sqlite_utils
 
+from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import (
     Batch,
     BatchErrorInfo,
@@ -174,6 +178,9 @@ class SQLiteMetadataStore:
         if not self._files.exists():
             self._files.create(_FILE_COLUMNS, pk="id", not_null={"seq"})
             self._files.create_index(["seq"], unique=True)
+        self._deleted_files = self._db.table("deleted_files")
+        if not self._deleted_files.exists():
+            self._deleted_files.create({"id": str, "seq": int}, pk="id", not_null={"seq"})
         self._idempotency = self._db.table("idempotency_keys")
         if not self._idempotency.exists():
             self._idempotency.create(
@@ -192,7 +199,26 @@ class SQLiteMetadataStore:
         self._db.close()
 
     def _next_seq(self, table: str) -> int:
-        row = self._db.execute(f"SELECT COALESCE(MAX(seq), 0) + 1 FROM {table}").fetchone()
+        query = f"SELECT COALESCE(MAX(seq), 0) + 1 FROM {table}"
+        if table == "files":  # a deleted file's number is never given again
+            query = "SELECT MAX((SELECT COALESCE(MAX(seq), 0) FROM files), "
+            query += "(SELECT COALESCE(MAX(seq), 0) FROM deleted_files)) + 1"
+        row = self._db.execute(query).fetchone()
+        return int(row[0])
+
+    def _cursor_seq(self, table: str, object_id: str) -> int:
+        """The sequence number of the object an ``after`` cursor names, deleted or not."""
+        query = f"SELECT seq FROM {table} WHERE id = ?"
+        params = [object_id]
+        if table == "files":
+            query += " UNION ALL SELECT seq FROM deleted_files WHERE id = ?"
+            params.append(object_id)
+        row = self._db.execute(query, params).fetchone()
+        if row is None:
+            kind = "file" if table == "files" else "batch"
+            raise InvalidRequest(
+                f"after: no {kind} with id '{object_id}' was ever listed here", param="after"
+            )
         return int(row[0])
 
     # --- files -----------------------------------------------------------------------------
@@ -210,6 +236,7 @@ class SQLiteMetadataStore:
             "expires_at": file.expires_at,
         }
         with self._db.atomic():
+            self._deleted_files.delete_where("id = ?", [file.id])  # an id used again is live again
             self._files.insert(row)
             self._put_key(idempotency, file.id)
 
@@ -222,6 +249,9 @@ class SQLiteMetadataStore:
         return [_file_from_row(row) for row in rows]
 
     def delete_file(self, file_id: str) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO deleted_files (id, seq) SELECT id, seq FROM files WHERE id = ?", [file_id]
+        )
         self._files.delete_where("id = ?", [file_id])
 
     def list_files(
@@ -234,8 +264,8 @@ class SQLiteMetadataStore:
             clauses.append("purpose = ?")
             params.append(purpose)
         if after is not None:
-            clauses.append(f"seq {'<' if descending else '>'} (SELECT seq FROM files WHERE id = ?)")
-            params.append(after)
+            clauses.append(f"seq {'<' if descending else '>'} ?")
+            params.append(self._cursor_seq("files", after))
         rows = list(
             self._files.rows_where(
                 " AND ".join(clauses) or None,
@@ -271,6 +301,9 @@ class SQLiteMetadataStore:
             }
         )
 
+    def delete_idempotency_key(self, key: str) -> None:
+        self._idempotency.delete_where("key = ?", [key])
+
     # --- batches ---------------------------------------------------------------------------
     def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
         with self._db.atomic():
@@ -284,14 +317,18 @@ class SQLiteMetadataStore:
         rows = list(self._batches.rows_where("id = ?", [batch_id], limit=1))
         return _batch_from_row(rows[0]) if rows else None
 
-    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        """Newest first: up to ``limit`` batches after the cursor, and whether more follow."""
+    def list_batches(
+        self, *, after: str | None, limit: int, descending: bool = True
+    ) -> tuple[list[Batch], bool]:
+        """Up to ``limit`` batches after the cursor (newest first unless not ``descending``), and
+        whether more follow."""
         where = None
         params: list[Any] = []
         if after is not None:
-            where = "seq < (SELECT seq FROM batches WHERE id = ?)"
-            params.append(after)
-        rows = list(self._batches.rows_where(where, params, order_by="seq DESC", limit=limit + 1))
+            where = f"seq {'<' if descending else '>'} ?"
+            params.append(self._cursor_seq("batches", after))
+        order_by = f"seq {'DESC' if descending else 'ASC'}"
+        rows = list(self._batches.rows_where(where, params, order_by=order_by, limit=limit + 1))
         return [_batch_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[Batch]:

@@ -1,4 +1,4 @@
-"""``/v1/batches``: create, retrieve, list (newest first) and cancel."""
+"""``/v1/batches``: create, retrieve, list (newest first, or oldest with ``order=asc``) and cancel."""
 
 from __future__ import annotations
 
@@ -78,9 +78,9 @@ class BatchesController(Controller):
 
     @get("/")
     async def list_batches(
-        self, service: BatchService, after: str | None = None, limit: int = 20
+        self, service: BatchService, after: str | None = None, limit: int = 20, order: str = "desc"
     ) -> dict[str, Any]:
-        batches, has_more = await service.list_batches(after=after, limit=limit)
+        batches, has_more = await service.list_batches(after=after, limit=limit, order=order)
         return list_page([batch.to_dict() for batch in batches], has_more)
 
     @get("/{batch_id:str}")

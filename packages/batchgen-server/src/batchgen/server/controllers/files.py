@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
-from litestar import Controller, Request, Response, delete, get, post
+from anyio import AsyncFile
+from litestar import Controller, HttpMethod, Request, Response, delete, get, post, route
 from litestar.response import Stream
 
-from batchgen.core.errors import InvalidRequest, PayloadTooLarge
+from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.service import BatchService
 from batchgen.server.errors import error_response
 from batchgen.server.pagination import list_page
@@ -23,39 +23,61 @@ CHUNK_BYTES = 256 * 1024
 
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+#: Digits past which a range bound is taken as "beyond any file" (Python refuses huge int strings).
+_MAX_BOUND_DIGITS = 18
+
+
+class RangeNotSatisfiable(ValueError):
+    """A ``Range`` header none of whose bytes exist in the file (416)."""
+
+
+def _bound(digits: str) -> int:
+    return int(digits) if len(digits) <= _MAX_BOUND_DIGITS else 10**_MAX_BOUND_DIGITS
 
 
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """The (start, stop) a single-range ``Range`` header asks of ``size`` bytes.
+    """The (start, stop) a single-range ``Range`` header asks of ``size`` bytes (RFC 9110 14.1.2).
 
-    None means the whole file (no header, or a form this server does not serve, such as several
-    ranges). Raises ValueError when the range lies wholly past the end (416).
+    None means the whole file: no header, or one this server ignores as RFC 9110 allows (another
+    unit, several ranges, a malformed one, or ``first`` after ``last``). Raises RangeNotSatisfiable
+    (416) when no byte of the file is in the range: a start at or past the end, a zero-length
+    suffix (``bytes=-0``), or any range of an empty file.
     """
     match = _RANGE.match(header.strip()) if header else None
     if match is None or not any(match.groups()):
         return None
     first, last = match.groups()
     if not first:  # bytes=-N: the last N bytes
-        return max(size - int(last), 0), size
-    start = int(first)
+        length = _bound(last)
+        if length == 0 or size == 0:
+            raise RangeNotSatisfiable(f"the range asks for the last {length} bytes of a {size}-byte file")
+        return max(size - length, 0), size
+    start = _bound(first)
+    if last and _bound(last) < start:
+        return None  # an invalid range-spec: the header is ignored
     if start >= size:
-        raise ValueError(f"range start {start} is past the end of the {size}-byte file")
-    stop = size if not last else min(int(last) + 1, size)
-    if stop <= start:
-        return None
+        raise RangeNotSatisfiable(f"range start {start} is past the end of the {size}-byte file")
+    stop = size if not last else min(_bound(last) + 1, size)
     return start, stop
 
 
-async def _read_range(path: Path, start: int, stop: int) -> AsyncIterator[bytes]:
-    remaining = stop - start
-    async with await anyio.open_file(path, "rb") as stream:
-        await stream.seek(start)
+async def _stream_from(stream: AsyncFile[bytes], length: int) -> AsyncIterator[bytes]:
+    """Up to ``length`` bytes of an open file from its current position, then close it."""
+    remaining = length
+    try:
         while remaining > 0:
             chunk = await stream.read(min(CHUNK_BYTES, remaining))
             if not chunk:
                 break
             remaining -= len(chunk)
             yield chunk
+    finally:
+        await stream.aclose()
+
+
+async def _no_bytes() -> AsyncIterator[bytes]:
+    return
+    yield  # pragma: no cover - makes this an (empty) async generator
 
 
 def _expires_after_seconds(fields: dict[str, str]) -> int | None:
@@ -122,36 +144,47 @@ class FilesController(Controller):
         await service.delete_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    @get("/{file_id:str}/content")
+    @route("/{file_id:str}/content", http_method=[HttpMethod.GET, HttpMethod.HEAD])
     async def content(
         self, file_id: str, request: Request[Any, Any, Any], service: BatchService
     ) -> Stream | Response[dict[str, Any]]:
         """The file's bytes; a running batch's output holds the lines written so far.
 
         A single ``Range: bytes=…`` gets 206 with that part, so a follower can fetch only what
-        is new; a range starting past the end gets 416.
+        is new; a range with no byte in the file gets 416. An output file with no line yet is an
+        empty 200. ``HEAD`` answers the same status and headers without the bytes. The file is
+        opened before the response starts, so nothing can fail once it has.
         """
-        path, size = await service.file_content(file_id)
-        try:
-            wanted = byte_range(request.headers.get("range"), size)
-        except ValueError as exc:
-            return error_response(
-                416,
-                str(exc),
-                type_="invalid_request_error",
-                code="range_not_satisfiable",
-                headers={"Content-Range": f"bytes */{size}"},
-            )
-        headers = {"Accept-Ranges": "bytes"}
-        if wanted is None:
-            start, stop, status = 0, size, 200
-        else:
-            (start, stop), status = wanted, 206
-            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-        headers["Content-Length"] = str(stop - start)
-        return Stream(
-            _read_range(path, start, stop),
-            status_code=status,
-            media_type="application/octet-stream",
-            headers=headers,
+        return await _content_response(file_id, request, service, body=request.method != "HEAD")
+
+
+async def _content_response(
+    file_id: str, request: Request[Any, Any, Any], service: BatchService, *, body: bool
+) -> Stream | Response[dict[str, Any]]:
+    path, size = await service.file_content(file_id)
+    try:
+        wanted = byte_range(request.headers.get("range"), size)
+    except RangeNotSatisfiable as exc:
+        return error_response(
+            416,
+            str(exc),
+            type_="invalid_request_error",
+            code="range_not_satisfiable",
+            headers={"Content-Range": f"bytes */{size}"},
         )
+    headers = {"Accept-Ranges": "bytes"}
+    if wanted is None:
+        start, stop, status = 0, size, 200
+    else:
+        (start, stop), status = wanted, 206
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+    headers["Content-Length"] = str(stop - start)
+    chunks = _no_bytes()
+    if body and stop > start:
+        try:
+            stream = await anyio.open_file(path, "rb")
+        except FileNotFoundError as exc:  # deleted since its size was read
+            raise NotFound(f"No file with id '{file_id}'.") from exc
+        await stream.seek(start)
+        chunks = _stream_from(stream, stop - start)
+    return Stream(chunks, status_code=status, media_type="application/octet-stream", headers=headers)
