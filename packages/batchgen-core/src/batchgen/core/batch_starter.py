@@ -1,7 +1,8 @@
 """Starting a batch: index its input file, queue what is still to run, move it to in_progress.
 
 A new batch queues every line; a batch resumed after a restart queues only the lines whose
-custom_id has no result line yet.
+custom_id has no result line yet. The room a batch was given when it was accepted (its intake
+reservation) becomes its queued requests here; a batch that ends before that gives it back.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ class BatchStarter:
     async def start(self, active: ActiveBatch, file: FileObject, done: set[str] | None = None) -> None:
         """Index the input, queue the requests not in ``done``, and move the batch to in_progress."""
         try:
+            await self._start(active, file, done)
+        finally:  # queued, failed or interrupted: the reservation is spent either way
+            self._intake_pool.release(active.id)
+
+    def reserve(self, active: ActiveBatch, requests: int) -> bool:
+        """Hold intake room for a batch about to be started; False (holding nothing) if it does not fit."""
+        if requests > self._intake_pool.free:
+            return False
+        self._intake_pool.reserve(active.id, requests)
+        return True
+
+    async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
+        try:
             index = await anyio.to_thread.run_sync(index_batch_file, file.path)
             lines: Sequence[int] | None = None
             if done:
@@ -61,12 +75,13 @@ class BatchStarter:
         if active.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
             return  # cancelled or ended while indexing
         pending = len(index) if lines is None else len(lines)
-        if pending > self._intake_pool.free:
-            self._tracker.fail(
+        room = self._intake_pool.free + self._intake_pool.reserved_for(active.id)
+        if pending > room:
+            self._tracker.fail(  # releases the reservation too
                 active,
                 "capacity_exceeded",
                 f"The batch has {pending} requests to queue but the intake pool has room for "
-                f"{self._intake_pool.free} of {self._intake_pool.capacity}. Retry later or split the file.",
+                f"{room} of {self._intake_pool.capacity}. Retry later or split the file.",
             )
             return
         active.input_fd = os.open(file.path, os.O_RDONLY)
