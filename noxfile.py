@@ -83,6 +83,7 @@ BENCHMARKS = (
     "saturation",
     "intake_memory",
     "model_throughput",
+    "responsiveness",
 )  # gpu.py: by name, on a GPU machine
 
 

@@ -15,6 +15,9 @@ classes own:
    had queued work at the first admission, and was not cancelled since, was admitted in between.
 4. Cancellation: once a batch is cancelled, none of its queued requests is admitted.
 5. Offsets: an admitted entry carries the offset and length of its line in that batch's LineIndex.
+6. Reservations: reserved + queued never exceed the capacity and ``free`` counts both; a
+   reservation that does not fit is refused whole; each reservation is either converted exactly
+   (``add`` queues the batch in its places, the rest given back) or released, never both.
 
 ``test_run_loop_runs_each_entry_once_and_releases_every_slot`` runs the real async ``run`` loop
 with a runner that succeeds, raises or sleeps at random, while batches arrive (waiting out
@@ -76,6 +79,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # owed[a]: batches that had queued work when ``a`` was last admitted and have been neither
         # admitted nor cancelled since. It must be empty when ``a`` is admitted again.
         self.owed: dict[str, set[str]] = {}
+        self.reservations: dict[str, int] = {}  # held now
+        self.converted: set[str] = set()
+        self.released: set[str] = set()
 
     # -- rules ---------------------------------------------------------------------------------
 
@@ -91,7 +97,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if size and data.draw(st.booleans(), label="explicit lines"):
             lines = data.draw(st.lists(st.integers(0, size - 1), unique=True), label="lines")
         wanted = list(range(size)) if lines is None else lines
-        fits = len(wanted) <= self.intake_pool.capacity - self.intake_pool.size
+        fits = len(wanted) <= self.intake_pool.capacity - self.intake_pool.size - self.intake_pool.reserved
         before = self._intake_snapshot()
 
         try:
@@ -111,6 +117,61 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.added.update((batch_id, line) for line in wanted)
         if wanted:
             self.queued[batch_id] = set(wanted)
+
+    @rule(size=st.integers(0, 50))
+    def reserve(self, size: int) -> None:
+        """Accept a batch: hold its places before it is indexed."""
+        batch_id = f"batch_{self.batch_count}"
+        self.batch_count += 1
+        fits = size <= self.intake_pool.free
+        before = (self.intake_pool.size, self.intake_pool.reserved)
+        try:
+            self.intake_pool.reserve(batch_id, size)
+        except IntakeFull as refused:
+            assert not fits, f"{size} places fit in {self.intake_pool.free} free but were refused"
+            assert 1 <= refused.retry_after_s <= 300
+            assert (self.intake_pool.size, self.intake_pool.reserved) == before
+            return
+        assert fits, f"{size} places were reserved with only {before} taken"
+        self.reservations[batch_id] = size
+        self.indexes[batch_id] = make_index(self.batch_count * 1_000_000, [7] * size)
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data())
+    def convert(self, data: st.DataObject) -> None:
+        """The batch is indexed: its reservation becomes queued requests (all, or a resumed subset)."""
+        batch_id = data.draw(st.sampled_from(sorted(self.reservations)), label="converted batch")
+        held = self.reservations[batch_id]
+        free_before = self.intake_pool.free
+        index = self.indexes[batch_id]
+        lines = None
+        if held and data.draw(st.booleans(), label="subset"):
+            lines = data.draw(st.lists(st.integers(0, held - 1), unique=True), label="lines")
+        wanted = list(range(held)) if lines is None else lines
+        assert self.intake_pool.add(batch_id, index, lines) == len(wanted)
+        del self.reservations[batch_id]
+        self.converted.add(batch_id)
+        assert self.intake_pool.reserved_for(batch_id) == 0
+        assert self.intake_pool.free == free_before + held - len(wanted), "the rest was not given back"
+        self.added.update((batch_id, line) for line in wanted)
+        if wanted:
+            self.queued[batch_id] = set(wanted)
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data(), by_drop=st.booleans())
+    def release(self, data: st.DataObject, by_drop: bool) -> None:
+        """The batch failed or was cancelled before it was indexed: its places come back."""
+        batch_id = data.draw(st.sampled_from(sorted(self.reservations)), label="released batch")
+        held = self.reservations.pop(batch_id)
+        free_before = self.intake_pool.free
+        if by_drop:
+            assert self.intake_pool.drop(batch_id) == 0  # nothing was queued yet
+        else:
+            assert self.intake_pool.release(batch_id) == held
+        assert self.intake_pool.free == free_before + held
+        assert self.intake_pool.release(batch_id) == 0, "a reservation was released twice"
+        self.released.add(batch_id)
+        self.cancelled.add(batch_id)
 
     @rule()
     def admit(self) -> None:
@@ -134,8 +195,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch_id = data.draw(st.sampled_from([*sorted(self.indexes), "never_added"]), label="cancelled batch")
         running_before = self.scheduling_pool.active_for(batch_id)
         remaining = self.queued.pop(batch_id, set())
+        held = self.reservations.pop(batch_id, None)  # cancelled before it was indexed
+        free_before = self.intake_pool.free
 
         assert self.intake_pool.drop(batch_id) == len(remaining)
+        assert self.intake_pool.free == free_before + len(remaining) + (held or 0)
+        if held is not None:
+            self.released.add(batch_id)
 
         assert self.intake_pool.queued(batch_id) == 0
         assert batch_id not in self.intake_pool
@@ -182,8 +248,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def intake_matches_model_and_capacity(self) -> None:
-        assert 0 <= self.intake_pool.size <= self.intake_pool.capacity
-        assert self.intake_pool.free == self.intake_pool.capacity - self.intake_pool.size
+        assert 0 <= self.intake_pool.size + self.intake_pool.reserved <= self.intake_pool.capacity
+        assert self.intake_pool.reserved == sum(self.reservations.values())
+        assert (
+            self.intake_pool.free
+            == self.intake_pool.capacity - self.intake_pool.size - self.intake_pool.reserved
+        )
+        for batch_id, held in self.reservations.items():
+            assert self.intake_pool.reserved_for(batch_id) == held
+        assert not self.converted & self.released, "a reservation was both converted and released"
         assert self.intake_pool.size == sum(len(lines) for lines in self.queued.values())
         for batch_id in self.indexes:
             assert self.intake_pool.queued(batch_id) == len(self.queued.get(batch_id, ()))
@@ -226,6 +299,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.finished & self.dropped
         assert self.scheduling_pool.active == 0 and self.scheduling_pool.free == self.scheduling_pool.capacity
         assert self.intake_pool.size == 0 and self.intake_pool.pop() is None
+        for batch_id in list(self.reservations):  # what is still held comes back in full
+            assert self.intake_pool.release(batch_id) == self.reservations.pop(batch_id)
+        assert self.intake_pool.reserved == 0 and self.intake_pool.free == self.intake_pool.capacity
 
     # -- shared steps --------------------------------------------------------------------------
 

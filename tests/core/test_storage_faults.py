@@ -216,7 +216,7 @@ async def test_a_crashed_scheduler_stops_the_core_visibly(tmp_path: Path) -> Non
     async with service:
         service.on_stop(reasons.append)
 
-        def broken_admit() -> list[Any]:
+        def broken_admit(limit: int | None = None) -> list[Any]:
             raise RuntimeError("the scheduler broke")
 
         service.scheduler.admit = broken_admit  # type: ignore[method-assign]

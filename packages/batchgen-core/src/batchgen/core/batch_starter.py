@@ -1,9 +1,11 @@
 """Starting a batch: index its input file, queue what is still to run, move it to in_progress.
 
 A new batch queues every line; a batch resumed after a restart queues only the lines whose
-custom_id has no result line yet. Whatever goes wrong while starting one batch (its input cannot be
-read, its output file cannot be registered on a full disk, a bug) fails that batch with the reason
-and is logged with its traceback; it never reaches the service's other tasks.
+custom_id has no result line yet. The room a batch was given when it was accepted (its intake
+reservation) becomes its queued requests here; a batch that ends before that gives it back.
+Whatever goes wrong while starting one batch (its input cannot be read, its output file cannot be
+registered on a full disk, a bug) fails that batch with the reason and is logged with its
+traceback; it never reaches the service's other tasks.
 """
 
 from __future__ import annotations
@@ -56,11 +58,24 @@ class BatchStarter:
         """Index the input, queue the requests not in ``done``, and move the batch to in_progress;
         on any failure, fail the batch with the reason."""
         try:
-            await self._start(active, file, done)
+            await self._start_reserved(active, file, done)
         except Exception as exc:
             logger.exception("batch %s could not be started", active.id)
             self._intake_pool.drop(active.id)
             self._tracker.fail(active, "batch_failed", f"The batch could not be started: {exc}")
+
+    async def _start_reserved(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
+        try:
+            await self._start(active, file, done)
+        finally:  # queued, failed or interrupted: the reservation is spent either way
+            self._intake_pool.release(active.id)
+
+    def reserve(self, active: ActiveBatch, requests: int) -> bool:
+        """Hold intake room for a batch about to be started; False (holding nothing) if it does not fit."""
+        if requests > self._intake_pool.free:
+            return False
+        self._intake_pool.reserve(active.id, requests)
+        return True
 
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
@@ -74,12 +89,13 @@ class BatchStarter:
         if active.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
             return  # cancelled or ended while indexing
         pending = len(index) if lines is None else len(lines)
-        if pending > self._intake_pool.free:
-            self._tracker.fail(
+        room = self._intake_pool.free + self._intake_pool.reserved_for(active.id)
+        if pending > room:
+            self._tracker.fail(  # releases the reservation too
                 active,
                 "capacity_exceeded",
                 f"The batch has {pending} requests to queue but the intake pool has room for "
-                f"{self._intake_pool.free} of {self._intake_pool.capacity}. Retry later or split the file.",
+                f"{room} of {self._intake_pool.capacity}. Retry later or split the file.",
             )
             return
         if active.input_fd is None:

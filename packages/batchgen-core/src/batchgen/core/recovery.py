@@ -48,4 +48,6 @@ def recover(
         if batch.status is BatchStatus.FINALIZING:
             active.batch = advance(batch, BatchStatus.IN_PROGRESS, now=now())
         logger.info("resuming batch %s: %d lines already written", batch.id, active.finished)
+        # Hold its room now, before any new create can take it (the start indexes in the background).
+        starter.reserve(active, max(0, batch.request_counts.total - active.finished))
         spawn(starter.start, active, file, set(written.custom_ids) | set(separate.custom_ids))

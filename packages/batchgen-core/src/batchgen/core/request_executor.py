@@ -39,6 +39,13 @@ logger = logging.getLogger("batchgen.service")
 
 _decode = msgspec.json.Decoder().decode
 
+#: Request lines longer than this are read and decoded in a worker thread, off the event loop.
+LARGE_LINE_BYTES = 1 << 20
+
+
+def _read_line(fd: int, length: int, offset: int) -> Any:
+    return _decode(os.pread(fd, length, offset))
+
 
 class RequestExecutor:
     """Runs admitted requests on the backend and writes their lines."""
@@ -68,7 +75,10 @@ class RequestExecutor:
             return
         assert active.input_fd is not None
         try:
-            line = _decode(os.pread(active.input_fd, entry.length, entry.offset))
+            if entry.length > LARGE_LINE_BYTES:
+                line = await anyio.to_thread.run_sync(_read_line, active.input_fd, entry.length, entry.offset)
+            else:
+                line = _read_line(active.input_fd, entry.length, entry.offset)
             custom_id: str = line["custom_id"]
             body: dict[str, Any] = line["body"]
         except Exception as exc:  # the file changed under us: no custom_id to write a line for

@@ -372,6 +372,10 @@ class BatchService:
     ) -> Batch:
         """Accept a batch over an uploaded ``batch`` file; it starts in the background.
 
+        The batch's requests are reserved in the intake pool before it is accepted, so an accepted
+        batch is queued in full; when they do not fit now, IntakeFull (429) says when to retry,
+        estimated from the rate at which requests are finishing.
+
         ``output_expires_after_s`` deletes the batch's output and error files that long after
         each is created. With ``idempotency_key``, a repeat of the same call returns the batch the
         first call created, and the same key with different arguments raises Conflict. While the
@@ -429,7 +433,7 @@ class BatchService:
             raise IntakeFull(
                 f"The server is at capacity: {self.intake_pool.free} of {self.intake_pool.capacity} intake "
                 f"slots are free and this batch has {file.line_count} requests. Retry later.",
-                retry_after_s=30,
+                retry_after_s=self.intake_pool.retry_after_s(file.line_count),
             )
         created = now()
         batch = Batch(
@@ -446,11 +450,20 @@ class BatchService:
             output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
         )
-        # the row and its key in one step: a failure (a full disk) records neither, and nothing
-        # is tracked before the row exists
-        self.metadata.insert_batch(
-            batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created)
-        )
+        # Admission is atomic: the batch's places are held from now until the starter queues it
+        # (or it ends first), so every batch answered here is queued in full. A batch larger than
+        # the whole pool holds nothing; the starter fails it with capacity_exceeded.
+        if fits_ever:
+            self.intake_pool.reserve(batch.id, file.line_count)
+        try:
+            # the row and its key in one step: a failure (a full disk) records neither, and
+            # nothing is tracked before the row exists
+            self.metadata.insert_batch(
+                batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created)
+            )
+        except BaseException:
+            self.intake_pool.release(batch.id)
+            raise
         active = parts.tracker.track(batch)
         self._spawn(parts.starter.start, active, file)
         return active.snapshot()

@@ -8,6 +8,7 @@ not start (3) or stopped while serving (1), so that systemd or Kubernetes restar
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -245,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         app = create_app(settings, on_service_stopped=service_stopped)
     except ValueError as exc:
         parser.error(str(exc))
+    # What exists now (modules, the app) lives as long as the process: keep it out of the garbage
+    # collector's full passes, which would walk all of it and stall the event loop under load.
+    gc.freeze()
     print(
         f"BatchGen starting on http://{settings.host}:{settings.port} "
         f"(backend: {settings.backend}, storage: {settings.storage_path}); it answers once the "

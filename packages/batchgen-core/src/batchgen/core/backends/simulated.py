@@ -68,6 +68,8 @@ _WORD_CYCLE = _WORDS * (1 + 48 // len(_WORDS) + 1)
 
 #: Tokens a chat template adds around each message.
 TOKENS_PER_MESSAGE = 3
+#: Prompts longer than this (in characters) are counted in a worker thread, off the event loop.
+LARGE_PROMPT_CHARS = 1 << 20
 
 
 class SimulatedBackend:
@@ -112,8 +114,8 @@ class SimulatedBackend:
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         if request.messages is not None:
-            return sum(len(_content(message).split()) + TOKENS_PER_MESSAGE for message in request.messages)
-        return len((request.prompt or "").split())
+            return sum(_word_count(_content(message)) + TOKENS_PER_MESSAGE for message in request.messages)
+        return _word_count(request.prompt or "")
 
     def _prompt_key(self, request: GenerationRequest) -> bytes:
         if request.messages is not None:
@@ -122,6 +124,12 @@ class SimulatedBackend:
             text = request.prompt or ""
         sampling = request.sampling
         return f"{self.seed}|{sampling.seed}|{sampling.temperature}|{text}".encode()
+
+    def _count_and_complete(self, request: GenerationRequest) -> GenerationResult:
+        prompt_tokens = self.count_prompt_tokens(request)
+        if prompt_tokens > self.context_length:
+            raise context_length_exceeded(prompt_tokens, self.context_length)
+        return self._complete(request, prompt_tokens)
 
     def _complete(self, request: GenerationRequest, prompt_tokens: int) -> GenerationResult:
         digest = hashlib.blake2b(self._prompt_key(request), digest_size=8).digest()
@@ -177,10 +185,10 @@ class SimulatedBackend:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if not self._started:
             raise BackendUnavailable("the simulated backend is not started")
-        prompt_tokens = self.count_prompt_tokens(request)
-        if prompt_tokens > self.context_length:
-            raise context_length_exceeded(prompt_tokens, self.context_length)
-        result = self._complete(request, prompt_tokens)
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # counting words is slow: not on the loop
+            result = await anyio.to_thread.run_sync(self._count_and_complete, request)
+        else:
+            result = self._count_and_complete(request)
         if self.failure_rate and self._failures.random() < self.failure_rate:
             raise TransientBackendError("simulated transient failure")
         delay = self.latency_s + self.token_latency_s * result.completion_tokens
@@ -196,6 +204,28 @@ class SimulatedBackend:
         cancel = self._running.get(request_id)
         if cancel is not None:
             cancel()
+
+
+def _word_count(text: str, chunk: int = 1 << 18) -> int:
+    """``len(text.split())``, in slices, so that a huge text never holds the GIL for long."""
+    if len(text) <= chunk:
+        return len(text.split())
+    count = 0
+    joined = False  # the previous slice ended inside a word
+    for start in range(0, len(text), chunk):
+        piece = text[start : start + chunk]
+        words = len(piece.split())
+        if joined and words and not piece[0].isspace():
+            words -= 1  # that word began in the previous slice
+        count += words
+        joined = not piece[-1].isspace()
+    return count
+
+
+def _prompt_chars(request: GenerationRequest) -> int:
+    if request.messages is not None:
+        return sum(len(_content(message)) for message in request.messages)
+    return len(request.prompt or "")
 
 
 def _content(message: dict[str, object]) -> str:

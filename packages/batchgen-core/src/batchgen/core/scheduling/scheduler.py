@@ -5,6 +5,11 @@ order; ``finish`` frees a slot) so they can be tested directly. ``run`` is the a
 starts a task for each admitted request; a request's task always releases its slot, whatever the
 request did, refills it from the intake pool in the same step, and runs that next request itself,
 so a busy scheduler creates no task per request.
+
+The loop stays responsive under load: ``run`` starts at most ``ADMIT_PER_TURN`` tasks per turn of
+the event loop, and every request task asks the ``Pacer`` for a turn before each request, so
+thousands of requests that need no I/O cannot hold the loop for long. Each finished request is
+counted on the intake pool's drain meter (the basis of ``Retry-After`` when the pool is full).
 """
 
 from __future__ import annotations
@@ -14,13 +19,18 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from batchgen.core.scheduling.intake_pool import IntakeEntry, IntakePool
+from batchgen.core.scheduling.pacer import Pacer
 from batchgen.core.scheduling.scheduling_pool import SchedulingPool
 
 logger = logging.getLogger("batchgen.scheduler")
 
 RequestRunner = Callable[[IntakeEntry], Awaitable[None]]
+
+#: The most request tasks ``run`` starts in one turn of the event loop.
+ADMIT_PER_TURN = 256
 
 
 class Scheduler:
@@ -32,6 +42,7 @@ class Scheduler:
         self.intake_pool = intake_pool
         self.scheduling_pool = scheduling_pool
         self._run_request = run_request
+        self.pacer = Pacer()
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
         self._paused = False
@@ -47,10 +58,12 @@ class Scheduler:
         if not value:
             self.notify()  # slots freed while paused are refilled now
 
-    def admit(self) -> list[IntakeEntry]:
-        """Take queued requests into free slots, in the intake pool's fair order."""
+    def admit(self, limit: int | None = None) -> list[IntakeEntry]:
+        """Take queued requests into free slots (at most ``limit``), in the intake pool's fair order."""
         admitted: list[IntakeEntry] = []
         while not self._paused and self.scheduling_pool.free and self.intake_pool.size:
+            if limit is not None and len(admitted) >= limit:
+                break
             entry = self.intake_pool.pop()
             assert entry is not None
             self.scheduling_pool.acquire(entry.batch_id)
@@ -58,17 +71,20 @@ class Scheduler:
         return admitted
 
     def finish(self, entry: IntakeEntry) -> None:
-        """Give back the slot a request held."""
+        """Give back the slot a request held, and count the request as drained."""
         self.scheduling_pool.release(entry.batch_id)
+        self.intake_pool.drain.record()
 
     def notify(self) -> None:
         """Tell the loop that work was queued."""
         self._wakeup.set()
 
-    def _start_admitted(self) -> None:
+    def _start_admitted(self) -> bool:
+        """Start a task for each request admitted now (one turn's worth); True if more could start."""
         assert self._tasks is not None
-        for entry in self.admit():
+        for entry in self.admit(ADMIT_PER_TURN):
             self._tasks.start_soon(self._run_one, entry)
+        return not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
 
     def _admit_one(self) -> IntakeEntry | None:
         if self._paused or not self.scheduling_pool.free or not self.intake_pool.size:
@@ -83,6 +99,7 @@ class Scheduler:
         current: IntakeEntry | None = entry
         while current is not None:
             try:
+                await self.pacer.pace()  # let the loop serve other work between requests
                 await self._run_request(current)
             except Exception:  # the runner reports its own failures; never lose the slot
                 logger.exception("request %s:%d raised", current.batch_id, current.line)
@@ -91,17 +108,18 @@ class Scheduler:
             if self._tasks is None or self._tasks.cancel_scope.cancel_called:
                 return
             current = self._admit_one()  # the freed slot is refilled at once, in fair order
-            if current is not None:
-                await anyio.lowlevel.checkpoint()  # let other work run between requests
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Admit and run requests until cancelled."""
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
+            tasks.start_soon(self.pacer.run)
             task_status.started()
             try:
                 while True:
-                    self._start_admitted()
+                    if self._start_admitted():
+                        await anyio.lowlevel.checkpoint()  # the rest in later turns of the loop
+                        continue
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
             finally:
