@@ -2,8 +2,8 @@
 
 The backend here is a real ``Backend`` implementation whose behaviour each request picks by its
 prompt: answer, reject, fail transiently every time, raise an unexpected exception, or hang until
-aborted. Requests with a bad per-line sampling value never reach it. Hypothesis mixes them in any
-order and count; the batch must complete with one line per request and counters equal to lines.
+aborted. (A line with a bad sampling value is refused at upload now, by the request schema:
+tests/core/test_request_schema.py.) Hypothesis mixes them in any order and count; the batch must complete with one line per request and counters equal to lines.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ KINDS: dict[str, str | None] = {
     "reject": "context_length_exceeded",
     "flaky": "backend_error",
     "boom": "internal_error",
-    "bad max_tokens": "invalid_request",
-    "bad stop": "invalid_request",
 }
 
 
@@ -76,10 +74,6 @@ class ScriptedBackend:
 
 def _line(custom_id: str, kind: str) -> bytes:
     body: dict[str, object] = {"messages": [{"role": "user", "content": kind}]}
-    if kind == "bad max_tokens":
-        body["max_tokens"] = "many"
-    if kind == "bad stop":
-        body["stop"] = [1]
     request = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
     return json.dumps(request).encode() + b"\n"
 
