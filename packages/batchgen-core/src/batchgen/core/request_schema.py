@@ -199,7 +199,10 @@ def read_body(envelope: Envelope) -> ChatBody | CompletionBody:
                 param="body.messages",
             )
     for name in SAMPLING_FIELDS:
-        problem = range_problem(name, getattr(body, name))
+        value = getattr(body, name)
+        if value is None:
+            continue
+        problem = range_problem(name, value)
         if problem is not None:
             raise InvalidRequest(f"'body.{name}' {problem}", param=f"body.{name}")
     return body
