@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from batchgen.core.errors import InvalidRequest
+import msgspec
+
 from batchgen.core.models import BatchParameters
-from batchgen.core.parameters import ServerDefaults, resolve_sampling
+from batchgen.core.parameters import ServerDefaults
+from batchgen.core.parameters import resolve_sampling as resolve_body
+from batchgen.core.request_schema import ChatBody
+from batchgen.core.sampling_ranges import RULES
 
 DEFAULTS = ServerDefaults(max_tokens=256)
+
+
+def resolve_sampling(body: dict[str, Any], batch: BatchParameters, defaults: ServerDefaults) -> Any:
+    """Resolve a body as the executor does: decoded through the request schema first."""
+    decoded = msgspec.convert({"messages": [{"role": "user"}], **body}, ChatBody)
+    return resolve_body(decoded, batch, defaults)
 
 
 def test_nothing_set_is_greedy_with_the_server_limit() -> None:
@@ -38,16 +48,10 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
     assert sampling.max_tokens == 5
 
 
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        ({"temperature": "hot"}, "temperature"),
-        ({"max_tokens": 1.5}, "max_tokens"),
-        ({"stop": [1]}, "stop"),
-        ({"max_tokens": 0}, "max_tokens"),
-    ],
-)
-def test_malformed_values_name_the_parameter(body: dict, param: str) -> None:
-    with pytest.raises(InvalidRequest) as caught:
-        resolve_sampling(body, BatchParameters(), DEFAULTS)
-    assert caught.value.param == param
+def test_a_stop_string_is_one_stop_sequence_and_a_list_keeps_its_order() -> None:
+    assert resolve_sampling({"stop": "END"}, BatchParameters(), DEFAULTS).stop == ("END",)
+    assert resolve_sampling({"stop": ["b", "a"]}, BatchParameters(), DEFAULTS).stop == ("b", "a")
+
+
+def test_the_server_default_is_a_valid_output_limit() -> None:
+    assert RULES["max_tokens"].accepts(ServerDefaults().max_tokens)

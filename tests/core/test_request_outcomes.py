@@ -2,8 +2,8 @@
 
 The backend here is a real ``Backend`` implementation whose behaviour each request picks by its
 prompt: answer, reject, fail transiently every time, raise an unexpected exception, or hang until
-aborted. Requests with a bad per-line sampling value never reach it. Hypothesis mixes them in any
-order and count; the batch must complete with one line per request and counters equal to lines.
+aborted. (A line with a bad sampling value is refused at upload now, by the request schema:
+tests/core/test_request_schema.py.) Hypothesis mixes them in any order and count; the batch must complete with one line per request and counters equal to lines.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ KINDS: dict[str, str | None] = {
     "reject": "context_length_exceeded",
     "flaky": "backend_error",
     "boom": "internal_error",
-    "bad max_tokens": "invalid_request",
-    "bad stop": "invalid_request",
 }
 
 
@@ -74,16 +72,8 @@ class ScriptedBackend:
         return GenerationResult(text="fine", finish_reason="stop", prompt_tokens=2, completion_tokens=1)
 
 
-#: Body fields that make a request's sampling parameters invalid.
-BAD_BODIES: dict[str, dict[str, object]] = {
-    "bad max_tokens": {"max_tokens": "many"},
-    "bad stop": {"stop": [1]},
-}
-
-
 def _line(custom_id: str, kind: str) -> bytes:
-    bad = BAD_BODIES.get(kind, {})
-    return jsonl(chat_line(custom_id, kind, **bad))
+    return jsonl(chat_line(custom_id, kind))
 
 
 async def _run(storage: Path, kinds: list[str]) -> tuple[Batch, list[dict], list[dict]]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import BatchParameters
+from batchgen.core.sampling_ranges import range_problem
 
 _WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
 _WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -43,18 +44,12 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
 
 
 def check_parameters(parameters: BatchParameters) -> None:
-    """Raise InvalidRequest naming the first batch-level sampling value out of its range."""
-    checks = (
-        ("max_decoding_length", parameters.max_decoding_length, int, lambda v: v >= 1, "at least 1"),
-        ("temperature", parameters.temperature, (int, float), lambda v: 0 <= v <= 2, "between 0 and 2"),
-        ("top_p", parameters.top_p, (int, float), lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("top_k", parameters.top_k, int, lambda v: v == -1 or v >= 1, "-1 or at least 1"),
-    )
-    for name, value, kind, valid, expected in checks:
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, kind) or not valid(value):
-            raise InvalidRequest(f"{name} must be {expected}, got {value!r}", param=name)
+    """Raise InvalidRequest naming the first batch-level sampling value out of its range (the
+    rules of ``sampling_ranges``, which every request line's body is checked with too)."""
+    for name, value in parameters.to_dict().items():
+        problem = range_problem(name, value)
+        if problem is not None:
+            raise InvalidRequest(f"{name} {problem}", param=name)
 
 
 def check_output_expiry(seconds: Any) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import attrs
 
-from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import BatchParameters, SamplingParameters
+from batchgen.core.request_schema import RequestBody
 
 
 @attrs.frozen
@@ -24,58 +24,23 @@ class ServerDefaults:
     top_k: int = -1
 
 
-def _number(body: dict[str, Any], key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"'{key}' must be a number", param=key)
-    return float(value)
-
-
-def _integer(body: dict[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"'{key}' must be an integer", param=key)
-    return value
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return tuple(value)
-    raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
-
-
 def resolve_sampling(
-    body: dict[str, Any], batch: BatchParameters, defaults: ServerDefaults
+    body: RequestBody, batch: BatchParameters, defaults: ServerDefaults
 ) -> SamplingParameters:
-    """Combine the three levels into one request's parameters; raise InvalidRequest if malformed."""
-    max_tokens = _integer(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = (
-            batch.max_decoding_length if batch.max_decoding_length is not None else defaults.max_tokens
-        )
-    if max_tokens < 1:
-        raise InvalidRequest("the output token limit must be at least 1", param="max_tokens")
-    temperature = _number(body, "temperature")
-    top_p = _number(body, "top_p")
-    top_k = _integer(body, "top_k")
+    """Combine the three levels into one request's parameters.
+
+    ``body`` comes from ``request_schema.read_body``, which checked its types and ranges (and
+    ``check_parameters`` the batch's), so nothing here can be malformed.
+    """
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    stop = body.stop
     return SamplingParameters(
-        max_tokens=max_tokens,
-        temperature=_or(temperature, batch.temperature, defaults.temperature),
-        top_p=_or(top_p, batch.top_p, defaults.top_p),
-        top_k=_or(top_k, batch.top_k, defaults.top_k),
-        seed=_integer(body, "seed"),
-        stop=_stop(body),
+        max_tokens=_or(max_tokens, batch.max_decoding_length, defaults.max_tokens),
+        temperature=float(_or(body.temperature, batch.temperature, defaults.temperature)),
+        top_p=float(_or(body.top_p, batch.top_p, defaults.top_p)),
+        top_k=_or(body.top_k, batch.top_k, defaults.top_k),
+        seed=body.seed,
+        stop=() if stop is None else (stop,) if isinstance(stop, str) else tuple(stop),
     )
 
 

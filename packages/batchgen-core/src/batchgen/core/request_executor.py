@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import anyio
 import attrs
-import msgspec
 
 from batchgen.core.backends.base import (
     Backend,
@@ -30,6 +28,7 @@ from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.ids import new_request_id
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult
 from batchgen.core.parameters import ServerDefaults, resolve_sampling
+from batchgen.core.request_schema import ChatBody, Envelope, message_dicts, read_body, read_envelope
 from batchgen.core.results import error_line, output_line
 from batchgen.core.scheduling import IntakeEntry
 from batchgen.core.storage import ResultWriter
@@ -37,14 +36,12 @@ from batchgen.core.storage_faults import storage_fault
 
 logger = logging.getLogger("batchgen.service")
 
-_decode = msgspec.json.Decoder().decode
-
 #: Request lines longer than this are read and decoded in a worker thread, off the event loop.
 LARGE_LINE_BYTES = 1 << 20
 
 
-def _read_line(fd: int, length: int, offset: int) -> Any:
-    return _decode(os.pread(fd, length, offset))
+def _read_line(fd: int, length: int, offset: int) -> Envelope:
+    return read_envelope(os.pread(fd, length, offset))
 
 
 class RequestExecutor:
@@ -76,11 +73,11 @@ class RequestExecutor:
         assert active.input_fd is not None
         try:
             if entry.length > LARGE_LINE_BYTES:
-                line = await anyio.to_thread.run_sync(_read_line, active.input_fd, entry.length, entry.offset)
+                envelope = await anyio.to_thread.run_sync(
+                    _read_line, active.input_fd, entry.length, entry.offset
+                )
             else:
-                line = _read_line(active.input_fd, entry.length, entry.offset)
-            custom_id: str = line["custom_id"]
-            body: dict[str, Any] = line["body"]
+                envelope = _read_line(active.input_fd, entry.length, entry.offset)
         except Exception as exc:  # the file changed under us: no custom_id to write a line for
             logger.exception("batch %s: request line %d cannot be read back", active.id, entry.line + 1)
             self._tracker.fail(
@@ -89,10 +86,11 @@ class RequestExecutor:
                 f"Request line {entry.line + 1} of the input file cannot be read: {exc}",
             )
             return
+        custom_id = envelope.custom_id
         request_id = new_request_id("req_")
         active.in_flight.add(request_id)
         try:
-            await self._execute(active, custom_id, body, request_id)
+            await self._execute(active, envelope, request_id)
         except Exception as exc:
             fault = storage_fault(exc, f"record the result of request {custom_id!r}")
             if fault is not None:  # its line cannot be stored: the batch fails, as on a failed write
@@ -107,20 +105,22 @@ class RequestExecutor:
             active.in_flight.discard(request_id)
             self._tracker.settle(active)
 
-    async def _execute(
-        self, active: ActiveBatch, custom_id: str, body: dict[str, Any], request_id: str
-    ) -> None:
+    async def _execute(self, active: ActiveBatch, envelope: Envelope, request_id: str) -> None:
+        custom_id = envelope.custom_id
         try:
-            sampling = resolve_sampling(body, active.batch.parameters, self._defaults)
+            # The schema upload validation used: only a file accepted by an older version (or
+            # changed on disk) can fail here, and then this request gets its error line.
+            body = read_body(envelope)
         except InvalidRequest as exc:
             self.record_error(active, custom_id, "invalid_request", exc.message)
             return
+        chat = isinstance(body, ChatBody)
         request = GenerationRequest(
             request_id=request_id,
             endpoint=active.batch.endpoint,
-            sampling=sampling,
-            messages=tuple(body["messages"]) if "messages" in body else None,
-            prompt=body.get("prompt"),
+            sampling=resolve_sampling(body, active.batch.parameters, self._defaults),
+            messages=message_dicts(envelope) if chat else None,
+            prompt=None if chat else str(body.prompt),
         )
         try:
             result = await self._generate(request)

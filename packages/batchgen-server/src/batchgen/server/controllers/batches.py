@@ -8,6 +8,7 @@ import msgspec
 from litestar import Controller, Request, get, post
 
 from batchgen.core.errors import InvalidRequest
+from batchgen.core.json_bounds import bounds_problem
 from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
 from batchgen.server.pagination import list_page
@@ -39,6 +40,9 @@ def _output_expiry_seconds(value: Any) -> int | None:
 
 
 def _parse_create_body(raw: bytes) -> dict[str, Any]:
+    too_big = bounds_problem(raw)
+    if too_big is not None:
+        raise InvalidRequest(f"The request body holds {too_big}.")
     try:
         body = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:

@@ -1,0 +1,215 @@
+"""The request schema: what one batch input line and its body may hold, for each endpoint.
+
+Upload validation (``batch_file``) and execution (``request_executor``, ``parameters``) read a
+line only through ``read_envelope`` and ``read_body``, so a line that is accepted is exactly a
+line that can run. A line is ``{"custom_id", "method": "POST", "url", "body"}``; its body is
+decoded into the endpoint's struct: ``ChatBody`` (a non-empty ``messages`` list, each message an
+object with a string ``role`` and ``content`` that is a string, null or a list of content parts,
+a text part having a string ``text``) or ``CompletionBody`` (a string ``prompt``). Both read the
+sampling fields of ``RequestBody``, whose types the structs fix and whose ranges
+``sampling_ranges`` checks, as for a batch. Other body fields (OpenAI bodies have many) are
+allowed and ignored, except the other endpoint's input field, which would be ambiguous. Every
+line must also stay within the ``json_bounds`` (nesting depth, integer size).
+
+Problems are ``InvalidRequest`` whose message names the field (``'body.top_p' must be ...``) and
+whose ``param`` is that field's path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Raw, Struct, UnsetType
+
+from batchgen.core.errors import InvalidRequest
+from batchgen.core.json_bounds import bounds_problem
+from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, SUPPORTED_ENDPOINTS
+from batchgen.core.sampling_ranges import range_problem
+
+
+class ContentPart(Struct):
+    """One part of a message's list content; a ``text`` part must carry a string ``text``.
+
+    Other kinds of part (images, audio) are well formed here; a text-only backend answers them
+    with an ``invalid_request`` error line.
+    """
+
+    type: str
+    text: str | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if self.type == "text" and self.text is UNSET:
+            raise ValueError("a text part needs a string 'text'")
+
+
+class Message(Struct):
+    """One chat message: a string ``role`` and its content (a string, null or content parts)."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class RequestBody(Struct):
+    """The body fields every endpoint reads: the model, streaming, and the sampling parameters."""
+
+    model: str | None = None
+    stream: bool | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+
+
+class ChatBody(RequestBody):
+    """A ``/v1/chat/completions`` body."""
+
+    messages: list[Message] = msgspec.field(default_factory=list)
+    prompt: Any = None  # refused: it belongs to /v1/completions
+
+
+class CompletionBody(RequestBody):
+    """A ``/v1/completions`` body."""
+
+    prompt: str | UnsetType = UNSET
+    messages: Any = None  # refused: it belongs to /v1/chat/completions
+
+
+class Envelope(Struct):
+    """A request line around its body, which is decoded for its endpoint by ``read_body``."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: Raw
+
+
+#: The sampling fields checked against ``sampling_ranges``, in the order they are reported.
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+)
+
+_envelope_decoder = msgspec.json.Decoder(Envelope)
+_body_decoders: dict[str, msgspec.json.Decoder[Any]] = {
+    CHAT_COMPLETIONS: msgspec.json.Decoder(ChatBody),
+    COMPLETIONS: msgspec.json.Decoder(CompletionBody),
+}
+_any_decoder = msgspec.json.Decoder()
+
+_AT_PATH = re.compile(r"^(?P<text>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_EXPECTED = re.compile(r"^Expected `(?P<expected>[^`]+)`(?P<more>[^,]*), got `(?P<got>[^`]+)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+_KINDS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+    "null": "null",
+    "array": "a list",
+    "object": "a JSON object",
+}
+
+
+def _kinds(names: str) -> str:
+    return " or ".join(_KINDS.get(name.strip(), name.strip()) for name in names.split("|"))
+
+
+def _problem(error: msgspec.MsgspecError, prefix: str) -> InvalidRequest:
+    """An InvalidRequest naming the field of a msgspec error, in BatchGen's words."""
+    match = _AT_PATH.match(str(error))
+    assert match is not None  # the pattern matches any text
+    text, path = match["text"], (match["path"] or "")
+    field = (prefix + path).lstrip(".")
+    if not isinstance(error, msgspec.ValidationError):
+        return InvalidRequest(f"not valid JSON ({error})", param=field or None)
+    if missing := _MISSING.match(text):
+        name = f"{field}.{missing['field']}".lstrip(".")
+        return InvalidRequest(f"missing '{name}'", param=name)
+    if expected := _EXPECTED.match(text):
+        wanted = _kinds(expected["expected"]) + expected["more"]
+        if not field:
+            return InvalidRequest(f"a line must be {wanted}", param=None)
+        return InvalidRequest(f"'{field}' must be {wanted}, got {_kinds(expected['got'])}", param=field)
+    if not field:
+        return InvalidRequest(text, param=None)
+    return InvalidRequest(f"'{field}': {text}", param=field)
+
+
+def read_envelope(raw: bytes) -> Envelope:
+    """The line ``raw`` (one line's bytes) without its body decoded; InvalidRequest if malformed."""
+    too_big = bounds_problem(raw)
+    if too_big is not None:
+        raise InvalidRequest(too_big)
+    try:
+        envelope = _envelope_decoder.decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise _problem(exc, "") from None
+    if not envelope.custom_id:
+        raise InvalidRequest("'custom_id' must be a non-empty string", param="custom_id")
+    if envelope.method != "POST":
+        raise InvalidRequest(f"'method' must be \"POST\", got {envelope.method!r}", param="method")
+    if envelope.url not in SUPPORTED_ENDPOINTS:
+        raise InvalidRequest(
+            f"'url' must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {envelope.url!r}", param="url"
+        )
+    return envelope
+
+
+def read_body(envelope: Envelope) -> ChatBody | CompletionBody:
+    """The envelope's body, decoded and checked for its endpoint; InvalidRequest naming the field."""
+    try:
+        body: ChatBody | CompletionBody = _body_decoders[envelope.url].decode(envelope.body)
+    except msgspec.ValidationError as exc:
+        if str(exc).startswith("Expected `object`") and " - at `" not in str(exc):
+            raise InvalidRequest("'body' must be a JSON object", param="body") from None
+        raise _problem(exc, "body") from None
+    if body.stream:
+        raise InvalidRequest(
+            "'body.stream' must be false or absent: batches do not stream (streaming_unsupported)",
+            param="body.stream",
+        )
+    if isinstance(body, ChatBody):
+        if not body.messages:
+            raise InvalidRequest(
+                "'body.messages' must be a non-empty list for /v1/chat/completions", param="body.messages"
+            )
+        if body.prompt is not None:
+            raise InvalidRequest(
+                "'body.prompt' belongs to /v1/completions; a /v1/chat/completions body takes 'messages'",
+                param="body.prompt",
+            )
+    else:
+        if body.prompt is UNSET:
+            raise InvalidRequest("'body.prompt' must be a string for /v1/completions", param="body.prompt")
+        if body.messages is not None:
+            raise InvalidRequest(
+                "'body.messages' belongs to /v1/chat/completions; a /v1/completions body takes 'prompt'",
+                param="body.messages",
+            )
+    for name in SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is None:
+            continue
+        problem = range_problem(name, value)
+        if problem is not None:
+            raise InvalidRequest(f"'body.{name}' {problem}", param=f"body.{name}")
+    return body
+
+
+def message_dicts(envelope: Envelope) -> tuple[dict[str, Any], ...]:
+    """A chat line's messages as the plain objects it holds, every field kept (``name``,
+    ``tool_calls``, ...) for chat templates and upstreams; call after ``read_body`` accepted it."""
+    messages = _any_decoder.decode(envelope.body)["messages"]
+    return tuple(messages)
