@@ -136,10 +136,10 @@ from batchgen.core.scheduling.scheduler import Scheduler
 from batchgen.server.cli import main
 
 admit = Scheduler.admit
-def broken(self):
+def broken(self, *args, **kwargs):
     if self.intake_pool.size:
         raise RuntimeError("injected scheduler fault")
-    return admit(self)
+    return admit(self, *args, **kwargs)
 Scheduler.admit = broken
 main(sys.argv[1:])
 """
