@@ -1,10 +1,12 @@
 """No request makes a 500: schemathesis over the OpenAPI schema the server publishes
 (``/schema/openapi.json``), in its positive and negative modes, and Hypothesis over the JSON body
-of ``POST /v1/batches`` (which the schema leaves open), against the in-process server."""
+of ``POST /v1/batches`` (which the schema leaves open), against the in-process app and against a
+live ``batchgen-server`` process on 127.0.0.1."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,8 +16,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import chat_line, jsonl, upload
+from tests.live import LiveServer
 
 pytestmark = pytest.mark.fuzz  # runs in nox -s tests, not in the fast unit loop
+
+
+@pytest.fixture(params=["in-process", pytest.param("live", marks=pytest.mark.live)])
+def server(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
+    """The in-process app (``api``), or a client of a live server process (``live_server``)."""
+    if request.param == "in-process":
+        yield request.getfixturevalue("api")
+        return
+    live: LiveServer = request.getfixturevalue("live_server")
+    with httpx.Client(base_url=live.base_url, timeout=30) as client:
+        yield client
 
 
 def _schema(api: httpx.Client) -> Any:
@@ -26,7 +40,8 @@ def _schema(api: httpx.Client) -> Any:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_no_request_the_schema_allows_or_forbids_is_a_500(api: httpx.Client, data: st.DataObject) -> None:
+def test_no_request_the_schema_allows_or_forbids_is_a_500(server: httpx.Client, data: st.DataObject) -> None:
+    api = server
     schema = _schema(api)
     operation = data.draw(st.sampled_from([result.ok() for result in schema.get_all_operations()]))
     mode = data.draw(st.sampled_from(["positive", "negative"]))
@@ -81,7 +96,8 @@ def _text(value: Any) -> str:
         _fields, _json | st.integers(2**60, 2**80) | st.integers(10, 3000).map(_Deep), max_size=3
     )
 )
-def test_no_create_body_is_a_500(api: httpx.Client, changes: dict[str, Any]) -> None:
+def test_no_create_body_is_a_500(server: httpx.Client, changes: dict[str, Any]) -> None:
+    api = server
     file_id = upload(api, jsonl(chat_line("a")))["id"]
     body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", **changes}
     text = "{" + ", ".join(f"{json.dumps(key)}: {_text(value)}" for key, value in body.items()) + "}"
