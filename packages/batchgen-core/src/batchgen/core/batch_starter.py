@@ -48,7 +48,11 @@ class BatchStarter:
         files: FileCatalogue,
         intake_pool: IntakePool,
         wake_scheduler: Callable[[], None],
+        *,
+        on_queued: Callable[[str], object] | None = None,
     ) -> None:
+        """``on_queued(batch_id)`` is called once a batch's requests are queued."""
+        self._on_queued = on_queued
         self._tracker = tracker
         self._files = files
         self._intake_pool = intake_pool
@@ -110,5 +114,7 @@ class BatchStarter:
         else:
             self._tracker.persist(active)
         self._intake_pool.add(active.id, index, lines)
+        if self._on_queued is not None:
+            self._on_queued(active.id)
         self._wake_scheduler()
         self._tracker.settle(active)

@@ -17,15 +17,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
 from batchgen.core.batch_lifecycle import advance
+from batchgen.core.batch_log import log_transition
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCounts, Usage
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
 from batchgen.core.storage_faults import storage_fault
+from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
 
@@ -57,6 +59,11 @@ class ActiveBatch:
     def __attrs_post_init__(self) -> None:
         if self.saved is None:
             self.saved = self.batch
+
+    @property
+    def saved_terminal(self) -> bool:
+        """Whether the store already holds a terminal status for this batch."""
+        return self.saved is not None and self.saved.status.is_terminal
 
     @property
     def id(self) -> str:
@@ -97,7 +104,14 @@ class BatchTracker:
         blobs: BlobStore,
         intake_pool: IntakePool,
         abort_request: Callable[[str], object],
+        *,
+        outbox: Callable[[Batch], Sequence[OutboxMessage]] | None = None,
+        on_end: Callable[[str], object] | None = None,
     ) -> None:
+        """``outbox(batch)``: the webhook messages to save with a batch's terminal status, in the
+        same write; ``on_end(batch_id)``: called when a batch reaches a terminal status."""
+        self._outbox = outbox
+        self._on_end = on_end
         self._metadata = metadata
         self._blobs = blobs
         self._intake_pool = intake_pool
@@ -131,7 +145,11 @@ class BatchTracker:
         """Advance the batch to ``target`` and persist it; a terminal status also ends tracking."""
         if target.is_terminal:
             self._close(active)
-        active.batch = advance(active.batch, target, now=now(), error=error)
+            if self._on_end is not None:
+                self._on_end(active.id)
+        previous, moment = active.status, now()
+        active.batch = advance(active.batch, target, now=moment, error=error)
+        log_transition(active.state(), previous, moment)
         if self.persist(active) and target.is_terminal:
             self._active.pop(active.id, None)  # else kept until ``flush`` saves it
 
@@ -145,18 +163,11 @@ class BatchTracker:
         """End the batch as failed (once: a batch that already ended stays as it is)."""
         if active.status.is_terminal:
             return
-        logger.warning("batch %s failed: %s", active.id, message)
         self.stop_work(active)
         self.move(active, BatchStatus.FAILED, error=BatchErrorInfo(code, message))
 
     def expire(self, active: ActiveBatch) -> None:
         """End a batch past its completion window; the lines written so far stay."""
-        logger.info(
-            "batch %s expired with %d of %d done",
-            active.id,
-            active.finished,
-            active.batch.request_counts.total,
-        )
         self.stop_work(active)
         self.move(active, BatchStatus.EXPIRED)
 
@@ -180,7 +191,7 @@ class BatchTracker:
         """Save the batch; on a storage fault keep it unsaved (``flush`` retries) and return False."""
         state = active.state()
         try:
-            self._metadata.save_batch(state)
+            self.save(state, first_terminal=state.status.is_terminal and not active.saved_terminal)
         except Exception as exc:
             fault = storage_fault(exc, f"save batch {active.id}")
             if fault is None:
@@ -195,6 +206,14 @@ class BatchTracker:
         active.unsaved_reason = None
         active.dirty = False
         return True
+
+    def save(self, batch: Batch, *, first_terminal: bool) -> None:
+        """Save the batch; the first save of a terminal status carries its webhook messages."""
+        messages = self._outbox(batch) if first_terminal and self._outbox is not None else ()
+        if messages:
+            self._metadata.save_batch(batch, outbox=messages)
+        else:
+            self._metadata.save_batch(batch)
 
     def flush(self) -> None:
         """Save every batch whose counters moved or whose last save failed; a batch that ended is

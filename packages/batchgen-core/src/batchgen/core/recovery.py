@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 
 from batchgen.core.batch_lifecycle import advance
+from batchgen.core.batch_log import log_transition
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
 from batchgen.core.models import BatchStatus
@@ -32,7 +33,10 @@ def recover(
     """
     for batch in metadata.active_batches():
         if batch.status is BatchStatus.CANCELLING:
-            metadata.save_batch(advance(batch, BatchStatus.CANCELLED, now=now()))
+            moment = now()
+            cancelled = advance(batch, BatchStatus.CANCELLED, now=moment)
+            tracker.save(cancelled, first_terminal=True)
+            log_transition(cancelled, batch.status, moment)
             continue
         active = tracker.track(batch)
         file = metadata.get_file(batch.input_file_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import anyio
 import attrs
@@ -33,6 +34,7 @@ from batchgen.core.results import error_line, output_line
 from batchgen.core.scheduling import IntakeEntry
 from batchgen.core.storage import ResultWriter
 from batchgen.core.storage_faults import storage_fault
+from batchgen.core.telemetry import RequestTelemetry
 
 logger = logging.getLogger("batchgen.service")
 
@@ -56,8 +58,11 @@ class RequestExecutor:
         defaults: ServerDefaults,
         max_attempts: int,
         separate_error_file: bool = False,
+        telemetry: RequestTelemetry | None = None,
     ) -> None:
-        """``separate_error_file``: OpenAI's convention, failed lines in their own file."""
+        """``separate_error_file``: OpenAI's convention, failed lines in their own file;
+        ``telemetry`` counts admissions, finished requests and backend time."""
+        self._telemetry = telemetry or RequestTelemetry()
         self._separate_error_file = separate_error_file
         self._tracker = tracker
         self._files = files
@@ -70,6 +75,7 @@ class RequestExecutor:
         active = self._tracker.get(entry.batch_id)
         if active is None or active.status is not BatchStatus.IN_PROGRESS:
             return
+        self._telemetry.request_admitted(entry.batch_id)
         assert active.input_fd is not None
         try:
             if entry.length > LARGE_LINE_BYTES:
@@ -134,6 +140,13 @@ class RequestExecutor:
             self._record_result(active, custom_id, request, result)
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        started = time.perf_counter()
+        try:
+            return await self._generate_with_retries(request)
+        finally:
+            self._telemetry.backend_call(time.perf_counter() - started)
+
+    async def _generate_with_retries(self, request: GenerationRequest) -> GenerationResult:
         for attempt in range(1, self._max_attempts + 1):
             try:
                 return await self._backend.generate(request)
@@ -159,6 +172,7 @@ class RequestExecutor:
             active.prompt_tokens += result.prompt_tokens
             active.completion_tokens += result.completion_tokens
             active.dirty = True
+            self._telemetry.request_completed(result.prompt_tokens, result.completion_tokens)
 
     def record_error(self, active: ActiveBatch, custom_id: str, code: str, message: str) -> None:
         """Write the request's error line: in the output file, as the user guide has it, or in
@@ -180,6 +194,7 @@ class RequestExecutor:
         if self._write(active, writer, error_line(custom_id, code, message)):
             active.failed += 1
             active.dirty = True
+            self._telemetry.request_failed()
 
     def _write(self, active: ActiveBatch, writer: ResultWriter, line: bytes) -> bool:
         """Append a result line; on a storage fault fail the batch (earlier lines stay intact)."""

@@ -44,6 +44,7 @@ from batchgen.core.batch_options import (
     check_parameters,
     parse_completion_window,
 )
+from batchgen.core.batch_log import log_created
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
 from batchgen.core.errors import Conflict, IntakeFull, InvalidRequest, NotFound, ServiceUnavailable
@@ -68,6 +69,8 @@ from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, Schedul
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
+from batchgen.core.telemetry import RequestTelemetry
+from batchgen.core.webhook_outbox import WebhookTargets
 
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
 
@@ -123,6 +126,10 @@ class ServiceSettings:
     served_model_names: tuple[str, ...] = attrs.field(default=(), converter=_names)
     #: ``Retry-After`` seconds sent with a 503 while the service is unhealthy.
     unhealthy_retry_after_s: int = 5
+    #: Where each batch's terminal webhook event goes (saved in the outbox with the status), and
+    #: whether a batch may name its own URL in its metadata (``webhook_outbox``).
+    webhook_urls: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    webhook_batch_urls: bool = False
 
 
 class _Parts:
@@ -146,6 +153,8 @@ class _Parts:
                     critical=False,
                 )
             ),
+            outbox=lambda batch: service.webhooks.messages(batch, now()),
+            on_end=service.telemetry.batch_ended,
         )
         self.files = FileCatalogue(
             metadata,
@@ -156,7 +165,13 @@ class _Parts:
             in_use=service._live_user_of_file,
             served_models=service.accepted_model_names(),
         )
-        self.starter = BatchStarter(self.tracker, self.files, service.intake_pool, service.scheduler.notify)
+        self.starter = BatchStarter(
+            self.tracker,
+            self.files,
+            service.intake_pool,
+            service.scheduler.notify,
+            on_queued=service.telemetry.batch_queued,
+        )
         self.executor = RequestExecutor(
             self.tracker,
             self.files,
@@ -164,6 +179,7 @@ class _Parts:
             defaults=ServerDefaults(max_tokens=settings.default_max_tokens),
             max_attempts=settings.max_request_attempts,
             separate_error_file=settings.error_file == "openai",
+            telemetry=service.telemetry,
         )
 
 
@@ -189,6 +205,9 @@ class BatchService:
         self.scheduling_pool = SchedulingPool(settings.max_pool_size)
         self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, self._run_request)
         self.maintenance = Maintenance()
+        #: Counters and latency histograms of the requests run (read by the server's /metrics).
+        self.telemetry = RequestTelemetry()
+        self.webhooks = WebhookTargets(settings.webhook_urls, settings.webhook_batch_urls)
         self._parts: _Parts | None = None
         self._exit_stack: AsyncExitStack | None = None
         self._started_at = now()
@@ -403,6 +422,7 @@ class BatchService:
             )
         window_s = parse_completion_window(completion_window)
         metadata = check_metadata(metadata)
+        self.webhooks.check_metadata(metadata)
         check_parameters(parameters)
         check_output_expiry(output_expires_after_s)
         file = self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
@@ -465,6 +485,7 @@ class BatchService:
             self.intake_pool.release(batch.id)
             raise
         active = parts.tracker.track(batch)
+        log_created(batch)
         self._spawn(parts.starter.start, active, file)
         return active.snapshot()
 
@@ -559,6 +580,19 @@ class BatchService:
             scheduling_pool_capacity=self.scheduling_pool.capacity,
             active_batches=0 if self._parts is None else len(self._parts.tracker),
         )
+
+    @property
+    def running(self) -> bool:
+        """Whether the service is started (and not stopped yet)."""
+        return self._parts is not None
+
+    def active_batch_statuses(self) -> dict[BatchStatus, int]:
+        """How many unfinished batches are in each status (as callers see them)."""
+        counts: dict[BatchStatus, int] = {}
+        for active in [] if self._parts is None else self._parts.tracker:
+            status = active.snapshot().status
+            counts[status] = counts.get(status, 0) + 1
+        return counts
 
     def health(self) -> Health:
         if self._parts is None:

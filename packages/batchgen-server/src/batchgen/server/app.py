@@ -24,7 +24,9 @@ from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
+from batchgen.server.metrics import HttpMetricsMiddleware, build_registry, metrics
 from batchgen.server.settings import ServerSettings
+from batchgen.server.webhooks import WebhookDeliverer
 
 
 def _provide_service(state: State) -> BatchService:
@@ -44,6 +46,17 @@ def create_app(
     """Build the app; the service (made from ``settings`` unless given) runs while the app does."""
     settings = settings or ServerSettings()
     service = service or BatchService(settings.service_settings(), settings.build_backend())
+    registry, http_metrics = build_registry(service)
+    if service.settings.webhook_urls or service.settings.webhook_batch_urls:
+        if settings.webhook_secret is None:
+            logger.warning("webhooks are sent unsigned: no --webhook-secret is set")
+        deliverer = WebhookDeliverer(
+            service,
+            secret=settings.webhook_secret,
+            timeout_s=settings.webhook_timeout_s,
+            retry_initial_s=settings.webhook_retry_initial_s,
+        )
+        service.maintenance.add("deliver webhooks", settings.webhook_interval_s, deliverer.deliver_due)
 
     def stopped(reason: str) -> None:
         logger.critical("the batch service stopped: %s", reason)
@@ -64,11 +77,14 @@ def create_app(
             raise
 
     return Litestar(
-        route_handlers=[FilesController, BatchesController, pool_status, health, models],
+        route_handlers=[FilesController, BatchesController, pool_status, health, models, metrics],
         dependencies={"service": Provide(_provide_service, sync_to_thread=False)},
-        state=State({"service": service}),
+        state=State({"service": service, "metrics_registry": registry}),
         lifespan=[run_service],
-        middleware=[DefineMiddleware(BodyTimeoutMiddleware, body_timeout_s=settings.body_timeout_s)],
+        middleware=[
+            HttpMetricsMiddleware(http_metrics),
+            DefineMiddleware(BodyTimeoutMiddleware, body_timeout_s=settings.body_timeout_s),
+        ],
         exception_handlers={
             BodyTimeout: handle_body_timeout,
             BatchGenError: handle_service_error,

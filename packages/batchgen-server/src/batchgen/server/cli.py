@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,12 +25,15 @@ from batchgen.server.backend_flags import (
     command_line_type,
     help_with_default,
 )
+from batchgen.server.log_format import LOG_FORMATS
 from batchgen.server.settings import ServerSettings
 
 _DEFAULTS = ServerSettings()
 #: Exit statuses: the service could not start (as uvicorn's own), or it stopped while serving.
 EXIT_STARTUP_FAILED = 3
 EXIT_SERVICE_STOPPED = 1
+#: Read for --webhook-secret when the flag is not given (a secret on a command line is visible in ps).
+WEBHOOK_SECRET_VARIABLE = "BATCHGEN_WEBHOOK_SECRET"
 _POSITIVE_INT = command_line_type(positive_int)
 _NON_NEGATIVE_FLOAT = command_line_type(non_negative_float)
 
@@ -190,7 +193,48 @@ def build_parser(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default=_DEFAULTS.log_level,
-        help="logging verbosity",
+        help="logging verbosity: info logs each batch's lifecycle (created, started, finished with "
+        "counts and duration, failed with the reason, cancelled, expired) and errors, nothing per "
+        "request; debug adds the access log",
+    )
+    add(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_DEFAULTS.log_format,
+        help="'text': one readable line per record; 'json': one JSON object per line (timestamp, "
+        "level, logger, event, message, batch_id, ...) for log shippers",
+    )
+    add(
+        "--access-log",
+        action="store_true",
+        help="log one line per HTTP request (off by default: polling clients would fill the log)",
+    )
+    add(
+        "--webhook-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="POST each batch's terminal event (batch.completed, batch.failed, batch.expired, "
+        "batch.cancelled) to this URL (repeatable); delivered at least once, retried for a day",
+    )
+    add(
+        "--webhook-secret",
+        metavar="SECRET",
+        help="sign webhook requests with this key (Standard Webhooks: whsec_ followed by base64; "
+        f"any other string is used as it is); also read from ${WEBHOOK_SECRET_VARIABLE}",
+    )
+    add(
+        "--webhook-batch-urls",
+        action="store_true",
+        help='let a batch send its events to the URL in its metadata "webhook_url" instead of '
+        "--webhook-url (only for clients you trust: the server will POST to any URL they name)",
+    )
+    add(
+        "--webhook-retry-initial-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.webhook_retry_initial_s,
+        help="wait before the first retry of a failed webhook delivery; it doubles per attempt "
+        "(with jitter) up to an hour",
     )
     laid_out = add_backend_flags(parser, specs, default_backend=_DEFAULTS.backend, problems=problems)
     backend.choices = [spec.name for spec in laid_out]
@@ -212,6 +256,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ServerS
     for name, problem in problems.items():
         print(f"batchgen-server: warning: backend {name!r} is unavailable: {problem}", file=sys.stderr)
     args = parser.parse_args(argv)
+    if args.webhook_secret is None:
+        args.webhook_secret = os.environ.get(WEBHOOK_SECRET_VARIABLE) or None
     [spec] = [spec for spec in specs if spec.name == args.backend]
     server = {field.name for field in attrs.fields(ServerSettings)} - {"backend_options"}
     settings = ServerSettings(
@@ -227,12 +273,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from batchgen.server.app import create_app
     from batchgen.server.connection_limits import raise_open_file_limit, uvicorn_config
+    from batchgen.server.log_format import configure_logging
     from batchgen.server.log_limits import limit_repeats
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    configure_logging(settings.log_level, settings.log_format)
     stopped: list[str] = []
     server: uvicorn.Server | None = None
 

@@ -106,6 +106,8 @@ def uvicorn_config(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,  # the server configures logging itself (log_format)
+        access_log=settings.access_log or settings.log_level == "debug",
         http=header_timeout_protocol(settings.header_timeout_s),
         limit_concurrency=max_connections or settings.max_connections,
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout_s)),

@@ -2,7 +2,9 @@
 
 ``RepeatFilter`` lets the first ``limit`` records of a kind (same logger, level, source line and
 message) through in each ``interval_s``; later ones in that interval are dropped and counted, and
-the next record of the kind that is let through says how many were suppressed.
+the next record of the kind that is let through says how many were suppressed. A batch's
+lifecycle lines (records whose ``event`` is ``batch.…``) are never limited: each batch has a few,
+and every one of them says something new.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class RepeatFilter(logging.Filter):
         ] = {}  # kind: [window start, let through, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        event = getattr(record, "event", None)
+        if isinstance(event, str) and event.startswith("batch."):
+            return True
         kind = (record.name, record.levelno, record.pathname, record.lineno, str(record.msg))
         now = self._clock()
         state = self._kinds.get(kind)

@@ -46,6 +46,15 @@ class ServerSettings:
     max_header_bytes: int = 64 * 1024
     log_repeat_limit: int = 5
     log_repeat_interval_s: float = 60.0
+    #: Logs (``log_format``) and webhooks (``webhooks``).
+    log_format: str = "text"
+    access_log: bool = False
+    webhook_url: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    webhook_secret: str | None = attrs.field(default=None, repr=False)
+    webhook_batch_urls: bool = False
+    webhook_timeout_s: float = 10.0
+    webhook_retry_initial_s: float = 5.0
+    webhook_interval_s: float = 1.0
 
     def service_settings(self) -> ServiceSettings:
         return ServiceSettings(
@@ -59,6 +68,8 @@ class ServerSettings:
             file_expiry_s=self.file_expiry_s,
             error_file=self.error_file,
             served_model_names=self.served_model_name,
+            webhook_urls=self.webhook_url,
+            webhook_batch_urls=self.webhook_batch_urls,
         )
 
     def build_backend(self) -> Backend:

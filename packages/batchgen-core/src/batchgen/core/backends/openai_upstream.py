@@ -459,6 +459,7 @@ class OpenAIUpstreamBackend:
             upstream.in_flight -= 1
             self._wake()
         if isinstance(outcome, _Failure):
+            upstream.failures += 1
             if outcome.overload and upstream.limit.on_overload(ticket):
                 logger.info(
                     "%s: concurrency limit now %d (%s)", upstream.url, upstream.limit.limit, outcome.reason

@@ -136,6 +136,8 @@ class UpstreamState:
     limit: AdaptiveLimit
     health: UpstreamHealth
     in_flight: int = 0
+    #: Failed attempts since start (overloads, errors, timeouts, bad answers), for monitoring.
+    failures: int = 0
 
     @property
     def load(self) -> float:

@@ -13,6 +13,7 @@ call to a thread.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +21,7 @@ import attrs
 
 from batchgen.core.models import Batch, FileObject
 from batchgen.core.storage.result_files import FinishedLines
+from batchgen.core.webhook_outbox import OutboxMessage
 
 
 @attrs.frozen
@@ -73,8 +75,23 @@ class MetadataStore(Protocol):
     def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
         """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``."""
 
-    def save_batch(self, batch: Batch) -> None:
-        """Overwrite a recorded batch with this state."""
+    def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
+        """Overwrite a recorded batch with this state, and add the ``outbox`` messages (its webhook
+        event) in the same step: both are saved or, when the call raises, neither. A message whose
+        (event id, target) is already there is left as it is."""
+
+    def due_webhooks(self, now: float, limit: int) -> list[OutboxMessage]:
+        """Up to ``limit`` outbox messages whose ``next_attempt_at`` is at or before ``now``,
+        earliest first."""
+
+    def pending_webhooks(self) -> int:
+        """How many outbox messages wait for delivery."""
+
+    def reschedule_webhook(self, message: OutboxMessage) -> None:
+        """Record a failed attempt: the message's ``attempts``, ``next_attempt_at`` and ``last_error``."""
+
+    def delete_webhook(self, event_id: str, target: str) -> None:
+        """Forget a message (delivered, or given up); an unknown one is harmless."""
 
     def get_batch(self, batch_id: str) -> Batch | None: ...
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import sqlite_utils
 
 from batchgen.core.errors import InvalidRequest
@@ -29,6 +31,7 @@ from batchgen.core.models import (
     Usage,
 )
 from batchgen.core.storage.interfaces import IdempotencyRecord
+from batchgen.core.webhook_outbox import OutboxMessage
 
 _FILE_COLUMNS = {
     "seq": int,
@@ -75,6 +78,16 @@ _BATCH_COLUMNS = {
     "expired_at": int,
     "cancelling_at": int,
     "cancelled_at": int,
+}
+
+_OUTBOX_COLUMNS = {
+    "event_id": str,
+    "target": str,
+    "body": bytes,
+    "created_at": int,
+    "attempts": int,
+    "next_attempt_at": float,
+    "last_error": str,
 }
 
 ACTIVE_STATUSES = tuple(status.value for status in BatchStatus if status.is_active)
@@ -191,6 +204,10 @@ class SQLiteMetadataStore:
             self._batches.create_index(["seq"], unique=True)
             self._batches.create_index(["status"])
             self._batches.create_index(["input_file_id"])
+        self._outbox = self._db.table("webhook_outbox")
+        if not self._outbox.exists():
+            self._outbox.create(_OUTBOX_COLUMNS, pk=("event_id", "target"))
+            self._outbox.create_index(["next_attempt_at"])
         missing = set(_BATCH_COLUMNS) - set(self._batches.columns_dict)
         for column in sorted(missing):  # a database made by an older version
             self._batches.add_column(column, _BATCH_COLUMNS[column])
@@ -310,8 +327,36 @@ class SQLiteMetadataStore:
             self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
             self._put_key(idempotency, batch.id)
 
-    def save_batch(self, batch: Batch) -> None:
-        self._batches.update(batch.id, _batch_to_row(batch))
+    def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
+        if not outbox:
+            self._batches.update(batch.id, _batch_to_row(batch))
+            return
+        with self._db.atomic():
+            self._batches.update(batch.id, _batch_to_row(batch))
+            self._outbox.insert_all([attrs.asdict(message) for message in outbox], ignore=True)
+
+    # --- webhook outbox --------------------------------------------------------------------
+    def due_webhooks(self, now: float, limit: int) -> list[OutboxMessage]:
+        rows = self._outbox.rows_where(
+            "next_attempt_at <= ?", [now], order_by="next_attempt_at", limit=limit
+        )
+        return [OutboxMessage(**row) for row in rows]
+
+    def pending_webhooks(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM webhook_outbox").fetchone()[0])
+
+    def reschedule_webhook(self, message: OutboxMessage) -> None:
+        self._outbox.update(
+            (message.event_id, message.target),
+            {
+                "attempts": message.attempts,
+                "next_attempt_at": message.next_attempt_at,
+                "last_error": message.last_error,
+            },
+        )
+
+    def delete_webhook(self, event_id: str, target: str) -> None:
+        self._outbox.delete_where("event_id = ? AND target = ?", [event_id, target])
 
     def get_batch(self, batch_id: str) -> Batch | None:
         rows = list(self._batches.rows_where("id = ?", [batch_id], limit=1))

@@ -1,0 +1,103 @@
+"""What the service counts for monitoring: finished requests, tokens, and two latency histograms.
+
+``RequestTelemetry`` is plain integers and bucket lists, updated on the event loop's thread at the
+few points where a request is admitted to a slot or finishes: a few additions each, no lock, no
+allocation. An exporter reads it when it is scraped (the server's ``/metrics``, through
+prometheus-client); an embedding pipeline can read the same attributes. Counts start at zero with
+each process, as Prometheus counters may.
+
+- ``request_admitted(batch_id)``: the request left the intake pool for a slot; its queue wait
+  (since its batch was queued, ``batch_queued``) goes into ``queue_wait``.
+- ``request_completed`` / ``request_failed``: its output or error line was written.
+- ``backend_call(seconds)``: time spent inside the backend for one request (``backend_latency``).
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+
+#: Upper bounds (seconds) of the backend latency histogram: a few ms (simulated) to many minutes.
+BACKEND_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Upper bounds (seconds) of the queue wait histogram: at once, up to a day (a batch's window).
+QUEUE_WAIT_BUCKETS_S = (0.01, 0.1, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+
+
+class Histogram:
+    """Counts per bucket (``counts[i]``: values at most ``bounds[i]``, not cumulative; the last
+    one: above every bound) and the sum of the values."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(float(bound) for bound in bounds)
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError("histogram bounds must increase")
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, values at most it) per bucket, ending with (inf, every value)."""
+        running = 0
+        pairs: list[tuple[float, int]] = []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            pairs.append((bound, running))
+        return pairs
+
+
+class RequestTelemetry:
+    """Counters and histograms of the requests this process ran."""
+
+    __slots__ = (
+        "_clock",
+        "_queued_at",
+        "backend_latency",
+        "completed",
+        "failed",
+        "generated_tokens",
+        "prompt_tokens",
+        "queue_wait",
+    )
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.completed = 0
+        self.failed = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.backend_latency = Histogram(BACKEND_LATENCY_BUCKETS_S)
+        self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_S)
+        self._queued_at: dict[str, float] = {}
+
+    def batch_queued(self, batch_id: str) -> None:
+        """The batch's requests were queued in the intake pool now."""
+        self._queued_at[batch_id] = self._clock()
+
+    def batch_ended(self, batch_id: str) -> None:
+        self._queued_at.pop(batch_id, None)
+
+    def request_admitted(self, batch_id: str) -> None:
+        queued_at = self._queued_at.get(batch_id)
+        if queued_at is not None:
+            self.queue_wait.observe(self._clock() - queued_at)
+
+    def backend_call(self, seconds: float) -> None:
+        self.backend_latency.observe(seconds)
+
+    def request_completed(self, prompt_tokens: int, generated_tokens: int) -> None:
+        self.completed += 1
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated_tokens
+
+    def request_failed(self) -> None:
+        self.failed += 1

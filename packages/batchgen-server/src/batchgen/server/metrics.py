@@ -1,0 +1,205 @@
+"""Prometheus metrics: ``GET /metrics`` in the text exposition format, through prometheus-client.
+
+Each app has its own ``CollectorRegistry`` (never the process-wide one), so several servers in one
+process (tests, an embedding) do not clash. Two sources feed it:
+
+- ``ServiceCollector`` reads the service when scraped: the request counters and latency histograms
+  of ``RequestTelemetry``, the pools, the active batches by status, health, the webhook outbox and,
+  for the ``openai`` backend, each upstream's in-flight requests, limit, state and failures. Nothing
+  is added on the request path beyond the telemetry's integer additions.
+- ``HttpMetricsMiddleware`` times every HTTP request into a histogram labelled by method, route
+  template (``/v1/batches/{batch_id}``, never the raw path) and status code.
+
+Labels never carry ids or tenant names: their values come from fixed sets (statuses, outcomes,
+routes, methods, codes) or from the server's configuration (upstream host:port).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from litestar import Response, get
+from litestar.datastructures import State
+from litestar.middleware import ASGIMiddleware
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from batchgen.core.models import BatchStatus
+from batchgen.core.service import BatchService
+from batchgen.core.telemetry import Histogram as TelemetryHistogram
+
+#: Statuses ``batchgen_batches`` reports (the active ones; ended batches are in the database).
+ACTIVE_STATUSES = tuple(status for status in BatchStatus if status.is_active)
+#: Bounds (seconds) of the HTTP request duration histogram.
+HTTP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PATH_PARAMETER_TYPE = re.compile(r"\{(\w+):[^}]*\}")
+
+
+def route_template(template: str) -> str:
+    """Litestar's path template without parameter types: ``/v1/batches/{batch_id}``."""
+    return _PATH_PARAMETER_TYPE.sub(r"{\1}", template) or "/"
+
+
+def upstream_labels(urls: list[str]) -> list[str]:
+    """A label per upstream URL: its host:port, or its position when two share one."""
+    hosts = [urlsplit(url).netloc for url in urls]
+    return [host if hosts.count(host) == 1 else str(index) for index, host in enumerate(hosts)]
+
+
+def _histogram(name: str, documentation: str, histogram: TelemetryHistogram) -> HistogramMetricFamily:
+    buckets = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in histogram.cumulative()]
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total)
+
+
+class ServiceCollector(Collector):
+    """The service's state, read at scrape time."""
+
+    def __init__(self, service: BatchService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        service = self._service
+        telemetry = service.telemetry
+        finished = CounterMetricFamily(
+            "batchgen_requests_finished",
+            "Requests that ended with a line in their batch's results, by outcome.",
+            labels=["outcome"],
+        )
+        finished.add_metric(["completed"], telemetry.completed)
+        finished.add_metric(["failed"], telemetry.failed)
+        yield finished
+        yield CounterMetricFamily(
+            "batchgen_generated_tokens", "Completion tokens of completed requests.", value=telemetry.generated_tokens
+        )
+        yield CounterMetricFamily(
+            "batchgen_prompt_tokens", "Prompt tokens of completed requests.", value=telemetry.prompt_tokens
+        )
+        yield _histogram(
+            "batchgen_request_backend_seconds",
+            "Time one request spent inside the backend (retries included).",
+            telemetry.backend_latency,
+        )
+        yield _histogram(
+            "batchgen_request_queue_wait_seconds",
+            "Time from a request's batch being queued to the request getting a slot.",
+            telemetry.queue_wait,
+        )
+        pools = service.pool_status()
+        for name, documentation, value in (
+            ("batchgen_intake_queued_requests", "Requests waiting in the intake pool.", pools.intake_pool_size),
+            (
+                "batchgen_intake_reserved_requests",
+                "Intake places held for accepted batches not queued yet.",
+                service.intake_pool.reserved,
+            ),
+            ("batchgen_intake_capacity", "Most requests the intake pool holds.", pools.intake_pool_capacity),
+            ("batchgen_slots_active", "Scheduling pool slots running a request.", pools.scheduling_pool_active),
+            ("batchgen_slots_capacity", "Scheduling pool slots.", pools.scheduling_pool_capacity),
+            ("batchgen_backend_healthy", "1 while the service and its backend can run requests.", int(service.health().healthy)),
+        ):
+            yield GaugeMetricFamily(name, documentation, value=value)
+        yield self._batches()
+        yield from self._outbox()
+        yield from self._upstreams()
+
+    def _batches(self) -> Metric:
+        counts = dict.fromkeys(ACTIVE_STATUSES, 0)
+        for status, count in self._service.active_batch_statuses().items():
+            if status in counts:
+                counts[status] += count
+        batches = GaugeMetricFamily("batchgen_batches", "Active batches by status.", labels=["status"])
+        for status, count in counts.items():
+            batches.add_metric([status.value], count)
+        return batches
+
+    def _outbox(self) -> Iterator[Metric]:
+        if not self._service.running:
+            return
+        yield GaugeMetricFamily(
+            "batchgen_webhook_outbox_messages",
+            "Webhook messages waiting for delivery (or a retry).",
+            value=self._service.metadata.pending_webhooks(),
+        )
+
+    def _upstreams(self) -> Iterator[Metric]:
+        upstreams = getattr(self._service.backend, "upstreams", None)
+        if not isinstance(upstreams, list) or not upstreams:
+            return
+        labels = upstream_labels([upstream.url for upstream in upstreams])
+        in_flight = GaugeMetricFamily(
+            "batchgen_upstream_in_flight", "Requests in flight to each upstream.", labels=["upstream"]
+        )
+        limit = GaugeMetricFamily(
+            "batchgen_upstream_concurrency_limit",
+            "Each upstream's adaptive concurrency limit now.",
+            labels=["upstream"],
+        )
+        up = GaugeMetricFamily("batchgen_upstream_up", "1 while an upstream is up.", labels=["upstream"])
+        errors = CounterMetricFamily(
+            "batchgen_upstream_errors", "Failed attempts on each upstream.", labels=["upstream"]
+        )
+        for label, upstream in zip(labels, upstreams, strict=True):
+            in_flight.add_metric([label], upstream.in_flight)
+            limit.add_metric([label], upstream.limit.limit)
+            up.add_metric([label], 0 if upstream.health.down else 1)
+            errors.add_metric([label], upstream.failures)
+        yield from (in_flight, limit, up, errors)
+
+
+class HttpMetrics:
+    """The HTTP request duration histogram of one app."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "batchgen_http_request_duration_seconds",
+            "HTTP request duration by method, route template and status code.",
+            ["method", "route", "status"],
+            registry=registry,
+            buckets=HTTP_DURATION_BUCKETS_S,
+        )
+
+
+class HttpMetricsMiddleware(ASGIMiddleware):
+    """Times each routed HTTP request (requests matching no route are not counted)."""
+
+    scopes = (ScopeType.HTTP,)
+
+    def __init__(self, metrics: HttpMetrics) -> None:
+        self.metrics = metrics
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        started = time.perf_counter()
+        status = 500
+
+        async def send_recording(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await next_app(scope, receive, send_recording)
+        finally:
+            route = route_template(scope.get("path_template") or "unmatched")
+            method = scope.get("method", "GET")
+            self.metrics.duration.labels(method, route, str(status)).observe(time.perf_counter() - started)
+
+
+def build_registry(service: BatchService) -> tuple[CollectorRegistry, HttpMetrics]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(service))
+    return registry, HttpMetrics(registry)
+
+
+@get("/metrics", include_in_schema=False, sync_to_thread=False)
+def metrics(state: State) -> Response[bytes]:
+    """The app's registry in Prometheus' text format."""
+    registry: Any = state.metrics_registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
