@@ -1,0 +1,196 @@
+"""Webhooks: each terminal status sends one signed event, at least once, across failures and kill -9.
+
+The receiver is a real HTTP server on 127.0.0.1 (``tests.webhook_receiver``) that checks signatures
+with its own implementation of the Standard Webhooks scheme.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
+
+from batchgen.server.cli import settings_from_args
+from batchgen.server.webhooks import signature, signing_key, webhook_headers
+from tests.helpers import chat_line, create_batch, jsonl, post_batch, upload, wait_for_status
+from tests.live import LiveServer, free_port
+from tests.webhook_receiver import Received, WebhookReceiver, verify
+
+ApiFactory = Callable[..., TestClient[Litestar]]
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+FAST_RETRY = ("--webhook-retry-initial-s", "0.1")
+
+
+def _check_event(received: Received, batch_id: str, event_type: str) -> None:
+    event = received.event()
+    assert set(event) == {"id", "object", "type", "created_at", "data"}
+    assert event["object"] == "event" and event["type"] == event_type
+    assert event["id"].startswith("evt_") and event["id"] == received.headers["webhook-id"]
+    assert event["data"] == {"id": batch_id}
+    assert isinstance(event["created_at"], int)
+    assert received.headers["content-type"] == "application/json"
+    assert int(received.headers["webhook-timestamp"]) >= event["created_at"]
+
+
+def test_signature_matches_the_standard_webhooks_reference_vector() -> None:
+    """The example of the Standard Webhooks libraries: this secret, id, timestamp and payload."""
+    key = signing_key(SECRET)
+    signed = signature(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}')
+    assert signed == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+@pytest.mark.parametrize("secret", [SECRET, "a plain shared secret", "whsec_" + "QUJD"])
+def test_headers_verify_with_an_independent_implementation(secret: str) -> None:
+    body = b'{"id": "evt_1"}'
+    headers = webhook_headers(signing_key(secret), "evt_1", 1700000000, body)
+    assert verify(secret, Received(headers, body, 204))
+    assert not verify(secret, Received(headers, body + b" ", 204)), "a changed body must not verify"
+
+
+@pytest.mark.parametrize("secret", ["", "whsec_", "whsec_not base64!"])
+def test_a_malformed_secret_is_refused(tmp_path: Path, secret: str) -> None:
+    with pytest.raises(ValueError, match="webhook-secret"):
+        signing_key(secret)
+
+
+@pytest.mark.parametrize("url", ["ftp://example.com/hook", "example.com/hook", "http://", "http://a b/"])
+def test_a_bad_webhook_url_flag_is_refused(api_factory: ApiFactory, url: str) -> None:
+    with pytest.raises(ValueError, match="--webhook-url"):
+        api_factory("--webhook-url", url)
+
+
+@pytest.mark.parametrize(
+    ("event_type", "flags", "window", "latency"),
+    [
+        ("batch.completed", (), "24h", "0"),
+        ("batch.failed", (), "2s", "0.3"),  # the guide: a batch past its window fails
+        ("batch.expired", ("--error-file", "openai"), "2s", "0.3"),
+        ("batch.cancelled", (), "24h", "60"),
+    ],
+)
+def test_each_terminal_status_sends_one_signed_event(
+    api_factory: ApiFactory, event_type: str, flags: tuple[str, ...], window: str, latency: str
+) -> None:
+    with WebhookReceiver() as receiver:
+        client = api_factory(
+            "--webhook-url",
+            receiver.url,
+            "--webhook-secret",
+            SECRET,
+            "--simulated-latency-s",
+            latency,
+            "--max-pool-size",
+            "1",
+            *flags,
+        )
+        lines = 3 if event_type == "batch.completed" else 40
+        batch = create_batch(
+            client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(lines)]))["id"], completion_window=window
+        )
+        if event_type == "batch.cancelled":
+            wait_for_status(client, batch["id"], {"in_progress"})
+            client.post(f"/v1/batches/{batch['id']}/cancel").raise_for_status()
+        ended = wait_for_status(client, batch["id"], {"completed", "failed", "expired", "cancelled"}, timeout_s=30)
+        assert f"batch.{ended['status']}" == event_type
+        [delivered] = receiver.wait_for_deliveries(1)
+        _check_event(delivered, batch["id"], event_type)
+        assert verify(SECRET, delivered)
+
+
+def test_a_failing_receiver_gets_the_same_event_until_it_accepts(api_factory: ApiFactory) -> None:
+    with WebhookReceiver(fail_first=3) as receiver:
+        client = api_factory("--webhook-url", receiver.url, "--webhook-secret", SECRET, *FAST_RETRY)
+        batch = create_batch(client, upload(client, jsonl(chat_line("a"), chat_line("b")))["id"])
+        receiver.wait_for_deliveries(1)
+        assert [request.answered for request in receiver.received] == [500, 500, 500, 204]
+        assert len({request.headers["webhook-id"] for request in receiver.received}) == 1
+        assert len({request.body for request in receiver.received}) == 1, "every attempt sends the same event"
+        assert all(verify(SECRET, request) for request in receiver.received)
+        _check_event(receiver.received[-1], batch["id"], "batch.completed")
+        assert _metric(client, "batchgen_webhook_outbox_messages") == 0, "a delivered event leaves the outbox"
+
+
+def test_every_configured_url_gets_the_event(api_factory: ApiFactory) -> None:
+    with WebhookReceiver() as first, WebhookReceiver(fail_first=1) as second:
+        client = api_factory("--webhook-url", first.url, "--webhook-url", second.url, *FAST_RETRY)
+        batch = create_batch(client, upload(client, jsonl(chat_line("a")))["id"])
+        [one] = first.wait_for_deliveries(1)
+        [two] = second.wait_for_deliveries(1)
+        assert one.body == two.body and one.event()["data"]["id"] == batch["id"]
+        assert "webhook-signature" not in one.headers, "no secret: sent unsigned"
+
+
+def test_a_batch_may_name_its_own_url_when_the_server_allows_it(api_factory: ApiFactory) -> None:
+    with WebhookReceiver() as server_hook, WebhookReceiver() as batch_hook:
+        allowing = api_factory("--webhook-url", server_hook.url, "--webhook-batch-urls", storage="allowing")
+        file_id = upload(allowing, jsonl(chat_line("a")))["id"]
+        bad = post_batch(allowing, file_id, metadata={"webhook_url": "file:///etc/passwd"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "metadata.webhook_url"
+        own = create_batch(allowing, file_id, metadata={"webhook_url": batch_hook.url})
+        [delivered] = batch_hook.wait_for_deliveries(1)
+        assert delivered.event()["data"]["id"] == own["id"]
+
+        strict = api_factory("--webhook-url", server_hook.url, storage="strict")
+        plain = create_batch(strict, upload(strict, jsonl(chat_line("a")))["id"], metadata={"webhook_url": batch_hook.url})
+        [to_server] = server_hook.wait_for_deliveries(1)
+        assert to_server.event()["data"]["id"] == plain["id"], "without the flag the metadata is only metadata"
+        assert len(batch_hook.delivered()) == 1
+
+
+def test_the_secret_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHGEN_WEBHOOK_SECRET", SECRET)
+    assert settings_from_args(["--backend", "simulated"]).webhook_secret == SECRET
+    given = settings_from_args(["--backend", "simulated", "--webhook-secret", "other"])
+    assert given.webhook_secret == "other"
+    assert SECRET not in repr(given), "the secret is kept out of the settings' repr"
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def _outbox(storage_path: Path) -> list[tuple[str, str, int]]:
+    with sqlite3.connect(storage_path / "metadata.sqlite3") as db:
+        return list(db.execute("SELECT event_id, target, attempts FROM webhook_outbox"))
+
+
+def test_an_event_not_delivered_before_kill_9_is_delivered_after_restart(
+    server_factory: Callable[..., LiveServer],
+) -> None:
+    port = free_port()  # nothing listens there yet: the receiver is down when the batch ends
+    url = f"http://127.0.0.1:{port}/hooks/batchgen"
+    flags = ("--webhook-url", url, "--webhook-secret", SECRET, "--webhook-retry-initial-s", "0.3")
+    server = server_factory(*flags, storage="kept")
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        batch = create_batch(client, upload(client, jsonl(chat_line("a"), chat_line("b")))["id"])
+        wait_for_status(client, batch["id"], {"completed"})
+        deadline = time.monotonic() + 30
+        while not (pending := _outbox(server.storage_path)) or pending[0][2] < 1:
+            assert time.monotonic() < deadline, "the event was not tried"
+            time.sleep(0.05)
+    [(event_id, target, _)] = pending
+    assert target == url
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait(timeout=30)
+
+    with WebhookReceiver(port) as receiver:
+        server_factory(*flags, storage="kept")
+        [delivered] = receiver.wait_for_deliveries(1)
+        assert delivered.headers["webhook-id"] == event_id
+        _check_event(delivered, batch["id"], "batch.completed")
+        assert verify(SECRET, delivered)
+        deadline = time.monotonic() + 30
+        while _outbox(server.storage_path):
+            assert time.monotonic() < deadline, "the delivered event stayed in the outbox"
+            time.sleep(0.05)
+        assert len(receiver.received) == 1
