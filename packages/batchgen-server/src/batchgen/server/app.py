@@ -81,6 +81,7 @@ def create_app(
         dependencies={"service": Provide(_provide_service, sync_to_thread=False)},
         state=State({"service": service, "metrics_registry": registry}),
         lifespan=[run_service],
+        logging_config=None,  # the batchgen-server command sets up logging (log_format)
         middleware=[
             HttpMetricsMiddleware(http_metrics),
             DefineMiddleware(BodyTimeoutMiddleware, body_timeout_s=settings.body_timeout_s),

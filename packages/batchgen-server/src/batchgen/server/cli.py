@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -293,13 +294,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     # What exists now (modules, the app) lives as long as the process: keep it out of the garbage
     # collector's full passes, which would walk all of it and stall the event loop under load.
     gc.freeze()
-    print(
+    banner = (
         f"BatchGen starting on http://{settings.host}:{settings.port} "
         f"(backend: {settings.backend}, storage: {settings.storage_path}); it answers once the "
-        "backend is ready (the first transformers start converts the model once, about 20-30 s)",
-        file=sys.stderr,
-        flush=True,
+        "backend is ready (the first transformers start converts the model once, about 20-30 s)"
     )
+    if settings.log_format == "json":  # every line of a JSON log is JSON
+        logging.getLogger("batchgen.server").warning(banner, extra={"event": "server.starting"})
+    else:
+        print(banner, file=sys.stderr, flush=True)
     max_connections = raise_open_file_limit(settings.max_connections)
     config = uvicorn_config(app, settings, max_connections=max_connections)  # configures logging
     limit_repeats(settings.log_repeat_limit, settings.log_repeat_interval_s)

@@ -4,7 +4,7 @@
 message) through in each ``interval_s``; later ones in that interval are dropped and counted, and
 the next record of the kind that is let through says how many were suppressed. A batch's
 lifecycle lines (records whose ``event`` is ``batch.…``) are never limited: each batch has a few,
-and every one of them says something new.
+and every one of them says something new; nor is the access log, which is on only when asked for.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class RepeatFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         event = getattr(record, "event", None)
-        if isinstance(event, str) and event.startswith("batch."):
+        if (isinstance(event, str) and event.startswith("batch.")) or record.name == "uvicorn.access":
             return True
         kind = (record.name, record.levelno, record.pathname, record.lineno, str(record.msg))
         now = self._clock()
