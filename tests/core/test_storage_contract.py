@@ -31,6 +31,7 @@ from batchgen.core.storage import (
     ResultWriter,
     SQLiteMetadataStore,
 )
+from batchgen.core.webhook_outbox import OutboxMessage
 
 
 @attrs.define
@@ -373,3 +374,32 @@ def test_a_torn_last_line_is_cut_off_when_read_back(storage: Storage) -> None:
     again.close()
     assert blobs.read_finished(path).custom_ids == ["whole", "next"]
     assert blobs.read_finished(blobs.output_path("batch_never")).custom_ids == []
+
+
+# --- metadata: webhook outbox ------------------------------------------------------------------
+def _message(event_id: str, target: str, next_attempt_at: float) -> OutboxMessage:
+    return OutboxMessage(event_id, target, b'{"id": "%s"}' % event_id.encode(), 1000, 0, next_attempt_at)
+
+
+def test_outbox_messages_are_saved_with_the_status_and_kept_until_deleted(storage: Storage) -> None:
+    store = storage.open_metadata()
+    store.insert_batch(_batch("batch_a", status=BatchStatus.IN_PROGRESS))
+    messages = [_message("evt_2", "http://b/", 1002.0), _message("evt_1", "http://a/", 1001.0)]
+    ended = attrs.evolve(_batch("batch_a"), status=BatchStatus.COMPLETED, completed_at=1001)
+    store.save_batch(ended, outbox=messages)
+    store.save_batch(ended, outbox=[attrs.evolve(messages[0], body=b"other")])  # already there: kept
+    store.close()
+    store = storage.open_metadata()
+    assert store.get_batch("batch_a") == ended
+    assert store.pending_webhooks() == 2
+    assert store.due_webhooks(1000.5, 10) == []
+    assert store.due_webhooks(1002.0, 10) == [messages[1], messages[0]], "earliest first"
+    assert store.due_webhooks(1002.0, 1) == [messages[1]]
+    later = attrs.evolve(messages[1], attempts=1, next_attempt_at=3000.0, last_error="HTTP 500")
+    store.reschedule_webhook(later)
+    assert store.due_webhooks(2000.0, 10) == [messages[0]]
+    assert store.due_webhooks(3000.0, 10) == [messages[0], later]
+    store.delete_webhook("evt_2", "http://b/")
+    store.delete_webhook("evt_2", "http://b/")  # harmless twice
+    assert store.due_webhooks(3000.0, 10) == [later] and store.pending_webhooks() == 1
+    store.close()
