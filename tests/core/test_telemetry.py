@@ -54,7 +54,12 @@ async def test_counters_equal_the_batches_counts_and_usage(tmp_path: Path) -> No
     long = {"role": "user", "content": " ".join(["word"] * 80)}  # beyond the context: an error line
     lines = [
         msgspec.json.encode(
-            {"custom_id": f"r{i}", "method": "POST", "url": CHAT, "body": {"messages": [long if i % 4 == 0 else short]}}
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": CHAT,
+                "body": {"messages": [long if i % 4 == 0 else short]},
+            }
         )
         + b"\n"
         for i in range(40)

@@ -74,7 +74,8 @@ def test_retry_delays_double_with_jitter_up_to_the_cap(attempts: int, initial: f
 
 
 @pytest.mark.parametrize(
-    "url", ["ftp://x/hook", "/relative", "http://", "http://host:port/", "http://a b/", 7, "http://x/" + "a" * 3000]
+    "url",
+    ["ftp://x/hook", "/relative", "http://", "http://host:port/", "http://a b/", 7, "http://x/" + "a" * 3000],
 )
 def test_unusable_urls_are_refused(url: object) -> None:
     with pytest.raises(InvalidRequest):
@@ -123,7 +124,9 @@ def test_the_outbox_is_saved_with_the_status_or_not_at_all(tmp_path: Path) -> No
 
 
 @pytest.mark.anyio
-async def test_a_finished_batch_leaves_exactly_one_event_even_when_its_final_save_failed(tmp_path: Path) -> None:
+async def test_a_finished_batch_leaves_exactly_one_event_even_when_its_final_save_failed(
+    tmp_path: Path,
+) -> None:
     """The store refuses the terminal save for a while: no event until the status lands, then one."""
     settings = ServiceSettings(
         storage_path=tmp_path, counters_flush_interval_s=0.05, max_pool_size=2, webhook_urls=(HOOK,)
@@ -180,4 +183,3 @@ async def test_a_batch_url_is_checked_only_where_it_is_honoured(tmp_path: Path) 
         batch = await service.create_batch(file_id, CHAT, metadata={"webhook_url": "not a url"})
         await service.wait_for_batch(batch.id)
         assert service.metadata.pending_webhooks() == 0, "no URL configured: no event"
-

@@ -36,7 +36,9 @@ def test_default_log_has_lifecycle_lines_and_nothing_per_poll(server_factory: Se
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         done = create_batch(client, upload(client, jsonl(chat_line("a"), chat_line("b")))["id"])
         wait_for_status(client, done["id"], {"completed"})
-        cancelled = create_batch(client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(50)]))["id"])
+        cancelled = create_batch(
+            client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(50)]))["id"]
+        )
         wait_for_status(client, cancelled["id"], {"in_progress"})
         client.post(f"/v1/batches/{cancelled['id']}/cancel").raise_for_status()
         wait_for_status(client, cancelled["id"], {"cancelled"})
@@ -108,10 +110,14 @@ def test_json_formatter_writes_fields_and_tracebacks_on_one_line() -> None:
     try:
         raise RuntimeError("boom")
     except RuntimeError:
-        made = logging.LogRecord("batchgen", logging.ERROR, "/x.py", 7, "failed %s", ("here",), sys.exc_info())
+        made = logging.LogRecord(
+            "batchgen", logging.ERROR, "/x.py", 7, "failed %s", ("here",), sys.exc_info()
+        )
     made.__dict__.update(event="batch.failed", batch_id="batch_1", count=3, path=Path("/p"))
     [line] = JsonFormatter().format(made).splitlines()
     entry = json.loads(line)
-    assert entry["message"] == "failed here" and entry["level"] == "error" and entry["event"] == "batch.failed"
+    assert (
+        entry["message"] == "failed here" and entry["level"] == "error" and entry["event"] == "batch.failed"
+    )
     assert (entry["batch_id"], entry["count"], entry["path"]) == ("batch_1", 3, "/p")
     assert "RuntimeError: boom" in entry["exception"]

@@ -47,7 +47,9 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def test_metrics_move_as_a_batch_runs_and_end_equal_to_its_counts(
     server_factory: Callable[..., LiveServer],
 ) -> None:
-    server = server_factory("--simulated-latency-s", "0.05", "--max-pool-size", "4", "--max-context-length", "40")
+    server = server_factory(
+        "--simulated-latency-s", "0.05", "--max-pool-size", "4", "--max-context-length", "40"
+    )
     long_prompt = " ".join(["word"] * 60)  # longer than the context: an error line
     lines = [chat_line(f"r{i}", long_prompt if i % 10 == 0 else f"prompt {i}") for i in range(120)]
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
@@ -91,7 +93,9 @@ def test_metrics_move_as_a_batch_runs_and_end_equal_to_its_counts(
     routes = {dict(labels)["route"] for (name, labels) in after if name.startswith("batchgen_http_request")}
     assert {"/v1/batches/{batch_id}", "/v1/files", "/v1/batches", "/metrics"} <= routes
     ids = re.compile(r"(batch_|file-|req_)[0-9a-f]{12}")
-    assert not [labels for (_, labels) in after for _, text in labels if ids.search(text)], "a label carries an id"
+    assert not [labels for (_, labels) in after for _, text in labels if ids.search(text)], (
+        "a label carries an id"
+    )
 
 
 def test_each_app_has_its_own_registry(api_factory: ApiFactory) -> None:

@@ -92,12 +92,16 @@ def test_each_terminal_status_sends_one_signed_event(
         )
         lines = 3 if event_type == "batch.completed" else 40
         batch = create_batch(
-            client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(lines)]))["id"], completion_window=window
+            client,
+            upload(client, jsonl(*[chat_line(f"r{i}") for i in range(lines)]))["id"],
+            completion_window=window,
         )
         if event_type == "batch.cancelled":
             wait_for_status(client, batch["id"], {"in_progress"})
             client.post(f"/v1/batches/{batch['id']}/cancel").raise_for_status()
-        ended = wait_for_status(client, batch["id"], {"completed", "failed", "expired", "cancelled"}, timeout_s=30)
+        ended = wait_for_status(
+            client, batch["id"], {"completed", "failed", "expired", "cancelled"}, timeout_s=30
+        )
         assert f"batch.{ended['status']}" == event_type
         [delivered] = receiver.wait_for_deliveries(1)
         _check_event(delivered, batch["id"], event_type)
@@ -138,9 +142,13 @@ def test_a_batch_may_name_its_own_url_when_the_server_allows_it(api_factory: Api
         assert delivered.event()["data"]["id"] == own["id"]
 
         strict = api_factory("--webhook-url", server_hook.url, storage="strict")
-        plain = create_batch(strict, upload(strict, jsonl(chat_line("a")))["id"], metadata={"webhook_url": batch_hook.url})
+        plain = create_batch(
+            strict, upload(strict, jsonl(chat_line("a")))["id"], metadata={"webhook_url": batch_hook.url}
+        )
         [to_server] = server_hook.wait_for_deliveries(1)
-        assert to_server.event()["data"]["id"] == plain["id"], "without the flag the metadata is only metadata"
+        assert to_server.event()["data"]["id"] == plain["id"], (
+            "without the flag the metadata is only metadata"
+        )
         assert len(batch_hook.delivered()) == 1
 
 

@@ -73,8 +73,7 @@ def log_transition(batch: Batch, previous: BatchStatus, moment: int) -> None:
         return
     fields["duration_s"] = moment - batch.created_at
     summary = (
-        f"{counts.completed} completed, {counts.failed} failed of {counts.total} "
-        f"in {fields['duration_s']} s"
+        f"{counts.completed} completed, {counts.failed} failed of {counts.total} in {fields['duration_s']} s"
     )
     if batch.status is BatchStatus.FAILED:
         reason = batch.error.message if batch.error is not None else "unknown"

@@ -38,13 +38,13 @@ import anyio.abc
 import attrs
 
 from batchgen.core.backends.base import Backend
+from batchgen.core.batch_log import log_created
 from batchgen.core.batch_options import (
     check_metadata,
     check_output_expiry,
     check_parameters,
     parse_completion_window,
 )
-from batchgen.core.batch_log import log_created
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
 from batchgen.core.errors import Conflict, IntakeFull, InvalidRequest, NotFound, ServiceUnavailable

@@ -16,7 +16,7 @@ in its metadata under ``webhook_url``; that value is checked when the batch is c
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import attrs
@@ -60,7 +60,9 @@ def check_webhook_url(url: object, param: str = "webhook_url") -> str:
         raise InvalidRequest(f"{param} must be an http(s) URL of at most 2048 characters", param=param)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
-        raise InvalidRequest(f"{param} must be an http(s) URL such as https://example.com/hook, got {url!r}", param=param)
+        raise InvalidRequest(
+            f"{param} must be an http(s) URL such as https://example.com/hook, got {url!r}", param=param
+        )
     try:
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError as exc:
@@ -70,7 +72,13 @@ def check_webhook_url(url: object, param: str = "webhook_url") -> str:
 
 def event_body(event_id: str, event_type: str, batch_id: str, created_at: int) -> bytes:
     return msgspec.json.encode(
-        {"id": event_id, "object": "event", "type": event_type, "created_at": created_at, "data": {"id": batch_id}}
+        {
+            "id": event_id,
+            "object": "event",
+            "type": event_type,
+            "created_at": created_at,
+            "data": {"id": batch_id},
+        }
     )
 
 
@@ -82,11 +90,15 @@ def retry_delay_s(attempts: int, initial_s: float, rng: random.Random | None = N
     return base * (rng or random).uniform(0.5, 1.5)
 
 
+def _as_tuple(urls: Iterable[str]) -> tuple[str, ...]:
+    return tuple(urls)
+
+
 @attrs.frozen
 class WebhookTargets:
     """Where a batch's events go: the server's URLs, or the batch's own when ``allow_batch_url``."""
 
-    urls: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    urls: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     allow_batch_url: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -111,4 +123,6 @@ class WebhookTargets:
             return ()
         event_id = new_object_id("evt_")
         body = event_body(event_id, event_type, batch.id, now)
-        return tuple(OutboxMessage(event_id, target, body, now, next_attempt_at=float(now)) for target in targets)
+        return tuple(
+            OutboxMessage(event_id, target, body, now, next_attempt_at=float(now)) for target in targets
+        )

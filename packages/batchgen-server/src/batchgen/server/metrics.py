@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 from litestar import Response, get
 from litestar.datastructures import State
-from litestar.middleware import ASGIMiddleware
 from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -54,7 +54,9 @@ def upstream_labels(urls: list[str]) -> list[str]:
 
 
 def _histogram(name: str, documentation: str, histogram: TelemetryHistogram) -> HistogramMetricFamily:
-    buckets = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in histogram.cumulative()]
+    buckets = [
+        ("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in histogram.cumulative()
+    ]
     return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total)
 
 
@@ -76,7 +78,9 @@ class ServiceCollector(Collector):
         finished.add_metric(["failed"], telemetry.failed)
         yield finished
         yield CounterMetricFamily(
-            "batchgen_generated_tokens", "Completion tokens of completed requests.", value=telemetry.generated_tokens
+            "batchgen_generated_tokens",
+            "Completion tokens of completed requests.",
+            value=telemetry.generated_tokens,
         )
         yield CounterMetricFamily(
             "batchgen_prompt_tokens", "Prompt tokens of completed requests.", value=telemetry.prompt_tokens
@@ -93,16 +97,28 @@ class ServiceCollector(Collector):
         )
         pools = service.pool_status()
         for name, documentation, value in (
-            ("batchgen_intake_queued_requests", "Requests waiting in the intake pool.", pools.intake_pool_size),
+            (
+                "batchgen_intake_queued_requests",
+                "Requests waiting in the intake pool.",
+                pools.intake_pool_size,
+            ),
             (
                 "batchgen_intake_reserved_requests",
                 "Intake places held for accepted batches not queued yet.",
                 service.intake_pool.reserved,
             ),
             ("batchgen_intake_capacity", "Most requests the intake pool holds.", pools.intake_pool_capacity),
-            ("batchgen_slots_active", "Scheduling pool slots running a request.", pools.scheduling_pool_active),
+            (
+                "batchgen_slots_active",
+                "Scheduling pool slots running a request.",
+                pools.scheduling_pool_active,
+            ),
             ("batchgen_slots_capacity", "Scheduling pool slots.", pools.scheduling_pool_capacity),
-            ("batchgen_backend_healthy", "1 while the service and its backend can run requests.", int(service.health().healthy)),
+            (
+                "batchgen_backend_healthy",
+                "1 while the service and its backend can run requests.",
+                int(service.health().healthy),
+            ),
         ):
             yield GaugeMetricFamily(name, documentation, value=value)
         yield self._batches()

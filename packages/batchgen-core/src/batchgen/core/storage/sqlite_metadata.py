@@ -337,9 +337,7 @@ class SQLiteMetadataStore:
 
     # --- webhook outbox --------------------------------------------------------------------
     def due_webhooks(self, now: float, limit: int) -> list[OutboxMessage]:
-        rows = self._outbox.rows_where(
-            "next_attempt_at <= ?", [now], order_by="next_attempt_at", limit=limit
-        )
+        rows = self._outbox.rows_where("next_attempt_at <= ?", [now], order_by="next_attempt_at", limit=limit)
         return [OutboxMessage(**row) for row in rows]
 
     def pending_webhooks(self) -> int:
