@@ -7,8 +7,8 @@ process (tests, an embedding) do not clash. Two sources feed it:
   of ``RequestTelemetry``, the pools, the active batches by status, health, the webhook outbox and,
   for the ``openai`` backend, each upstream's in-flight requests, limit, state and failures. Nothing
   is added on the request path beyond the telemetry's integer additions.
-- ``HttpMetricsMiddleware`` times every HTTP request into a histogram labelled by method, route
-  template (``/v1/batches/{batch_id}``, never the raw path) and status code.
+- ``HttpMetricsMiddleware`` times every routed HTTP request into ``HttpMetrics``, histograms by
+  method, route template (``/v1/batches/{batch_id}``, never the raw path) and status code.
 
 Labels never carry ids or tenant names: their values come from fixed sets (statuses, outcomes,
 routes, methods, codes) or from the server's configuration (upstream host:port).
@@ -27,7 +27,7 @@ from litestar.datastructures import State
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -53,11 +53,15 @@ def upstream_labels(urls: list[str]) -> list[str]:
     return [host if hosts.count(host) == 1 else str(index) for index, host in enumerate(hosts)]
 
 
-def _histogram(name: str, documentation: str, histogram: TelemetryHistogram) -> HistogramMetricFamily:
-    buckets = [
+def _buckets(histogram: TelemetryHistogram) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs as prometheus-client takes them."""
+    return [
         ("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in histogram.cumulative()
     ]
-    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total)
+
+
+def _histogram(name: str, documentation: str, histogram: TelemetryHistogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, documentation, buckets=_buckets(histogram), sum_value=histogram.total)
 
 
 class ServiceCollector(Collector):
@@ -169,17 +173,28 @@ class ServiceCollector(Collector):
         yield from (in_flight, limit, up, errors)
 
 
-class HttpMetrics:
-    """The HTTP request duration histogram of one app."""
+class HttpMetrics(Collector):
+    """The HTTP request duration histogram of one app, by (method, route template, status)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram(
+    def __init__(self) -> None:
+        self._histograms: dict[tuple[str, str, str], TelemetryHistogram] = {}
+
+    def observe(self, method: str, route: str, status: str, seconds: float) -> None:
+        key = (method, route, status)
+        histogram = self._histograms.get(key)
+        if histogram is None:
+            histogram = self._histograms[key] = TelemetryHistogram(HTTP_DURATION_BUCKETS_S)
+        histogram.observe(seconds)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
             "batchgen_http_request_duration_seconds",
             "HTTP request duration by method, route template and status code.",
-            ["method", "route", "status"],
-            registry=registry,
-            buckets=HTTP_DURATION_BUCKETS_S,
+            labels=["method", "route", "status"],
         )
+        for labels, histogram in list(self._histograms.items()):
+            family.add_metric(list(labels), _buckets(histogram), histogram.total)
+        yield family
 
 
 class HttpMetricsMiddleware(ASGIMiddleware):
@@ -205,13 +220,15 @@ class HttpMetricsMiddleware(ASGIMiddleware):
         finally:
             route = route_template(scope.get("path_template") or "unmatched")
             method = scope.get("method", "GET")
-            self.metrics.duration.labels(method, route, str(status)).observe(time.perf_counter() - started)
+            self.metrics.observe(method, route, str(status), time.perf_counter() - started)
 
 
 def build_registry(service: BatchService) -> tuple[CollectorRegistry, HttpMetrics]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(service))
-    return registry, HttpMetrics(registry)
+    http = HttpMetrics()
+    registry.register(http)
+    return registry, http
 
 
 @get("/metrics", include_in_schema=False, sync_to_thread=False)
