@@ -31,7 +31,9 @@ def _scrape(app: Any) -> tuple[set[str], set[str]]:
     """(family names, sample names) of one app's /metrics."""
     with TestClient(app, timeout=30) as client:
         families = list(text_string_to_metric_families(client.get("/health") and client.get("/metrics").text))
-    return {family.name for family in families}, {sample.name for family in families for sample in family.samples}
+    return {family.name for family in families}, {
+        sample.name for family in families for sample in family.samples
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set[st
 def _grafana_expressions() -> list[str]:
     dashboard = json.loads((DOCS / "grafana" / "batchgen-dashboard.json").read_text())
     expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-    expressions += [variable["query"] for variable in dashboard["templating"]["list"] if variable["type"] == "query"]
+    expressions += [
+        variable["query"] for variable in dashboard["templating"]["list"] if variable["type"] == "query"
+    ]
     assert all(expression.strip() for expression in expressions)
     return expressions
 
