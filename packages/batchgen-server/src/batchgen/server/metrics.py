@@ -219,7 +219,7 @@ class HttpMetricsMiddleware(ASGIMiddleware):
             await next_app(scope, receive, send_recording)
         finally:
             route = route_template(scope.get("path_template") or "unmatched")
-            method = scope.get("method", "GET")
+            method = str(scope.get("method", "GET"))
             self.metrics.observe(method, route, str(status), time.perf_counter() - started)
 
 
