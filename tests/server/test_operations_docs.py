@@ -39,7 +39,9 @@ def _scrape(app: Any) -> tuple[set[str], set[str]]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set[str]]:
-    simulated = _scrape(in_process_app(tmp_path_factory.mktemp("simulated")))
+    simulated = _scrape(
+        in_process_app(tmp_path_factory.mktemp("simulated"), "--webhook-url", "http://127.0.0.1:9/")
+    )
     settings = ServerSettings(storage_path=tmp_path_factory.mktemp("openai"), backend="openai")
     service = BatchService(settings.service_settings(), FakeFleet(2).backend())
     upstreams = _scrape(create_app(settings, service))

@@ -6,20 +6,25 @@ with its own implementation of the Standard Webhooks scheme.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
+from batchgen.core import BatchService, ServiceSettings
+from batchgen.core.backends.simulated import SimulatedBackend
+from batchgen.core.webhook_outbox import GIVE_UP_AFTER_S, OutboxMessage
 from batchgen.server.cli import settings_from_args
-from batchgen.server.webhooks import signature, signing_key, webhook_headers
-from tests.helpers import chat_line, create_batch, jsonl, post_batch, upload, wait_for_status
+from batchgen.server.webhooks import WebhookDeliverer, signature, signing_key, webhook_headers
+from tests.helpers import CHAT, chat_line, create_batch, jsonl, post_batch, upload, wait_for_status
 from tests.live import LiveServer, free_port
 from tests.webhook_receiver import Received, WebhookReceiver, verify
 
@@ -202,3 +207,38 @@ def test_an_event_not_delivered_before_kill_9_is_delivered_after_restart(
             assert time.monotonic() < deadline, "the delivered event stayed in the outbox"
             time.sleep(0.05)
         assert len(receiver.received) == 1
+
+
+def test_an_event_undelivered_for_a_day_is_given_up_with_an_error_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deliverer's clock is moved a day on: the next failure drops the message and logs why."""
+
+    async def scenario(receiver: WebhookReceiver) -> tuple[list[OutboxMessage], list[OutboxMessage]]:
+        settings = ServiceSettings(storage_path=tmp_path, webhook_urls=(receiver.url,))
+        async with BatchService(settings, SimulatedBackend()) as service:
+            batch = await service.create_batch((await service.create_file(jsonl(chat_line("a")))).id, CHAT)
+            await service.wait_for_batch(batch.id)
+            now = [time.time()]
+            deliverer = WebhookDeliverer(service, secret=SECRET, retry_initial_s=60, clock=lambda: now[0])
+            await deliverer.deliver_due()  # fails: rescheduled a minute or so later
+            waiting = service.metadata.due_webhooks(float("inf"), 10)
+            now[0] += GIVE_UP_AFTER_S
+            await deliverer.deliver_due()  # fails again, a day after the event: given up
+            assert (deliverer.counts.failed, deliverer.counts.abandoned, deliverer.counts.delivered) == (
+                2,
+                1,
+                0,
+            )
+            return waiting, service.metadata.due_webhooks(float("inf"), 10)
+
+    with WebhookReceiver(fail_first=100) as receiver, caplog.at_level(logging.ERROR, "batchgen.webhooks"):
+        waiting, left = anyio.run(scenario, receiver)
+    [message] = waiting
+    assert (
+        message.attempts == 1 and message.last_error == "HTTP 500" and message.next_attempt_at > time.time()
+    )
+    assert left == [], "a message given up leaves the outbox"
+    assert len(receiver.received) == 2
+    [record] = [r for r in caplog.records if "given up" in r.getMessage()]
+    assert message.event_id in record.getMessage() and "HTTP 500" in record.getMessage()

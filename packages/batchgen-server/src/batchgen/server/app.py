@@ -24,7 +24,7 @@ from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
-from batchgen.server.metrics import HttpMetricsMiddleware, build_registry, metrics
+from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
 from batchgen.server.settings import ServerSettings
 from batchgen.server.webhooks import WebhookDeliverer
 
@@ -57,6 +57,7 @@ def create_app(
             retry_initial_s=settings.webhook_retry_initial_s,
         )
         service.maintenance.add("deliver webhooks", settings.webhook_interval_s, deliverer.deliver_due)
+        registry.register(WebhookCollector(deliverer.counts))
 
     def stopped(reason: str) -> None:
         logger.critical("the batch service stopped: %s", reason)

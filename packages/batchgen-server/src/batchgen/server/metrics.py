@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from batchgen.core.models import BatchStatus
 from batchgen.core.service import BatchService
 from batchgen.core.telemetry import Histogram as TelemetryHistogram
+from batchgen.server.webhooks import DeliveryCounts
 
 #: Statuses ``batchgen_batches`` reports (the active ones; ended batches are in the database).
 ACTIVE_STATUSES = tuple(status for status in BatchStatus if status.is_active)
@@ -221,6 +222,23 @@ class HttpMetricsMiddleware(ASGIMiddleware):
             route = route_template(scope.get("path_template") or "unmatched")
             method = str(scope.get("method", "GET"))
             self.metrics.observe(method, route, str(status), time.perf_counter() - started)
+
+
+class WebhookCollector(Collector):
+    """Webhook delivery attempts since start, by outcome."""
+
+    def __init__(self, counts: DeliveryCounts) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        attempts = CounterMetricFamily(
+            "batchgen_webhook_deliveries",
+            "Webhook delivery attempts by outcome: delivered, failed (retried later), abandoned (after a day).",
+            labels=["outcome"],
+        )
+        for outcome in ("delivered", "failed", "abandoned"):
+            attempts.add_metric([outcome], getattr(self._counts, outcome))
+        yield attempts
 
 
 def build_registry(service: BatchService) -> tuple[CollectorRegistry, HttpMetrics]:
