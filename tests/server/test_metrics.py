@@ -21,6 +21,7 @@ from batchgen.server.app import create_app
 from batchgen.server.metrics import route_template, upstream_labels
 from batchgen.server.settings import ServerSettings
 from tests.core.test_openai_upstream import FakeFleet
+from tests.core.test_storage_faults import DISK_FULL, FaultyMetadata
 from tests.helpers import chat_line, create_batch, jsonl, upload, wait_for_status
 from tests.live import LiveServer
 
@@ -131,3 +132,15 @@ def test_route_templates_and_upstream_labels() -> None:
     assert route_template("/v1/files") == "/v1/files"
     assert upstream_labels(["http://a:1/v1", "http://b:2/v1"]) == ["a:1", "b:2"]
     assert upstream_labels(["http://a:1/v1", "http://a:1/other"]) == ["0", "1"], "labels stay unique"
+
+
+def test_a_scrape_while_the_database_fails_still_answers(tmp_path: Path) -> None:
+    settings = ServerSettings(storage_path=tmp_path, backend="simulated")
+    service = BatchService(
+        settings.service_settings(), settings.build_backend(), open_metadata=FaultyMetadata
+    )
+    with TestClient(create_app(settings, service), timeout=30) as client:
+        service.metadata.faults["pending_webhooks"] = DISK_FULL  # type: ignore[attr-defined]
+        samples = scrape(client)
+    assert value(samples, "batchgen_backend_healthy") == 1
+    assert not [name for name, _ in samples if name == "batchgen_webhook_outbox_messages"]

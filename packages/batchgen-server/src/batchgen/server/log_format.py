@@ -23,7 +23,11 @@ LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 #: Attributes every LogRecord has: not structured fields of their own.
-_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's message with terminal colours
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -61,4 +65,5 @@ def configure_logging(level: str, log_format: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    for noisy in ("httpx", "httpcore"):  # one line (or several) per upstream request is noise
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from batchgen.core.models import BatchStatus
 from batchgen.core.service import BatchService
+from batchgen.core.storage_faults import is_storage_fault
 from batchgen.core.telemetry import Histogram as TelemetryHistogram
 from batchgen.server.webhooks import DeliveryCounts
 
@@ -143,10 +144,16 @@ class ServiceCollector(Collector):
     def _outbox(self) -> Iterator[Metric]:
         if not self._service.running:
             return
+        try:
+            pending = self._service.metadata.pending_webhooks()
+        except Exception as exc:
+            if not is_storage_fault(exc):
+                raise
+            return  # the database cannot be read now: the gauge is left out, the scrape goes on
         yield GaugeMetricFamily(
             "batchgen_webhook_outbox_messages",
             "Webhook messages waiting for delivery (or a retry).",
-            value=self._service.metadata.pending_webhooks(),
+            value=pending,
         )
 
     def _upstreams(self) -> Iterator[Metric]:
