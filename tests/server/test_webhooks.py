@@ -75,8 +75,8 @@ def test_a_bad_webhook_url_flag_is_refused(api_factory: ApiFactory, url: str) ->
     ("event_type", "flags", "window", "latency"),
     [
         ("batch.completed", (), "24h", "0"),
-        ("batch.failed", (), "2s", "0.3"),  # the guide: a batch past its window fails
-        ("batch.expired", ("--error-file", "openai"), "2s", "0.3"),
+        ("batch.failed", (), "1s", "0.3"),  # the guide: a batch past its window fails
+        ("batch.expired", ("--error-file", "openai"), "1s", "0.3"),
         ("batch.cancelled", (), "24h", "60"),
     ],
 )

@@ -54,7 +54,7 @@ class ServerSettings:
     webhook_batch_urls: bool = False
     webhook_timeout_s: float = 10.0
     webhook_retry_initial_s: float = 5.0
-    webhook_interval_s: float = 1.0
+    webhook_interval_s: float = 0.25
 
     def service_settings(self) -> ServiceSettings:
         return ServiceSettings(
