@@ -157,12 +157,17 @@ def test_a_batch_may_name_its_own_url_when_the_server_allows_it(api_factory: Api
         assert len(batch_hook.delivered()) == 1
 
 
-def test_the_secret_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_secret_is_read_from_the_environment_and_switches_default_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("BATCHGEN_WEBHOOK_SECRET", SECRET)
     assert settings_from_args(["--backend", "simulated"]).webhook_secret == SECRET
     given = settings_from_args(["--backend", "simulated", "--webhook-secret", "other"])
     assert given.webhook_secret == "other"
     assert SECRET not in repr(given), "the secret is kept out of the settings' repr"
+    assert given.webhook_batch_urls is False and given.access_log is False
+    switched = settings_from_args(["--backend", "simulated", "--webhook-batch-urls", "--access-log"])
+    assert switched.webhook_batch_urls is True and switched.access_log is True
 
 
 def _metric(client: httpx.Client, name: str) -> float:

@@ -205,7 +205,7 @@ def build_parser(
         help="'text': one readable line per record; 'json': one JSON object per line (timestamp, "
         "level, logger, event, message, batch_id, ...) for log shippers",
     )
-    add(
+    parser.add_argument(
         "--access-log",
         action="store_true",
         help="log one line per HTTP request (off by default: polling clients would fill the log)",
@@ -224,7 +224,7 @@ def build_parser(
         help="sign webhook requests with this key (Standard Webhooks: whsec_ followed by base64; "
         f"any other string is used as it is); also read from ${WEBHOOK_SECRET_VARIABLE}",
     )
-    add(
+    parser.add_argument(
         "--webhook-batch-urls",
         action="store_true",
         help='let a batch send its events to the URL in its metadata "webhook_url" instead of '
