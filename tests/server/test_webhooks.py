@@ -60,7 +60,7 @@ def test_headers_verify_with_an_independent_implementation(secret: str) -> None:
 
 
 @pytest.mark.parametrize("secret", ["", "whsec_", "whsec_not base64!"])
-def test_a_malformed_secret_is_refused(tmp_path: Path, secret: str) -> None:
+def test_a_malformed_secret_is_refused(secret: str) -> None:
     with pytest.raises(ValueError, match="webhook-secret"):
         signing_key(secret)
 
