@@ -23,8 +23,9 @@ CONSTRAINTS = ("-c", "constraints.txt")
 UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx", "pyyaml")
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive; hatchling builds the example backend package that the
-#: tests install (examples/batchgen-backend-echo).
-TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling")
+#: tests install (examples/batchgen-backend-echo); playwright drives the system's Chromium
+#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests.
+TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright")
 #: Tests that need neither torch nor another process.
 UNIT_MARKERS = "not model and not live and not fuzz"
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged

@@ -23,10 +23,12 @@ import attrs
 
 from batchgen.core.batch_lifecycle import advance
 from batchgen.core.batch_log import log_transition
+from batchgen.core.batch_progress import ProgressWindow
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCounts, Usage
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
 from batchgen.core.storage_faults import storage_fault
+from batchgen.core.throughput import ThroughputMeter, Totals
 from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
@@ -55,6 +57,8 @@ class ActiveBatch:
     saved: Batch | None = None
     #: Why the latest save failed, while ``batch`` holds changes not saved yet.
     unsaved_reason: str | None = None
+    #: Recent samples of ``finished``, for the pace a running batch's snapshot shows.
+    progress: ProgressWindow = attrs.Factory(ProgressWindow)
 
     def __attrs_post_init__(self) -> None:
         if self.saved is None:
@@ -77,6 +81,9 @@ class ActiveBatch:
     def finished(self) -> int:
         return self.completed + self.failed
 
+    def totals(self) -> Totals:
+        return Totals(self.completed, self.failed, self.prompt_tokens, self.completion_tokens)
+
     def state(self) -> Batch:
         """The batch as it is now, with its live counters (what a save writes)."""
         return self._with_counters(self.batch)
@@ -85,7 +92,10 @@ class ActiveBatch:
         """What callers see: the batch as last saved (its status never runs ahead of the store),
         with its live counters."""
         assert self.saved is not None
-        return self._with_counters(self.batch if self.unsaved_reason is None else self.saved)
+        batch = self._with_counters(self.batch if self.unsaved_reason is None else self.saved)
+        if batch.status.is_terminal:
+            return batch
+        return attrs.evolve(batch, progress=self.progress.estimate(self.finished, batch.request_counts.total))
 
     def _with_counters(self, batch: Batch) -> Batch:
         return attrs.evolve(
@@ -117,6 +127,8 @@ class BatchTracker:
         self._intake_pool = intake_pool
         self._abort_request = abort_request
         self._active: dict[str, ActiveBatch] = {}
+        #: Running totals over every batch tracked since the start (for the dashboard).
+        self.meter = ThroughputMeter()
 
     # --- membership ------------------------------------------------------------------------
     def track(self, batch: Batch) -> ActiveBatch:
@@ -126,7 +138,14 @@ class BatchTracker:
             errors=self._blobs.open_result_writer(self._blobs.error_path(batch.id)),
         )
         self._active[batch.id] = active
+        self.meter.start(batch.id, active.totals())
         return active
+
+    def counts_restored(self, active: ActiveBatch) -> None:
+        """The batch's counters were rebuilt from its result files (a restart): that work was
+        done before, so it counts neither in the running totals nor in the batch's pace."""
+        self.meter.start(active.id, active.totals())
+        active.progress.restart(active.finished)
 
     def get(self, batch_id: str) -> ActiveBatch | None:
         return self._active.get(batch_id)
@@ -172,7 +191,11 @@ class BatchTracker:
         self.move(active, BatchStatus.EXPIRED)
 
     def settle(self, active: ActiveBatch) -> None:
-        """End the batch if nothing is left to do: every request has its line, or a cancel drained."""
+        """End the batch if nothing is left to do: every request has its line, or a cancel drained.
+
+        Called as each of its requests ends, so its pace and the running totals are taken here."""
+        active.progress.record(active.finished)
+        self.meter.observe(active.id, active.totals())
         status = active.status
         if status is BatchStatus.IN_PROGRESS and active.finished >= active.batch.request_counts.total:
             self.move(active, BatchStatus.FINALIZING)
@@ -251,6 +274,7 @@ class BatchTracker:
         self._active.clear()
 
     def _close(self, active: ActiveBatch) -> None:
+        self.meter.stop(active.id, active.totals())
         for writer in (active.output, active.errors):
             try:
                 writer.close()

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from batchgen.core.batch_progress import UNKNOWN, ProgressEstimate
+
 
 class BatchStatus(enum.StrEnum):
     """The OpenAI batch lifecycle."""
@@ -151,6 +153,8 @@ class Batch:
     expired_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    #: The recent pace of a running batch (never stored: it is measured live).
+    progress: ProgressEstimate = UNKNOWN
 
     def to_dict(self) -> dict[str, Any]:
         errors = None
@@ -186,6 +190,7 @@ class Batch:
             "usage": self.usage.to_dict(),
             "error": None if self.error is None else attrs.asdict(self.error),
             **self.parameters.to_dict(),
+            **self.progress.to_dict(),
         }
 
 
@@ -236,6 +241,11 @@ class PoolStatus:
     scheduling_pool_capacity: int
     active_batches: int
     pool_mode: bool = True
+    #: Running totals since the service started (``throughput``): a dashboard's rates.
+    requests_completed_total: int = 0
+    requests_failed_total: int = 0
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

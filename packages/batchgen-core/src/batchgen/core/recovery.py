@@ -49,6 +49,7 @@ def recover(
         active.failed = written.failed + separate.failed
         active.prompt_tokens = written.prompt_tokens
         active.completion_tokens = written.completion_tokens
+        tracker.counts_restored(active)
         if batch.status is BatchStatus.FINALIZING:
             active.batch = advance(batch, BatchStatus.IN_PROGRESS, now=now())
         logger.info("resuming batch %s: %d lines already written", batch.id, active.finished)

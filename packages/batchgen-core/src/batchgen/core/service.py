@@ -579,6 +579,7 @@ class BatchService:
             scheduling_pool_free=self.scheduling_pool.free,
             scheduling_pool_capacity=self.scheduling_pool.capacity,
             active_batches=0 if self._parts is None else len(self._parts.tracker),
+            **({} if self._parts is None else self._parts.tracker.meter.totals.to_dict()),
         )
 
     @property

@@ -21,6 +21,7 @@ from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
 from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, handle_body_timeout
 from batchgen.server.controllers.batches import BatchesController
+from batchgen.server.controllers.dashboard import dashboard, dashboard_asset
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
@@ -78,7 +79,16 @@ def create_app(
             raise
 
     return Litestar(
-        route_handlers=[FilesController, BatchesController, pool_status, health, models, metrics],
+        route_handlers=[
+            FilesController,
+            BatchesController,
+            pool_status,
+            health,
+            models,
+            metrics,
+            dashboard,
+            dashboard_asset,
+        ],
         dependencies={"service": Provide(_provide_service, sync_to_thread=False)},
         state=State({"service": service, "metrics_registry": registry}),
         lifespan=[run_service],

@@ -1,0 +1,443 @@
+// The BatchGen dashboard: polls the server's own API and draws what it answers.
+// Plain JavaScript, no build step and nothing fetched from elsewhere. With API keys configured,
+// /v1/* answers 401 without one: the page then asks for a key, keeps it in sessionStorage (this
+// tab only) and sends it as "Authorization: Bearer KEY" on every call.
+"use strict";
+
+(() => {
+  const POLL_MS = 1500;
+  const PLOT_SECONDS = 300; // the plots show the last five minutes
+  const RATE_SPAN_S = 3; // a plotted rate is measured over at least this many seconds
+  const PAGE_SIZE = 20;
+  const RESULT_LINES = 5;
+  const RESULT_BYTES = 16384; // the tail of the output file fetched with a Range request
+  const KEY_ITEM = "batchgen.apiKey";
+  const TERMINAL = new Set(["completed", "failed", "expired", "cancelled"]);
+  const CANCELLABLE = new Set(["validating", "in_progress"]);
+
+  const $ = (id) => document.getElementById(id);
+
+  // --- the API, with the key --------------------------------------------------------------------
+
+  let keyPrompt = null; // the one pending prompt every 401 waits on
+
+  function askForKey(message) {
+    if (keyPrompt) return keyPrompt;
+    keyPrompt = new Promise((resolve) => {
+      const dialog = $("key-prompt");
+      $("key-message").textContent =
+        message || "This server asks for an API key. It is kept in this browser tab only.";
+      $("key-input").value = "";
+      $("key-form").onsubmit = (event) => {
+        event.preventDefault();
+        const key = $("key-input").value.trim();
+        if (!key) return;
+        sessionStorage.setItem(KEY_ITEM, key);
+        dialog.close();
+        keyPrompt = null;
+        showKeyButton();
+        resolve();
+      };
+      dialog.addEventListener("cancel", (event) => event.preventDefault()); // no way past it
+      if (!dialog.open) dialog.showModal();
+      $("key-input").focus();
+    });
+    return keyPrompt;
+  }
+
+  async function api(path, options = {}) {
+    for (;;) {
+      const headers = new Headers(options.headers || {});
+      const key = sessionStorage.getItem(KEY_ITEM);
+      if (key) headers.set("Authorization", `Bearer ${key}`);
+      const response = await fetch(path, { ...options, headers, cache: "no-store" });
+      if (response.status !== 401) return response;
+      const refused = key !== null && sessionStorage.getItem(KEY_ITEM) === key;
+      if (refused) sessionStorage.removeItem(KEY_ITEM);
+      await askForKey(refused ? "The server refused that key. Enter another one." : "");
+    }
+  }
+
+  async function apiJSON(path, options) {
+    const response = await api(path, options);
+    const body = await response.json().catch(() => null);
+    if (!response.ok) {
+      const message = body && body.error ? body.error.message : `HTTP ${response.status}`;
+      const error = new Error(message);
+      error.status = response.status;
+      error.body = body;
+      throw error;
+    }
+    return body;
+  }
+
+  function showKeyButton() {
+    $("forget-key").hidden = sessionStorage.getItem(KEY_ITEM) === null;
+  }
+
+  // --- formatting -------------------------------------------------------------------------------
+
+  function duration(seconds) {
+    if (seconds === null || seconds === undefined) return "–";
+    const whole = Math.max(0, Math.round(seconds));
+    if (whole < 60) return `${whole}s`;
+    const minutes = Math.floor(whole / 60);
+    if (minutes < 60) return `${minutes}m${String(whole % 60).padStart(2, "0")}s`;
+    return `${Math.floor(minutes / 60)}h${String(minutes % 60).padStart(2, "0")}m`;
+  }
+
+  function clock(unixSeconds) {
+    if (!unixSeconds) return "–";
+    const when = new Date(unixSeconds * 1000);
+    const today = new Date().toDateString() === when.toDateString();
+    return today ? when.toLocaleTimeString() : when.toLocaleString();
+  }
+
+  function number(value, digits = 1) {
+    if (value === null || value === undefined) return "–";
+    return value >= 100 ? Math.round(value).toLocaleString() : value.toFixed(digits);
+  }
+
+  function finishedAt(batch) {
+    return batch.completed_at || batch.failed_at || batch.cancelled_at || batch.expired_at || null;
+  }
+
+  function element(tag, attributes = {}, ...children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(attributes)) {
+      if (name === "text") node.textContent = value;
+      else if (name === "class") node.className = value;
+      else node.setAttribute(name, value);
+    }
+    for (const child of children) node.append(child);
+    return node;
+  }
+
+  // --- health and pools ---------------------------------------------------------------------------
+
+  async function refreshHealth() {
+    const response = await api("/health");
+    const body = await response.json().catch(() => ({}));
+    const healthy = response.ok && body.status === "healthy";
+    const pill = $("health");
+    pill.dataset.state = healthy ? "healthy" : "unhealthy";
+    pill.textContent = healthy ? "healthy" : `unhealthy: ${body.reason || `HTTP ${response.status}`}`;
+  }
+
+  function gauge(fillId, textId, used, capacity, noun) {
+    const share = capacity > 0 ? Math.min(1, used / capacity) : 0;
+    const fill = $(fillId);
+    fill.style.width = `${(share * 100).toFixed(1)}%`;
+    fill.dataset.level = share >= 0.8 ? "high" : share >= 0.5 ? "mid" : "low";
+    $(textId).textContent = `${used.toLocaleString()} of ${capacity.toLocaleString()} ${noun}`;
+  }
+
+  // --- the throughput plots -------------------------------------------------------------------------
+
+  const samples = []; // {t, requests, tokens}: the server's running totals as read
+  const series = { tokens: [], requests: [] }; // {t, value}: rates derived from them
+
+  function addSample(pool) {
+    const t = performance.now() / 1000;
+    const requests = (pool.requests_completed_total || 0) + (pool.requests_failed_total || 0);
+    const tokens = pool.completion_tokens_total || 0;
+    const last = samples[samples.length - 1];
+    if (last && (requests < last.requests || tokens < last.tokens)) {
+      samples.length = 0; // the server restarted: its totals began again
+    }
+    samples.push({ t, requests, tokens });
+    while (samples.length > 2 && samples[1].t <= t - RATE_SPAN_S) samples.shift();
+    const first = samples[0];
+    if (t - first.t >= 0.5) {
+      series.tokens.push({ t, value: (tokens - first.tokens) / (t - first.t) });
+      series.requests.push({ t, value: (requests - first.requests) / (t - first.t) });
+    }
+    for (const points of Object.values(series)) {
+      while (points.length && points[0].t < t - PLOT_SECONDS) points.shift();
+    }
+    const latest = (points) => (points.length ? points[points.length - 1].value : null);
+    $("tokens-rate").textContent = number(latest(series.tokens));
+    $("requests-rate").textContent = number(latest(series.requests), 2);
+    drawPlot($("tokens-plot"), series.tokens, t);
+    drawPlot($("requests-plot"), series.requests, t);
+  }
+
+  function niceCeiling(value) {
+    if (value <= 0) return 1;
+    const power = 10 ** Math.floor(Math.log10(value));
+    for (const step of [1, 2, 2.5, 5, 10]) if (step * power >= value) return step * power;
+    return 10 * power;
+  }
+
+  function drawPlot(canvas, points, now) {
+    const ratio = window.devicePixelRatio || 1;
+    const cssWidth = canvas.clientWidth || canvas.width;
+    const cssHeight = canvas.clientHeight || canvas.height;
+    if (canvas.width !== Math.round(cssWidth * ratio)) {
+      canvas.width = Math.round(cssWidth * ratio);
+      canvas.height = Math.round(cssHeight * ratio);
+    }
+    const context = canvas.getContext("2d");
+    context.setTransform(ratio, 0, 0, ratio, 0, 0);
+    context.clearRect(0, 0, cssWidth, cssHeight);
+    const styles = getComputedStyle(canvas);
+    const ink = styles.getPropertyValue("--plot-ink").trim() || "#2563eb";
+    const grid = styles.getPropertyValue("--plot-grid").trim() || "#e5e7eb";
+    const label = styles.getPropertyValue("--plot-label").trim() || "#6b7280";
+    const left = 44;
+    const bottom = cssHeight - 18;
+    const width = cssWidth - left - 8;
+    const height = bottom - 8;
+    const top = niceCeiling(Math.max(0, ...points.map((p) => p.value)));
+    context.font = "11px system-ui, sans-serif";
+    context.fillStyle = label;
+    context.strokeStyle = grid;
+    context.lineWidth = 1;
+    for (let i = 0; i <= 4; i += 1) {
+      const y = bottom - (height * i) / 4;
+      context.beginPath();
+      context.moveTo(left, y);
+      context.lineTo(left + width, y);
+      context.stroke();
+      context.fillText(number((top * i) / 4), 4, y + 4);
+    }
+    // The time axis grows with the history, from one minute up to PLOT_SECONDS.
+    const history = points.length ? now - points[0].t : 0;
+    const span = Math.min(PLOT_SECONDS, Math.max(60, Math.ceil(history / 60) * 60));
+    const tick = span / 60 <= 1 ? 15 : 60;
+    for (let ago = 0; ago <= span; ago += tick) {
+      const x = left + width - (width * ago) / span;
+      const text = ago === 0 ? "now" : ago % 60 ? `-${ago}s` : `-${ago / 60}m`;
+      context.fillText(text, Math.max(left - 10, x - 12), cssHeight - 4);
+    }
+    canvas.dataset.points = String(points.length);
+    canvas.dataset.peak = String(Math.max(0, ...points.map((p) => p.value)));
+    if (points.length < 2) return;
+    const x = (t) => left + width - ((now - t) / span) * width;
+    const y = (value) => bottom - (value / top) * height;
+    context.beginPath();
+    points.forEach((p, i) => (i ? context.lineTo(x(p.t), y(p.value)) : context.moveTo(x(p.t), y(p.value))));
+    context.strokeStyle = ink;
+    context.lineWidth = 2;
+    context.stroke();
+    context.lineTo(x(points[points.length - 1].t), bottom);
+    context.lineTo(x(points[0].t), bottom);
+    context.closePath();
+    context.globalAlpha = 0.12;
+    context.fillStyle = ink;
+    context.fill();
+    context.globalAlpha = 1;
+  }
+
+  async function refreshPool() {
+    const pool = await apiJSON("/v1/pool/status");
+    gauge("intake-fill", "intake-text", pool.intake_pool_size, pool.intake_pool_capacity, "requests queued");
+    gauge("slots-fill", "slots-text", pool.scheduling_pool_active, pool.scheduling_pool_capacity, "slots busy");
+    $("active-batches").textContent = pool.active_batches.toLocaleString();
+    addSample(pool);
+  }
+
+  // --- the batch table ----------------------------------------------------------------------------
+
+  const cursors = [null]; // the `after` of each page seen, the current one last
+  let selected = null; // the id of the batch shown in the detail panel
+
+  function progressBar(batch) {
+    const counts = batch.request_counts || { total: 0, completed: 0, failed: 0 };
+    const total = counts.total || 0;
+    const share = (n) => (total > 0 ? `${((100 * n) / total).toFixed(1)}%` : "0%");
+    const done = element("span", { class: "done" });
+    done.style.width = share(counts.completed);
+    const failed = element("span", { class: "failed" });
+    failed.style.width = share(counts.failed);
+    const bar = element("div", {
+      class: "bar",
+      "data-completed": counts.completed,
+      "data-failed": counts.failed,
+      "data-total": total,
+      title: `${counts.completed} completed, ${counts.failed} failed, ${total} in all`,
+    }, done, failed);
+    const text = `${(counts.completed + counts.failed).toLocaleString()}/${total.toLocaleString()}`;
+    const detail = counts.failed ? `${text} (${counts.failed.toLocaleString()} failed)` : text;
+    return element("div", { class: "progress" }, bar, element("small", { text: detail }));
+  }
+
+  function batchRow(batch) {
+    const row = element("tr", { "data-batch-id": batch.id, "data-status": batch.status });
+    if (batch.id === selected) row.classList.add("selected");
+    const rate = batch.requests_per_second;
+    row.append(
+      element("td", {}, element("code", { text: batch.id })),
+      element("td", {}, element("span", { class: `status ${batch.status}`, text: batch.status })),
+      element("td", {}, progressBar(batch)),
+      element("td", { class: "number", text: rate === null || rate === undefined ? "–" : `${number(rate, 2)}/s` }),
+      element("td", { class: "number", text: duration(batch.estimated_seconds_remaining) }),
+      element("td", { text: clock(batch.created_at) }),
+      element("td", { text: clock(finishedAt(batch)) }),
+    );
+    row.addEventListener("click", () => select(batch.id));
+    return row;
+  }
+
+  async function refreshBatches() {
+    const after = cursors[cursors.length - 1];
+    const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
+    if (after) query.set("after", after);
+    const page = await apiJSON(`/v1/batches?${query}`);
+    const rows = $("batch-rows");
+    if (!page.data.length) {
+      rows.replaceChildren(element("tr", {}, element("td", { colspan: "7", class: "muted", text: "no batches yet" })));
+    } else {
+      rows.replaceChildren(...page.data.map(batchRow));
+    }
+    $("older").disabled = !page.has_more;
+    $("older").dataset.after = page.last_id || "";
+    $("newer").disabled = cursors.length <= 1;
+    $("page-label").textContent = `page ${cursors.length}`;
+  }
+
+  // --- one batch in detail ------------------------------------------------------------------------
+
+  let resultsSeen = null; // the counts the shown result lines were read at
+
+  function select(batchId) {
+    selected = batchId;
+    resultsSeen = null;
+    $("detail").hidden = false;
+    $("detail-id").textContent = batchId;
+    $("detail-results").textContent = "…";
+    $("detail-notice").textContent = "";
+    for (const row of document.querySelectorAll("#batch-rows tr")) {
+      row.classList.toggle("selected", row.dataset.batchId === batchId);
+    }
+    refreshDetail().catch(showProblem);
+  }
+
+  const FIELDS = [
+    ["status", (b) => b.status],
+    ["endpoint", (b) => b.endpoint],
+    ["model", (b) => b.model],
+    ["requests", (b) => {
+      const c = b.request_counts || {};
+      return `${c.completed} completed, ${c.failed} failed, ${c.total} in all`;
+    }],
+    ["rate", (b) => (b.requests_per_second === null ? "–" : `${number(b.requests_per_second, 2)} requests/s`)],
+    ["time left", (b) => duration(b.estimated_seconds_remaining)],
+    ["expected done", (b) => clock(b.estimated_completion_at)],
+    ["tokens", (b) => (b.usage ? `${b.usage.input_tokens} in, ${b.usage.output_tokens} out` : "–")],
+    ["input file", (b) => b.input_file_id],
+    ["output file", (b) => b.output_file_id || "–"],
+    ["error file", (b) => b.error_file_id || "–"],
+    ["created", (b) => clock(b.created_at)],
+    ["started", (b) => clock(b.in_progress_at)],
+    ["finished", (b) => clock(finishedAt(b))],
+    ["expires", (b) => clock(b.expires_at)],
+    ["metadata", (b) => (b.metadata ? JSON.stringify(b.metadata) : "–")],
+  ];
+
+  function showErrors(batch) {
+    const problems = [];
+    if (batch.errors && Array.isArray(batch.errors.data)) {
+      for (const e of batch.errors.data) problems.push(`${e.code}: ${e.message}${e.line ? ` (line ${e.line})` : ""}`);
+    } else if (batch.error) {
+      problems.push(`${batch.error.code}: ${batch.error.message}`);
+    }
+    $("detail-errors").replaceChildren(...problems.map((text) => element("p", { class: "error", text })));
+  }
+
+  async function latestLines(fileId) {
+    const response = await api(`/v1/files/${encodeURIComponent(fileId)}/content`, {
+      headers: { Range: `bytes=-${RESULT_BYTES}` },
+    });
+    if (response.status === 416) return []; // nothing written yet
+    if (!response.ok) throw new Error(`the output file answered HTTP ${response.status}`);
+    const text = await response.text();
+    const range = response.headers.get("Content-Range");
+    let lines = text.split("\n");
+    lines.pop(); // what follows the last newline: nothing, or a line still being written
+    if (response.status === 206 && range && !/^bytes 0-/.test(range)) lines = lines.slice(1); // cut into mid-line
+    return lines.slice(-RESULT_LINES);
+  }
+
+  async function refreshDetail() {
+    if (!selected) return;
+    const batchId = selected;
+    const batch = await apiJSON(`/v1/batches/${encodeURIComponent(batchId)}`);
+    if (batchId !== selected) return;
+    $("detail").dataset.status = batch.status;
+    const fields = $("detail-fields");
+    fields.replaceChildren(...FIELDS.flatMap(([name, show]) => [element("dt", { text: name }), element("dd", { text: show(batch) })]));
+    showErrors(batch);
+    const cancel = $("cancel-batch");
+    cancel.hidden = !CANCELLABLE.has(batch.status);
+    const counts = batch.request_counts || {};
+    const seen = `${counts.completed}/${counts.failed}/${batch.status}`;
+    if (seen === resultsSeen) return;
+    if (!batch.output_file_id) {
+      $("detail-results").textContent = "no results yet";
+    } else {
+      const lines = await latestLines(batch.output_file_id);
+      if (batchId !== selected) return;
+      $("detail-results").textContent = lines.length ? lines.join("\n") : "no results yet";
+    }
+    resultsSeen = seen;
+  }
+
+  async function cancelSelected() {
+    if (!selected) return;
+    const batchId = selected;
+    if (!window.confirm(`Cancel batch ${batchId}? Its queued requests will not run; finished results stay.`)) return;
+    try {
+      const batch = await apiJSON(`/v1/batches/${encodeURIComponent(batchId)}/cancel`, { method: "POST" });
+      $("detail-notice").textContent = `cancel requested: the batch is ${batch.status}`;
+    } catch (error) {
+      $("detail-notice").textContent = `cancel refused: ${error.message}`;
+    }
+    await Promise.allSettled([refreshDetail(), refreshBatches()]);
+  }
+
+  // --- the loop -----------------------------------------------------------------------------------
+
+  function showProblem(error) {
+    const banner = $("offline");
+    banner.hidden = false;
+    banner.textContent = `Cannot read the server: ${error.message || error}`;
+  }
+
+  async function tick() {
+    const results = await Promise.allSettled([refreshHealth(), refreshPool(), refreshBatches(), refreshDetail()]);
+    const failure = results.find((r) => r.status === "rejected");
+    if (failure) {
+      showProblem(failure.reason);
+    } else {
+      $("offline").hidden = true;
+      $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    }
+    setTimeout(tick, POLL_MS);
+  }
+
+  function start() {
+    $("older").addEventListener("click", () => {
+      cursors.push($("older").dataset.after);
+      refreshBatches().catch(showProblem);
+    });
+    $("newer").addEventListener("click", () => {
+      if (cursors.length > 1) cursors.pop();
+      refreshBatches().catch(showProblem);
+    });
+    $("close-detail").addEventListener("click", () => {
+      selected = null;
+      $("detail").hidden = true;
+      for (const row of document.querySelectorAll("#batch-rows tr.selected")) row.classList.remove("selected");
+    });
+    $("cancel-batch").addEventListener("click", cancelSelected);
+    $("forget-key").addEventListener("click", () => {
+      sessionStorage.removeItem(KEY_ITEM);
+      showKeyButton();
+    });
+    showKeyButton();
+    tick();
+  }
+
+  start();
+})();

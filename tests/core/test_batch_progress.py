@@ -1,0 +1,180 @@
+"""The pace of a batch and its estimated completion (batch_progress), and the running totals
+(throughput): properties over generated histories, with a hand-driven clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchgen.core.batch_progress import MIN_SPAN_S, UNKNOWN, ProgressWindow, estimate
+from batchgen.core.throughput import ThroughputMeter, Totals
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+#: A history: (seconds since the last sample, requests finished in that time).
+steps = st.lists(
+    st.tuples(st.floats(min_value=0.0, max_value=30.0, allow_nan=False), st.integers(0, 500)),
+    max_size=40,
+)
+
+
+def replay(history: list[tuple[float, int]], window_s: float = 20.0) -> tuple[ProgressWindow, Clock, int]:
+    clock = Clock()
+    window = ProgressWindow(window_s, clock=clock)
+    finished = 0
+    for wait, done in history:
+        clock.now += wait
+        finished += done
+        window.record(finished)
+    return window, clock, finished
+
+
+@given(steps, st.integers(0, 10_000), st.floats(min_value=0, max_value=100, allow_nan=False))
+def test_the_pace_and_the_time_left_are_never_negative(
+    history: list[tuple[float, int]], extra: int, later: float
+) -> None:
+    window, clock, finished = replay(history)
+    clock.now += later
+    found = window.estimate(finished, finished + extra, wall_now=0.0)
+    assert found.requests_per_second is None or found.requests_per_second >= 0
+    assert found.seconds_remaining is None or found.seconds_remaining >= 0
+    assert found.completion_at is None or found.completion_at >= 0
+    # an end time exactly when there is a time left
+    assert (found.completion_at is None) == (found.seconds_remaining is None)
+
+
+@given(steps, st.integers(0, 10_000))
+def test_no_progress_means_no_estimate(history: list[tuple[float, int]], total: int) -> None:
+    """With nothing finished, there is a pace of zero (or none yet) but never a time left."""
+    window, _, _ = replay([(wait, 0) for wait, _ in history])
+    found = window.estimate(0, total)
+    assert found.requests_per_second in (None, 0.0)
+    assert found.seconds_remaining is None
+
+
+@given(steps)
+def test_nothing_left_means_no_time_left(history: list[tuple[float, int]]) -> None:
+    window, _, finished = replay(history)
+    assert window.estimate(finished, finished).seconds_remaining is None
+
+
+@given(steps, st.integers(0, 5_000), st.integers(0, 5_000))
+def test_more_left_never_means_less_time(history: list[tuple[float, int]], left: int, more: int) -> None:
+    window, _, finished = replay(history)
+    fewer = window.estimate(finished, finished + left).seconds_remaining
+    most = window.estimate(finished, finished + left + more).seconds_remaining
+    if fewer is not None and most is not None:
+        assert most >= fewer
+    if fewer is not None and more >= 0:
+        assert most is not None  # a known pace predicts any amount left
+
+
+@given(
+    st.integers(1, 200),  # requests per second, steady
+    st.integers(2, 60),  # seconds it ran
+    st.integers(1, 100_000),  # requests left
+)
+def test_a_steady_pace_is_measured_and_predicts_the_rest(rate: int, seconds: int, left: int) -> None:
+    clock = Clock()
+    start = clock.now
+    window = ProgressWindow(20.0, clock=clock)
+    finished = 0
+    for _ in range(seconds * 4):  # four samples a second
+        clock.now += 0.25
+        finished = math.floor(rate * (clock.now - start))
+        window.record(finished)
+    found = window.estimate(finished, finished + left)
+    assert found.requests_per_second == pytest.approx(rate, rel=0.1)
+    assert found.seconds_remaining == pytest.approx(left / found.requests_per_second)
+
+
+def test_a_stalled_batch_has_its_pace_fall_to_zero_once_the_window_passes() -> None:
+    window, clock, finished = replay([(1.0, 10)] * 10, window_s=5.0)
+    assert (window.estimate(finished, 500).requests_per_second or 0) > 5
+    clock.now += 5.5  # nothing finishes for longer than the window
+    found = window.estimate(finished, 500)
+    assert found.requests_per_second == 0
+    assert found.seconds_remaining is None
+
+
+def test_less_than_a_second_of_history_gives_no_pace() -> None:
+    window, clock, finished = replay([(0.2, 5), (0.3, 5)])
+    assert window.estimate(finished, 100) == UNKNOWN
+    clock.now += MIN_SPAN_S
+    assert window.estimate(finished, 100).requests_per_second is not None
+
+
+def test_restart_forgets_what_was_done_before() -> None:
+    """Counts rebuilt after a restart are not finished at this pace."""
+    window, clock, _ = replay([])
+    window.restart(900)
+    clock.now += 2
+    window.record(910)
+    found = window.estimate(910, 1000, wall_now=50.0)
+    assert found.requests_per_second == pytest.approx(5.0)
+    assert found.seconds_remaining == pytest.approx(18.0)
+    assert found.completion_at == math.ceil(50.0 + 18.0)
+
+
+def test_the_window_must_be_at_least_a_second() -> None:
+    with pytest.raises(ValueError):
+        ProgressWindow(0.5)
+
+
+def test_estimate_of_no_samples_is_unknown() -> None:
+    assert estimate([], 10.0, 5) == UNKNOWN
+
+
+# --- running totals -------------------------------------------------------------------------------
+
+counts = st.builds(Totals, *(st.integers(0, 1000) for _ in range(4)))
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), counts), max_size=30))
+def test_totals_add_exactly_what_each_batch_gained_and_never_fall(
+    observations: list[tuple[str, Totals]],
+) -> None:
+    meter = ThroughputMeter()
+    highest = {name: Totals() for name in "abc"}
+    for name in "abc":
+        meter.start(name, Totals())
+    previous = meter.totals
+    for name, seen in observations:
+        # counters of a batch only grow: take the running maximum as what the tracker reports
+        grown = Totals(*(max(a, b) for a, b in zip(_tuple(highest[name]), _tuple(seen), strict=True)))
+        highest[name] = grown
+        meter.observe(name, grown)
+        assert all(a >= b for a, b in zip(_tuple(meter.totals), _tuple(previous), strict=True))
+        previous = meter.totals
+    expected = [sum(values) for values in zip(*(_tuple(t) for t in highest.values()), strict=True)]
+    assert list(_tuple(meter.totals)) == expected
+
+
+def test_a_batch_counts_from_where_it_started_and_not_after_it_stopped() -> None:
+    meter = ThroughputMeter()
+    meter.observe("unknown", Totals(5, 5, 5, 5))  # never started: ignored
+    meter.start("resumed", Totals(100, 3, 1000, 2000))  # restored after a restart: not new work
+    meter.observe("resumed", Totals(101, 3, 1010, 2020))
+    meter.stop("resumed", Totals(102, 4, 1020, 2040))
+    meter.observe("resumed", Totals(200, 4, 9999, 9999))  # after it stopped: ignored
+    assert meter.totals == Totals(2, 1, 20, 40)
+    assert meter.totals.to_dict() == {
+        "requests_completed_total": 2,
+        "requests_failed_total": 1,
+        "prompt_tokens_total": 20,
+        "completion_tokens_total": 40,
+    }
+
+
+def _tuple(totals: Totals) -> tuple[int, int, int, int]:
+    return (totals.requests_completed, totals.requests_failed, totals.prompt_tokens, totals.completion_tokens)

@@ -1,0 +1,162 @@
+"""The dashboard's page and assets, and the figures it shows: a batch's pace and time left, and the
+running totals in the pool status. Through HTTP on the in-process app (the browser drives the page
+in test_dashboard_browser.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from html.parser import HTMLParser
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from litestar import Litestar
+from litestar.testing import TestClient
+
+from tests.conftest import in_process_app
+from tests.helpers import api_error, chat_line, submit, wait_for_status
+from tests.live import LiveServer
+
+ApiFactory = Callable[..., TestClient[Litestar]]
+SLOW = ("--simulated-latency-s", "0.05", "--max-pool-size", "2")
+PACE_FIELDS = ("requests_per_second", "estimated_seconds_remaining", "estimated_completion_at")
+TOTAL_FIELDS = ("requests_completed_total", "requests_failed_total", "prompt_tokens_total", "completion_tokens_total")
+
+
+class _Links(HTMLParser):
+    """Every src= and href= of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.links += [value for name, value in attrs if name in ("src", "href") and value]
+
+
+def _packaged(name: str) -> bytes:
+    return (files("batchgen.server") / "dashboard" / name).read_bytes()
+
+
+def test_the_page_names_the_model_and_backend_and_loads_only_its_own_files(api: TestClient[Litestar]) -> None:
+    response = api.get("/")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in response.headers["content-security-policy"]
+    page = response.text
+    model = api.get("/v1/models").json()["data"][0]["id"]
+    assert f'<b id="models">{model}</b>' in page
+    assert '<b id="backend">simulated</b>' in page
+    parser = _Links()
+    parser.feed(page)
+    assert sorted(parser.links) == ["/ui/dashboard.css", "/ui/dashboard.js"]
+    for link in parser.links:  # each is served, and is the file shipped in the package
+        asset = api.get(link)
+        assert asset.status_code == 200
+        assert asset.content == _packaged(link.rsplit("/", 1)[1])
+    assert api.get("/ui/dashboard.js").headers["content-type"].startswith("text/javascript")
+    assert api.get("/ui/dashboard.css").headers["content-type"].startswith("text/css")
+
+
+def test_the_page_and_its_assets_fetch_nothing_from_elsewhere() -> None:
+    """No CDN: the page works with no internet (the script talks to its own server only)."""
+    for name in ("page.html", "dashboard.js", "dashboard.css"):
+        text = _packaged(name).decode()
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.IGNORECASE), name
+        assert "import " not in text or name != "dashboard.js"
+
+
+def test_an_unknown_dashboard_file_is_an_openai_shaped_404(api: TestClient[Litestar]) -> None:
+    for path in ("/ui/secrets.txt", "/ui/page.html"):
+        assert api_error(api.get(path), 404)["code"] == "not_found"
+    assert api_error(api.get("/ui/..%2Fapp.py"), 404)["message"]
+
+
+def test_the_dashboard_is_not_part_of_the_api_schema(api: TestClient[Litestar]) -> None:
+    paths = api.get("/schema/openapi.json").json()["paths"]
+    assert "/" not in paths
+    assert not [path for path in paths if path.startswith("/ui")]
+
+
+def test_the_page_escapes_the_names_it_shows(tmp_path: Path) -> None:
+    app = in_process_app(tmp_path / "storage", "--served-model-name", "<script>alert(1)</script>")
+    with TestClient(app) as client:
+        page = client.get("/").text
+    assert "<script>alert(1)</script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def _running_pace(client: httpx.Client, batch_id: str) -> dict[str, Any]:
+    """The batch once it has run long enough (over a second) to have a pace."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        batch: dict[str, Any] = client.get(f"/v1/batches/{batch_id}").json()
+        if batch["requests_per_second"] is not None and batch["status"] == "in_progress":
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} never showed a pace: {batch}")
+
+
+def test_a_running_batch_shows_its_pace_and_time_left_and_an_ended_one_none(api_factory: ApiFactory) -> None:
+    client = api_factory(*SLOW)
+    batch = submit(client, [chat_line(f"r{i}") for i in range(120)])
+    assert all(batch[field] is None for field in PACE_FIELDS)  # nothing measured yet
+    running = _running_pace(client, batch["id"])
+    counts = running["request_counts"]
+    left = counts["total"] - counts["completed"] - counts["failed"]
+    assert running["requests_per_second"] > 0
+    if left:
+        assert running["estimated_seconds_remaining"] > 0
+        assert running["estimated_seconds_remaining"] * running["requests_per_second"] <= left * 1.01 + 0.5
+        assert running["estimated_completion_at"] >= int(time.time())
+    listed = client.get("/v1/batches").json()["data"][0]
+    assert listed["id"] == batch["id"] and set(PACE_FIELDS) <= set(listed)
+    ended = wait_for_status(client, batch["id"], {"completed"})
+    assert all(ended[field] is None for field in PACE_FIELDS)
+
+
+def test_pool_status_totals_count_every_finished_request_and_its_tokens(api_factory: ApiFactory) -> None:
+    client = api_factory("--max-context-length", "50")
+    before = client.get("/v1/pool/status").json()
+    assert all(before[field] == 0 for field in TOTAL_FIELDS)
+    lines = [chat_line(f"ok{i}") for i in range(7)] + [chat_line(f"long{i}", "word " * 200) for i in range(3)]
+    first = submit(client, lines)
+    second = submit(client, [chat_line(f"more{i}") for i in range(5)])
+    done = [wait_for_status(client, batch["id"], {"completed"}) for batch in (first, second)]
+    after = client.get("/v1/pool/status").json()
+    assert after["requests_completed_total"] == sum(b["request_counts"]["completed"] for b in done) == 12
+    assert after["requests_failed_total"] == sum(b["request_counts"]["failed"] for b in done) == 3
+    assert after["prompt_tokens_total"] == sum(b["usage"]["input_tokens"] for b in done)
+    assert after["completion_tokens_total"] == sum(b["usage"]["output_tokens"] for b in done) > 0
+
+
+def test_after_a_restart_the_totals_count_only_the_new_work(tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    flags = ("--simulated-latency-s", "0.1", "--max-pool-size", "2")
+    with TestClient(in_process_app(storage, *flags)) as client:
+        batch = submit(client, [chat_line(f"r{i}") for i in range(30)])
+        deadline = time.monotonic() + 30
+        while client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with TestClient(in_process_app(storage, *flags)) as client:
+        ended = wait_for_status(client, batch["id"], {"completed"})
+        totals = client.get("/v1/pool/status").json()
+    resumed_from = 30 - totals["requests_completed_total"]
+    assert ended["request_counts"]["completed"] == 30
+    assert 6 <= resumed_from < 30  # what ran before the restart is not counted again
+
+
+def test_the_openai_sdk_reads_batch_objects_with_the_pace_fields(live_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=live_server.api_url, api_key="unused")
+    with httpx.Client(base_url=live_server.base_url) as http:
+        batch = submit(http, [chat_line(f"r{i}") for i in range(3)])
+    retrieved = client.batches.retrieve(batch["id"])
+    assert retrieved.id == batch["id"]
+    assert retrieved.model_extra is not None and set(PACE_FIELDS) <= set(retrieved.model_extra)
+    listed = client.batches.list(limit=5)
+    assert batch["id"] in [item.id for item in listed.data]
