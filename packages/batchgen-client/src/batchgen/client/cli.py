@@ -3,6 +3,7 @@
     batchgen submit input.jsonl -o output.jsonl --max-decoding-length 512
     batchgen status batch_abc            # the batch object, as JSON on stdout
     batchgen tail batch_abc --errors     # result lines as the server writes them
+    batchgen watch                       # progress bars of every active batch, until they end
     batchgen download batch_abc -o output.jsonl
 
 The server is `--base-url`, else $BATCHGEN_BASE_URL, else http://localhost:10900. JSON and result
@@ -10,8 +11,8 @@ lines go to stdout; progress, notices and errors go to stderr.
 
 Exit status:
     0    success
-    1    the batch ended failed, expired or cancelled (submit, tail), or has no such result
-         file (download)
+    1    the batch ended failed, expired or cancelled (submit, tail; for watch: any of them), or
+         has no such result file (download)
     2    usage error: bad arguments, an input file that cannot be read, an output folder that
          does not exist
     3    the server answered with an error (its message is printed) or with something unreadable
@@ -43,6 +44,7 @@ from batchgen.client._options import BatchOptions, flag_of
 from batchgen.client._requests import DEFAULT_BASE_URL, ENDPOINTS, JSONObject
 from batchgen.client._retry import RetryPolicy
 from batchgen.client._wait import ADAPTIVE_POLLING
+from batchgen.client._watch import active_batch_ids, board_for, watch_batches
 
 __all__ = [
     "BASE_URL_ENV",
@@ -158,6 +160,15 @@ def _tail(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     return _exit_for(client.get_batch(args.id))
 
 
+def _watch(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    batch_ids = args.ids or active_batch_ids(client)
+    if not batch_ids:
+        _say("no active batches")
+        return EXIT_OK
+    batches = watch_batches(client, batch_ids, board_for(sys.stderr), poll_interval=args.poll_interval)
+    return max(_exit_for(batch) for batch in batches)
+
+
 def _is_batch_id(identifier: str) -> bool:
     return identifier.startswith("batch_")
 
@@ -231,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("id", metavar="ID", help="batch id")
     tail.add_argument("--errors", action="store_true", help="also print the error file's lines")
     tail.add_argument("--poll-interval", type=non_negative_float, default=1.0, metavar="SECONDS")
+
+    watch = add("watch", _watch, "show progress bars (rate, ETA) of batches until they have all ended")
+    watch.add_argument(
+        "ids", nargs="*", metavar="ID", help="batch ids (default: every batch not ended yet)"
+    )
+    watch.add_argument("--poll-interval", type=non_negative_float, default=1.0, metavar="SECONDS")
 
     add("pool", _pool, "print the server's pool status as JSON")
     return parser
