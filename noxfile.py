@@ -64,7 +64,8 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check); mypy over the packages and the tests; the client's strict mypy."""
     # No torch or transformers: mypy takes the model libraries as Any (see [tool.mypy] in pyproject.toml).
-    _install_packages(session, "ruff", "mypy", *UNIT_DEPS)
+    # playwright: its types, for the browser tests.
+    _install_packages(session, "ruff", "mypy", *UNIT_DEPS, "playwright")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", *(f"{package}/src" for package in PACKAGES), "tests")

@@ -25,7 +25,9 @@ from tests.live import LiveServer
 BASE = "http://batchgen.test"
 
 
-def state(batch_id: str, status: str, done: int, total: int = 10, failed: int = 0, **extra: Any) -> dict[str, Any]:
+def state(
+    batch_id: str, status: str, done: int, total: int = 10, failed: int = 0, **extra: Any
+) -> dict[str, Any]:
     counts = {"total": total, "completed": done - failed, "failed": failed}
     return {"id": batch_id, "object": "batch", "status": status, "request_counts": counts,
             "created_at": 1000, **extra}  # fmt: skip
@@ -67,7 +69,9 @@ def make_client() -> Iterator[Any]:
     made: list[BatchGenHttpClient] = []
 
     def make(handler: Progressing) -> BatchGenHttpClient:
-        client = BatchGenHttpClient(BASE, transport=httpx.MockTransport(handler), retry=RetryPolicy(max_retries=0))
+        client = BatchGenHttpClient(
+            BASE, transport=httpx.MockTransport(handler), retry=RetryPolicy(max_retries=0)
+        )
         made.append(client)
         return client
 

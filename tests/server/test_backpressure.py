@@ -28,6 +28,10 @@ def test_full_intake_pool_gives_429_then_accepts_after_draining(api_factory: Api
         "scheduling_pool_capacity": 2,
         "active_batches": 0,
         "pool_mode": True,
+        "requests_completed_total": 0,
+        "requests_failed_total": 0,
+        "prompt_tokens_total": 0,
+        "completion_tokens_total": 0,
     }
     first = _create(client, "first", 10)
     assert first.status_code == 200
@@ -44,7 +48,10 @@ def test_full_intake_pool_gives_429_then_accepts_after_draining(api_factory: Api
 
     done = wait_for_status(client, first.json()["id"], {"completed"})
     assert done["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
-    assert client.get("/v1/pool/status").json() == idle
+    drained = client.get("/v1/pool/status").json()
+    assert drained["requests_completed_total"] == 10 and drained["completion_tokens_total"] > 0
+    totals = ("requests_completed_total", "prompt_tokens_total", "completion_tokens_total")
+    assert drained | dict.fromkeys(totals, 0) == idle  # the rest as it was before the batch
     retried = _create(client, "third", 5)
     assert retried.status_code == 200
     assert wait_for_status(client, retried.json()["id"], {"completed"})["request_counts"]["completed"] == 5

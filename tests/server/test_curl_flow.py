@@ -66,7 +66,12 @@ def test_guide_curl_flow(live_server: LiveServer, tmp_path: Path) -> None:
         "scheduling_pool_capacity",
         "active_batches",
         "pool_mode",
+        "requests_completed_total",
+        "requests_failed_total",
+        "prompt_tokens_total",
+        "completion_tokens_total",
     }
+    assert pool["requests_completed_total"] == 5
     assert json.loads(curl(f"{base}/health")) == {"status": "healthy"}
     models = json.loads(curl(f"{base}/v1/models"))
     assert models["object"] == "list" and models["data"][0]["id"] == "simulated"

@@ -24,7 +24,12 @@ from tests.live import LiveServer
 ApiFactory = Callable[..., TestClient[Litestar]]
 SLOW = ("--simulated-latency-s", "0.05", "--max-pool-size", "2")
 PACE_FIELDS = ("requests_per_second", "estimated_seconds_remaining", "estimated_completion_at")
-TOTAL_FIELDS = ("requests_completed_total", "requests_failed_total", "prompt_tokens_total", "completion_tokens_total")
+TOTAL_FIELDS = (
+    "requests_completed_total",
+    "requests_failed_total",
+    "prompt_tokens_total",
+    "completion_tokens_total",
+)
 
 
 class _Links(HTMLParser):

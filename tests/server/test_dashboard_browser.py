@@ -10,11 +10,13 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+
+if TYPE_CHECKING:  # imported when a test runs: `nox -s unit` (no playwright) only collects these
+    from playwright.sync_api import Browser, Page, Route
 
 from tests.helpers import chat_line, submit, wait_for_status
 from tests.live import LiveServer
@@ -28,12 +30,16 @@ WAIT_MS = 60_000
 def _chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("no chromium on PATH: install Debian's package (apt-get install chromium), as .ci/run does")
+        pytest.fail(
+            "no chromium on PATH: install Debian's package (apt-get install chromium), as .ci/run does"
+        )
     return path
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    from playwright.sync_api import sync_playwright
+
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=_chromium(), headless=True)
         yield launched
@@ -102,14 +108,18 @@ def test_the_dashboard_follows_a_batch_plots_throughput_and_cancels_another(
         page.wait_for_function(
             "id => document.getElementById('detail-id').textContent === id", arg=watched["id"]
         )
-        page.wait_for_function("() => document.getElementById('detail-results').textContent.includes('watched-')")
+        page.wait_for_function(
+            "() => document.getElementById('detail-results').textContent.includes('watched-')"
+        )
         assert '"nightly"' in (page.text_content("#detail-fields") or "")
         rate_cell = page.text_content(f'tr[data-batch-id="{watched["id"]}"] td:nth-child(4)') or ""
         page.screenshot(path=str(tmp_path / "dashboard-running.png"), full_page=True)
 
         # cancel the other batch from its detail panel
         page.click(f'tr[data-batch-id="{doomed["id"]}"]')
-        page.wait_for_function("id => document.getElementById('detail-id').textContent === id", arg=doomed["id"])
+        page.wait_for_function(
+            "id => document.getElementById('detail-id').textContent === id", arg=doomed["id"]
+        )
         page.wait_for_selector("#cancel-batch", state="visible")
         page.once("dialog", lambda dialog: dialog.accept())
         page.click("#cancel-batch")
@@ -135,9 +145,7 @@ def _done_width(page: Page, batch_id: str) -> float:
     return float(width)
 
 
-def test_the_page_asks_for_an_api_key_and_sends_it_on_every_call(
-    live_server: LiveServer, page: Page
-) -> None:
+def test_the_page_asks_for_an_api_key_and_sends_it_on_every_call(live_server: LiveServer, page: Page) -> None:
     """A server that answers 401 without ``Authorization: Bearer sk-right`` (the API's answer when
     keys are configured, played here by intercepting the page's calls)."""
     seen: list[dict[str, Any]] = []

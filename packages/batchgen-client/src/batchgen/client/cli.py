@@ -244,9 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--poll-interval", type=non_negative_float, default=1.0, metavar="SECONDS")
 
     watch = add("watch", _watch, "show progress bars (rate, ETA) of batches until they have all ended")
-    watch.add_argument(
-        "ids", nargs="*", metavar="ID", help="batch ids (default: every batch not ended yet)"
-    )
+    watch.add_argument("ids", nargs="*", metavar="ID", help="batch ids (default: every batch not ended yet)")
     watch.add_argument("--poll-interval", type=non_negative_float, default=1.0, metavar="SECONDS")
 
     add("pool", _pool, "print the server's pool status as JSON")
