@@ -319,7 +319,8 @@
     ["model", (b) => b.model],
     ["requests", (b) => {
       const c = b.request_counts || {};
-      return `${c.completed} completed, ${c.failed} failed, ${c.total} in all`;
+      const n = (value) => (value || 0).toLocaleString();
+      return `${n(c.completed)} completed, ${n(c.failed)} failed, ${n(c.total)} in all`;
     }],
     ["rate", (b) => (b.requests_per_second === null ? "–" : `${number(b.requests_per_second, 2)} requests/s`)],
     ["time left", (b) => duration(b.estimated_seconds_remaining)],
