@@ -5,7 +5,10 @@ in test_dashboard_browser.py)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
+import zipfile
 from collections.abc import Callable
 from html.parser import HTMLParser
 from importlib.resources import files
@@ -14,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
@@ -22,6 +26,8 @@ from tests.helpers import api_error, chat_line, submit, wait_for_status
 from tests.live import LiveServer
 
 ApiFactory = Callable[..., TestClient[Litestar]]
+SERVER_PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "batchgen-server"
+DASHBOARD_FILES = ("page.html", "dashboard.js", "dashboard.css")
 SLOW = ("--simulated-latency-s", "0.05", "--max-pool-size", "2")
 PACE_FIELDS = ("requests_per_second", "estimated_seconds_remaining", "estimated_completion_at")
 TOTAL_FIELDS = (
@@ -67,12 +73,26 @@ def test_the_page_names_the_model_and_backend_and_loads_only_its_own_files(api: 
     assert api.get("/ui/dashboard.css").headers["content-type"].startswith("text/css")
 
 
+@pytest.mark.live
+def test_the_wheel_ships_the_page_and_its_assets(tmp_path: Path) -> None:
+    """An installed (not editable) server has the files too: they are in the built wheel."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path), str(SERVER_PACKAGE)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("batchgen_server-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        for name in DASHBOARD_FILES:
+            assert archive.read(f"batchgen/server/dashboard/{name}") == _packaged(name)
+
+
 def test_the_page_and_its_assets_fetch_nothing_from_elsewhere() -> None:
     """No CDN: the page works with no internet (the script talks to its own server only)."""
-    for name in ("page.html", "dashboard.js", "dashboard.css"):
+    for name in DASHBOARD_FILES:
         text = _packaged(name).decode()
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.IGNORECASE), name
-        assert "import " not in text or name != "dashboard.js"
+        assert not re.search(r"^\s*import\b|\bimport\(", text, re.MULTILINE), name  # no modules loaded
 
 
 def test_an_unknown_dashboard_file_is_an_openai_shaped_404(api: TestClient[Litestar]) -> None:

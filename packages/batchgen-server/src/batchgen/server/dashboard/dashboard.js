@@ -363,7 +363,15 @@
   async function refreshDetail() {
     if (!selected) return;
     const batchId = selected;
-    const batch = await apiJSON(`/v1/batches/${encodeURIComponent(batchId)}`);
+    let batch;
+    try {
+      batch = await apiJSON(`/v1/batches/${encodeURIComponent(batchId)}`);
+    } catch (error) {
+      if (error.status !== 404 || batchId !== selected) throw error;
+      $("detail-notice").textContent = "this batch is gone from the server";
+      $("cancel-batch").hidden = true;
+      return;
+    }
     if (batchId !== selected) return;
     $("detail").dataset.status = batch.status;
     const fields = $("detail-fields");
