@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.core.batch_progress import MIN_SPAN_S, UNKNOWN, ProgressWindow, estimate
-from batchgen.core.throughput import ThroughputMeter, Totals
+from batchgen.core.throughput import Counts, ThroughputMeter, Totals
 
 
 class Clock:
@@ -138,36 +138,45 @@ def test_estimate_of_no_samples_is_unknown() -> None:
 
 # --- running totals -------------------------------------------------------------------------------
 
-counts = st.builds(Totals, *(st.integers(0, 1000) for _ in range(4)))
+counts = st.tuples(*(st.integers(0, 1000) for _ in range(4)))
 
 
 @given(st.lists(st.tuples(st.sampled_from("abc"), counts), max_size=30))
 def test_totals_add_exactly_what_each_batch_gained_and_never_fall(
-    observations: list[tuple[str, Totals]],
+    observations: list[tuple[str, Counts]],
 ) -> None:
     meter = ThroughputMeter()
-    highest = {name: Totals() for name in "abc"}
+    highest: dict[str, Counts] = dict.fromkeys("abc", (0, 0, 0, 0))
     for name in "abc":
-        meter.start(name, Totals())
-    previous = meter.totals
+        meter.start(name, (0, 0, 0, 0))
+    previous = _tuple(meter.totals)
     for name, seen in observations:
         # counters of a batch only grow: take the running maximum as what the tracker reports
-        grown = Totals(*(max(a, b) for a, b in zip(_tuple(highest[name]), _tuple(seen), strict=True)))
-        highest[name] = grown
-        meter.observe(name, grown)
-        assert all(a >= b for a, b in zip(_tuple(meter.totals), _tuple(previous), strict=True))
-        previous = meter.totals
-    expected = [sum(values) for values in zip(*(_tuple(t) for t in highest.values()), strict=True)]
-    assert list(_tuple(meter.totals)) == expected
+        a, b, c, d = (max(x, y) for x, y in zip(highest[name], seen, strict=True))
+        highest[name] = (a, b, c, d)
+        meter.observe(name, highest[name])
+        now = _tuple(meter.totals)
+        assert all(x >= y for x, y in zip(now, previous, strict=True))
+        previous = now
+    expected = tuple(sum(values) for values in zip(*highest.values(), strict=True))
+    assert _tuple(meter.totals) == expected
+
+
+def test_a_counter_that_goes_back_adds_nothing() -> None:
+    meter = ThroughputMeter()
+    meter.start("b", (0, 0, 0, 0))
+    meter.observe("b", (5, 1, 50, 100))
+    meter.observe("b", (3, 1, 40, 100))  # never happens in the tracker; still never subtracts
+    assert _tuple(meter.totals) == (5, 1, 50, 100)
 
 
 def test_a_batch_counts_from_where_it_started_and_not_after_it_stopped() -> None:
     meter = ThroughputMeter()
-    meter.observe("unknown", Totals(5, 5, 5, 5))  # never started: ignored
-    meter.start("resumed", Totals(100, 3, 1000, 2000))  # restored after a restart: not new work
-    meter.observe("resumed", Totals(101, 3, 1010, 2020))
-    meter.stop("resumed", Totals(102, 4, 1020, 2040))
-    meter.observe("resumed", Totals(200, 4, 9999, 9999))  # after it stopped: ignored
+    meter.observe("unknown", (5, 5, 5, 5))  # never started: ignored
+    meter.start("resumed", (100, 3, 1000, 2000))  # restored after a restart: not new work
+    meter.observe("resumed", (101, 3, 1010, 2020))
+    meter.stop("resumed", (102, 4, 1020, 2040))
+    meter.observe("resumed", (200, 4, 9999, 9999))  # after it stopped: ignored
     assert meter.totals == Totals(2, 1, 20, 40)
     assert meter.totals.to_dict() == {
         "requests_completed_total": 2,
@@ -177,5 +186,5 @@ def test_a_batch_counts_from_where_it_started_and_not_after_it_stopped() -> None
     }
 
 
-def _tuple(totals: Totals) -> tuple[int, int, int, int]:
+def _tuple(totals: Totals) -> Counts:
     return (totals.requests_completed, totals.requests_failed, totals.prompt_tokens, totals.completion_tokens)

@@ -28,7 +28,7 @@ from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCoun
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
 from batchgen.core.storage_faults import storage_fault
-from batchgen.core.throughput import ThroughputMeter, Totals
+from batchgen.core.throughput import Counts, ThroughputMeter
 from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
@@ -81,8 +81,9 @@ class ActiveBatch:
     def finished(self) -> int:
         return self.completed + self.failed
 
-    def totals(self) -> Totals:
-        return Totals(self.completed, self.failed, self.prompt_tokens, self.completion_tokens)
+    def counts(self) -> Counts:
+        """The counters, as the running totals take them."""
+        return (self.completed, self.failed, self.prompt_tokens, self.completion_tokens)
 
     def state(self) -> Batch:
         """The batch as it is now, with its live counters (what a save writes)."""
@@ -138,13 +139,13 @@ class BatchTracker:
             errors=self._blobs.open_result_writer(self._blobs.error_path(batch.id)),
         )
         self._active[batch.id] = active
-        self.meter.start(batch.id, active.totals())
+        self.meter.start(batch.id, active.counts())
         return active
 
     def counts_restored(self, active: ActiveBatch) -> None:
         """The batch's counters were rebuilt from its result files (a restart): that work was
         done before, so it counts neither in the running totals nor in the batch's pace."""
-        self.meter.start(active.id, active.totals())
+        self.meter.start(active.id, active.counts())
         active.progress.restart(active.finished)
 
     def get(self, batch_id: str) -> ActiveBatch | None:
@@ -195,7 +196,7 @@ class BatchTracker:
 
         Called as each of its requests ends, so its pace and the running totals are taken here."""
         active.progress.record(active.finished)
-        self.meter.observe(active.id, active.totals())
+        self.meter.observe(active.id, active.counts())
         status = active.status
         if status is BatchStatus.IN_PROGRESS and active.finished >= active.batch.request_counts.total:
             self.move(active, BatchStatus.FINALIZING)
@@ -274,7 +275,7 @@ class BatchTracker:
         self._active.clear()
 
     def _close(self, active: ActiveBatch) -> None:
-        self.meter.stop(active.id, active.totals())
+        self.meter.stop(active.id, active.counts())
         for writer in (active.output, active.errors):
             try:
                 writer.close()

@@ -30,36 +30,38 @@ class Totals:
         }
 
 
-def _grown(now: Totals, before: Totals) -> Totals:
-    """What each counter gained (never a negative amount)."""
-    return Totals(*(max(0, a - b) for a, b in zip(attrs.astuple(now), attrs.astuple(before), strict=True)))
-
-
-def _plus(a: Totals, b: Totals) -> Totals:
-    return Totals(*(x + y for x, y in zip(attrs.astuple(a), attrs.astuple(b), strict=True)))
+#: A batch's counters as the tracker holds them: completed, failed, prompt and completion tokens.
+Counts = tuple[int, int, int, int]
 
 
 class ThroughputMeter:
-    """Running totals over every batch this process has worked on."""
+    """Running totals over every batch this process has worked on (cheap: called per request)."""
 
     def __init__(self) -> None:
-        self.totals = Totals()
-        self._seen: dict[str, Totals] = {}
+        self._totals = [0, 0, 0, 0]
+        self._seen: dict[str, Counts] = {}
 
-    def start(self, batch_id: str, counts: Totals) -> None:
+    @property
+    def totals(self) -> Totals:
+        return Totals(*self._totals)
+
+    def start(self, batch_id: str, counts: Counts) -> None:
         """Follow a batch from ``counts`` on (they are not added)."""
         self._seen[batch_id] = counts
 
-    def observe(self, batch_id: str, counts: Totals) -> None:
+    def observe(self, batch_id: str, counts: Counts) -> None:
         """Add what the batch's counters gained since it was last seen; a batch not followed
-        (never started, or stopped) is ignored."""
+        (never started, or stopped) is ignored, and a counter never adds a negative amount."""
         before = self._seen.get(batch_id)
         if before is None or before == counts:
             return
-        self.totals = _plus(self.totals, _grown(counts, before))
+        totals = self._totals
+        for index, (now, then) in enumerate(zip(counts, before, strict=True)):
+            if now > then:
+                totals[index] += now - then
         self._seen[batch_id] = counts
 
-    def stop(self, batch_id: str, counts: Totals) -> None:
+    def stop(self, batch_id: str, counts: Counts) -> None:
         """Take the batch's last counts and stop following it."""
         self.observe(batch_id, counts)
         self._seen.pop(batch_id, None)
