@@ -126,7 +126,7 @@ def _running_pace(client: httpx.Client, batch_id: str) -> dict[str, Any]:
     raise AssertionError(f"batch {batch_id} never showed a pace: {batch}")
 
 
-def test_a_running_batch_shows_its_pace_and_time_left_and_an_ended_one_none(api_factory: ApiFactory) -> None:
+def test_a_running_batch_shows_its_pace_and_time_left_and_a_cancelled_one_none(api_factory: ApiFactory) -> None:
     client = api_factory(*SLOW)
     batch = submit(client, [chat_line(f"r{i}") for i in range(120)])
     assert all(batch[field] is None for field in PACE_FIELDS)  # nothing measured yet
@@ -140,7 +140,10 @@ def test_a_running_batch_shows_its_pace_and_time_left_and_an_ended_one_none(api_
         assert running["estimated_completion_at"] >= int(time.time())
     listed = client.get("/v1/batches").json()["data"][0]
     assert listed["id"] == batch["id"] and set(PACE_FIELDS) <= set(listed)
-    ended = wait_for_status(client, batch["id"], {"completed"})
+    cancelled = client.post(f"/v1/batches/{batch['id']}/cancel").json()
+    assert cancelled["status"] in ("cancelling", "cancelled")
+    assert all(cancelled[field] is None for field in PACE_FIELDS)  # it will not run to an end
+    ended = wait_for_status(client, batch["id"], {"cancelled"})
     assert all(ended[field] is None for field in PACE_FIELDS)
 
 
@@ -152,6 +155,7 @@ def test_pool_status_totals_count_every_finished_request_and_its_tokens(api_fact
     first = submit(client, lines)
     second = submit(client, [chat_line(f"more{i}") for i in range(5)])
     done = [wait_for_status(client, batch["id"], {"completed"}) for batch in (first, second)]
+    assert all(batch[field] is None for batch in done for field in PACE_FIELDS)  # ended: no pace
     after = client.get("/v1/pool/status").json()
     assert after["requests_completed_total"] == sum(b["request_counts"]["completed"] for b in done) == 12
     assert after["requests_failed_total"] == sum(b["request_counts"]["failed"] for b in done) == 3

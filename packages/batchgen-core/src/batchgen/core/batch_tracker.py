@@ -33,6 +33,9 @@ from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
 
+#: The statuses whose snapshot carries a pace and an estimated end.
+_RUNNING = frozenset({BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS})
+
 
 def now() -> int:
     """The service's clock: whole seconds since the epoch, as the API reports times."""
@@ -94,7 +97,7 @@ class ActiveBatch:
         with its live counters."""
         assert self.saved is not None
         batch = self._with_counters(self.batch if self.unsaved_reason is None else self.saved)
-        if batch.status.is_terminal:
+        if batch.status not in _RUNNING:  # ended, or cancelling: no time left to predict
             return batch
         return attrs.evolve(batch, progress=self.progress.estimate(self.finished, batch.request_counts.total))
 
