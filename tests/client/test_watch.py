@@ -141,7 +141,11 @@ def test_without_a_server_rate_it_is_measured_between_polls(make_client: Any) ->
     assert "5.0 req/s" in lines[1] and "ETA 16s" in lines[1]  # 10 more in 2 s; 80 left
 
 
-def test_on_a_terminal_the_block_of_lines_is_redrawn_in_place(make_client: Any) -> None:
+def test_on_a_terminal_the_block_of_lines_is_redrawn_in_place(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LINES", "24")
+    monkeypatch.setenv("COLUMNS", "120")
     api = Progressing({
         "batch_a": [state("batch_a", "in_progress", 5), state("batch_a", "completed", 10)],
         "batch_b": [state("batch_b", "in_progress", 1), state("batch_b", "completed", 10)],
@@ -152,6 +156,19 @@ def test_on_a_terminal_the_block_of_lines_is_redrawn_in_place(make_client: Any) 
     first, second = out.getvalue().split("\x1b[2A")  # up two lines, once: before the second round
     assert first.count("\n") == second.count("\n") == 2
     assert "completed" in second and "in_progress" not in second
+
+
+def test_more_batches_than_terminal_rows_are_printed_as_they_change(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LINES", "3")  # shutil.get_terminal_size reads these first
+    monkeypatch.setenv("COLUMNS", "120")
+    ids = [f"batch_{i}" for i in range(3)]
+    api = Progressing({i: [state(i, "in_progress", 1), state(i, "completed", 10)] for i in ids})
+    ticks, out = Ticks(), io.StringIO()
+    watch_batches(make_client(api), ids, BatchBoard(out, redraw=True, clock=ticks.clock), sleep=ticks.sleep)
+    assert "\x1b[" not in out.getvalue()
+    assert len(out.getvalue().splitlines()) == 6  # each batch: in progress, then completed
 
 
 def test_active_batch_ids_reads_every_page_and_leaves_out_ended_batches(make_client: Any) -> None:

@@ -126,7 +126,9 @@ def _running_pace(client: httpx.Client, batch_id: str) -> dict[str, Any]:
     raise AssertionError(f"batch {batch_id} never showed a pace: {batch}")
 
 
-def test_a_running_batch_shows_its_pace_and_time_left_and_a_cancelled_one_none(api_factory: ApiFactory) -> None:
+def test_a_running_batch_shows_its_pace_and_time_left_and_a_cancelled_one_none(
+    api_factory: ApiFactory,
+) -> None:
     client = api_factory(*SLOW)
     batch = submit(client, [chat_line(f"r{i}") for i in range(120)])
     assert all(batch[field] is None for field in PACE_FIELDS)  # nothing measured yet

@@ -5,8 +5,9 @@
 
 Each line is `format_progress`'s. The rate is the server's `requests_per_second` when the batch
 object has one (measured over the server's recent window), else measured here between polls
-(`RateMeter`). On a terminal the block of lines is redrawn in place; on anything else a batch's
-line is printed again only when its status or counts change, so a log stays short.
+(`RateMeter`). On a terminal the block of lines is redrawn in place (unless it is taller than the
+terminal); on anything else a batch's line is printed again only when its status or counts
+change, so a log stays short.
 
 `BatchBoard` draws (`board_for` picks how, for a stream); `watch_batches` polls (with an injectable sleep and clock for tests) and
 `active_batch_ids` finds the batches a bare `batchgen watch` follows.
@@ -70,6 +71,8 @@ class BatchBoard:
         self._drawn = 0  # lines of the block on the terminal
 
     def update(self, batches: Sequence[Mapping[str, Any]]) -> None:
+        if self.redraw and not self._drawn and len(batches) >= self._height():
+            self.redraw = False  # a block taller than the terminal cannot be redrawn in place
         now = self._clock()
         lines: list[tuple[str, str, object]] = []
         for batch in batches:
@@ -104,6 +107,10 @@ class BatchBoard:
     @staticmethod
     def _width() -> int:
         return shutil.get_terminal_size(fallback=(100, 24)).columns - 1
+
+    @staticmethod
+    def _height() -> int:
+        return shutil.get_terminal_size(fallback=(100, 24)).lines
 
 
 def board_for(stream: TextIO) -> BatchBoard:
