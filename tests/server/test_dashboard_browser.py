@@ -187,3 +187,32 @@ def test_the_page_asks_for_an_api_key_and_sends_it_on_every_call(live_server: Li
     assert seen and all(call["authorization"] == "Bearer sk-right" for call in seen)
     assert {"/v1/pool/status", "/v1/batches"} <= {call["url"].split("?")[0].removeprefix(live_server.base_url)
                                                    for call in seen}  # fmt: skip
+
+
+def test_the_batch_table_pages_newest_first(server_factory: Callable[..., LiveServer], page: Page) -> None:
+    server = server_factory()
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        created = [submit(api, [chat_line(f"p{i}")])["id"] for i in range(23)]
+    newest_first = created[::-1]
+
+    def shown() -> list[str]:
+        ids: list[str] = page.eval_on_selector_all(
+            "#batch-rows tr", "rows => rows.map(r => r.dataset.batchId)"
+        )
+        return ids
+
+    page.goto(server.base_url + "/")
+    page.wait_for_function("() => document.querySelectorAll('#batch-rows tr[data-batch-id]').length === 20")
+    assert shown() == newest_first[:20]
+    assert page.is_disabled("#newer") and page.is_enabled("#older")
+
+    page.click("#older")
+    page.wait_for_function("() => document.getElementById('page-label').textContent === 'page 2'")
+    page.wait_for_function("() => document.querySelectorAll('#batch-rows tr[data-batch-id]').length === 3")
+    assert shown() == newest_first[20:]
+    assert page.is_disabled("#older") and page.is_enabled("#newer")
+
+    page.click("#newer")
+    page.wait_for_function("() => document.getElementById('page-label').textContent === 'page 1'")
+    page.wait_for_function("() => document.querySelectorAll('#batch-rows tr[data-batch-id]').length === 20")
+    assert shown() == newest_first[:20]

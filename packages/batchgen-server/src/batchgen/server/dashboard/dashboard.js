@@ -279,11 +279,15 @@
     return row;
   }
 
+  let batchesAsked = 0; // only the latest listing asked for is drawn (a page change overtakes a poll)
+
   async function refreshBatches() {
+    const asked = ++batchesAsked;
     const after = cursors[cursors.length - 1];
     const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
     if (after) query.set("after", after);
     const page = await apiJSON(`/v1/batches?${query}`);
+    if (asked !== batchesAsked) return;
     const rows = $("batch-rows");
     if (!page.data.length) {
       rows.replaceChildren(element("tr", {}, element("td", { colspan: "7", class: "muted", text: "no batches yet" })));
