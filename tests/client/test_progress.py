@@ -16,6 +16,7 @@ from batchgen.client._progress import (
     format_duration,
     format_progress,
     progress_for,
+    server_rate,
 )
 
 
@@ -153,3 +154,17 @@ def test_batch_progress_measures_the_rate_between_polls() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3
     assert lines[-1].endswith("200/400 done, 0 failed, ETA 4s, 50 req/s")
+
+
+def test_batch_progress_prefers_the_rate_the_server_measured() -> None:
+    stream = io.StringIO()
+    progress = BatchProgress(stream, redraw=False, clock=lambda: 0.0)
+    progress.update(batch(total=400, completed=100) | {"requests_per_second": 25.0})
+    assert stream.getvalue().rstrip().endswith("100/400 done, 0 failed, ETA 12s, 25 req/s")
+
+
+@pytest.mark.parametrize("value", [None, -1, "fast", True, float("nan")])
+def test_a_missing_or_odd_server_rate_is_not_used(value: object) -> None:
+    assert server_rate({"requests_per_second": value}) is None
+    assert server_rate({}) is None
+    assert server_rate({"requests_per_second": 0}) == 0.0

@@ -6,7 +6,9 @@ No dependency: on a terminal the line is redrawn in place (carriage return, then
 of the line) and cut to the terminal's width; on anything else, when progress was asked for
 explicitly, a new line is printed each time the status or the counts change.
 
-`format_progress` and `RateMeter` are pure; `BatchProgress` is what `wait_for_batch` feeds.
+`format_progress` and `RateMeter` are pure; `BatchProgress` is what `wait_for_batch` feeds. The rate
+shown is the server's `requests_per_second` when the batch object has one (BatchGen servers send
+it), else measured between polls.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "format_duration",
     "format_progress",
     "progress_for",
+    "server_rate",
 ]
 
 BAR_WIDTH = 20
@@ -60,6 +63,14 @@ def counts_of(batch: Mapping[str, Any]) -> Counts | None:
     if not all(isinstance(value, int) and value >= 0 for value in values):
         return None
     return Counts(*values)
+
+
+def server_rate(batch: Mapping[str, Any]) -> float | None:
+    """The batch's own `requests_per_second`, measured by a server that sends it, else None."""
+    rate = batch.get("requests_per_second")
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate >= 0:
+        return None
+    return float(rate)
 
 
 class RateMeter:
@@ -189,7 +200,10 @@ class BatchProgress:
         if counts is not None:
             self._meter.add(now, counts.done)
         width = self._line.width if self._line.redraw else None
-        text = format_progress(batch, rate=self._meter.rate(), elapsed=now - self._started, width=width)
+        rate = server_rate(batch)
+        if rate is None:
+            rate = self._meter.rate()
+        text = format_progress(batch, rate=rate, elapsed=now - self._started, width=width)
         self._line.show(text, key=(batch.get("status"), counts))
 
     def close(self) -> None:

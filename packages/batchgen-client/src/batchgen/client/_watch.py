@@ -21,7 +21,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from batchgen.client._client import BatchGenHttpClient
-from batchgen.client._progress import ERASE_TO_END_OF_LINE, RateMeter, _isatty, counts_of, format_progress
+from batchgen.client._progress import (
+    ERASE_TO_END_OF_LINE,
+    RateMeter,
+    _isatty,
+    counts_of,
+    format_progress,
+    server_rate,
+)
 from batchgen.client._requests import TERMINAL_STATUSES, JSONObject
 
 __all__ = ["BatchBoard", "active_batch_ids", "board_for", "watch_batches"]
@@ -42,11 +49,6 @@ def active_batch_ids(client: BatchGenHttpClient) -> list[str]:
         if not page.get("has_more") or not batches:
             return found
         after = str(batches[-1]["id"])
-
-
-def _server_rate(batch: Mapping[str, Any]) -> float | None:
-    rate = batch.get("requests_per_second")
-    return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) and rate >= 0 else None
 
 
 def _duration(batch: Mapping[str, Any]) -> float | None:
@@ -81,7 +83,7 @@ class BatchBoard:
             meter = self._meters.setdefault(batch_id, RateMeter())
             if counts is not None:
                 meter.add(now, counts.done)
-            rate = _server_rate(batch)
+            rate = server_rate(batch)
             if rate is None:
                 rate = meter.rate()
             width = self._width() if self.redraw else None
