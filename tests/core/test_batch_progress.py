@@ -1,5 +1,5 @@
-"""The pace of a batch and its estimated completion (batch_progress), and the running totals
-(throughput): properties over generated histories, with a hand-driven clock."""
+"""The pace of a batch and its estimated completion (batch_progress): properties over generated
+histories, with a hand-driven clock."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.core.batch_progress import MIN_SPAN_S, UNKNOWN, ProgressWindow, estimate
-from batchgen.core.throughput import Counts, ThroughputMeter, Totals
 
 
 class Clock:
@@ -134,57 +133,3 @@ def test_the_window_must_be_at_least_a_second() -> None:
 
 def test_estimate_of_no_samples_is_unknown() -> None:
     assert estimate([], 10.0, 5) == UNKNOWN
-
-
-# --- running totals -------------------------------------------------------------------------------
-
-counts = st.tuples(*(st.integers(0, 1000) for _ in range(4)))
-
-
-@given(st.lists(st.tuples(st.sampled_from("abc"), counts), max_size=30))
-def test_totals_add_exactly_what_each_batch_gained_and_never_fall(
-    observations: list[tuple[str, Counts]],
-) -> None:
-    meter = ThroughputMeter()
-    highest: dict[str, Counts] = dict.fromkeys("abc", (0, 0, 0, 0))
-    for name in "abc":
-        meter.start(name, (0, 0, 0, 0))
-    previous = _tuple(meter.totals)
-    for name, seen in observations:
-        # counters of a batch only grow: take the running maximum as what the tracker reports
-        a, b, c, d = (max(x, y) for x, y in zip(highest[name], seen, strict=True))
-        highest[name] = (a, b, c, d)
-        meter.observe(name, highest[name])
-        now = _tuple(meter.totals)
-        assert all(x >= y for x, y in zip(now, previous, strict=True))
-        previous = now
-    expected = tuple(sum(values) for values in zip(*highest.values(), strict=True))
-    assert _tuple(meter.totals) == expected
-
-
-def test_a_counter_that_goes_back_adds_nothing() -> None:
-    meter = ThroughputMeter()
-    meter.start("b", (0, 0, 0, 0))
-    meter.observe("b", (5, 1, 50, 100))
-    meter.observe("b", (3, 1, 40, 100))  # never happens in the tracker; still never subtracts
-    assert _tuple(meter.totals) == (5, 1, 50, 100)
-
-
-def test_a_batch_counts_from_where_it_started_and_not_after_it_stopped() -> None:
-    meter = ThroughputMeter()
-    meter.observe("unknown", (5, 5, 5, 5))  # never started: ignored
-    meter.start("resumed", (100, 3, 1000, 2000))  # restored after a restart: not new work
-    meter.observe("resumed", (101, 3, 1010, 2020))
-    meter.stop("resumed", (102, 4, 1020, 2040))
-    meter.observe("resumed", (200, 4, 9999, 9999))  # after it stopped: ignored
-    assert meter.totals == Totals(2, 1, 20, 40)
-    assert meter.totals.to_dict() == {
-        "requests_completed_total": 2,
-        "requests_failed_total": 1,
-        "prompt_tokens_total": 20,
-        "completion_tokens_total": 40,
-    }
-
-
-def _tuple(totals: Totals) -> Counts:
-    return (totals.requests_completed, totals.requests_failed, totals.prompt_tokens, totals.completion_tokens)

@@ -28,7 +28,6 @@ from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCoun
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
 from batchgen.core.storage_faults import storage_fault
-from batchgen.core.throughput import Counts, ThroughputMeter
 from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
@@ -84,10 +83,6 @@ class ActiveBatch:
     def finished(self) -> int:
         return self.completed + self.failed
 
-    def counts(self) -> Counts:
-        """The counters, as the running totals take them."""
-        return (self.completed, self.failed, self.prompt_tokens, self.completion_tokens)
-
     def state(self) -> Batch:
         """The batch as it is now, with its live counters (what a save writes)."""
         return self._with_counters(self.batch)
@@ -131,8 +126,6 @@ class BatchTracker:
         self._intake_pool = intake_pool
         self._abort_request = abort_request
         self._active: dict[str, ActiveBatch] = {}
-        #: Running totals over every batch tracked since the start (for the dashboard).
-        self.meter = ThroughputMeter()
 
     # --- membership ------------------------------------------------------------------------
     def track(self, batch: Batch) -> ActiveBatch:
@@ -142,13 +135,11 @@ class BatchTracker:
             errors=self._blobs.open_result_writer(self._blobs.error_path(batch.id)),
         )
         self._active[batch.id] = active
-        self.meter.start(batch.id, active.counts())
         return active
 
     def counts_restored(self, active: ActiveBatch) -> None:
         """The batch's counters were rebuilt from its result files (a restart): that work was
-        done before, so it counts neither in the running totals nor in the batch's pace."""
-        self.meter.start(active.id, active.counts())
+        done before, so it does not count in the batch's pace."""
         active.progress.restart(active.finished)
 
     def get(self, batch_id: str) -> ActiveBatch | None:
@@ -197,9 +188,8 @@ class BatchTracker:
     def settle(self, active: ActiveBatch) -> None:
         """End the batch if nothing is left to do: every request has its line, or a cancel drained.
 
-        Called as each of its requests ends, so its pace and the running totals are taken here."""
+        Called as each of its requests ends, so its pace is sampled here."""
         active.progress.record(active.finished)
-        self.meter.observe(active.id, active.counts())
         status = active.status
         if status is BatchStatus.IN_PROGRESS and active.finished >= active.batch.request_counts.total:
             self.move(active, BatchStatus.FINALIZING)
@@ -278,7 +268,6 @@ class BatchTracker:
         self._active.clear()
 
     def _close(self, active: ActiveBatch) -> None:
-        self.meter.stop(active.id, active.counts())
         for writer in (active.output, active.errors):
             try:
                 writer.close()

@@ -241,7 +241,7 @@ class PoolStatus:
     scheduling_pool_capacity: int
     active_batches: int
     pool_mode: bool = True
-    #: Running totals since the service started (``throughput``): a dashboard's rates.
+    #: Running totals since the service started (``telemetry``): a dashboard's rates.
     requests_completed_total: int = 0
     requests_failed_total: int = 0
     prompt_tokens_total: int = 0

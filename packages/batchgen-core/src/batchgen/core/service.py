@@ -70,7 +70,6 @@ from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, Resu
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
-from batchgen.core.throughput import Totals
 from batchgen.core.webhook_outbox import WebhookTargets
 
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
@@ -573,7 +572,7 @@ class BatchService:
 
     # --- monitoring -----------------------------------------------------------------------
     def pool_status(self) -> PoolStatus:
-        totals = Totals() if self._parts is None else self._parts.tracker.meter.totals
+        counted = self.telemetry  # requests whose line was written since the process started
         return PoolStatus(
             intake_pool_size=self.intake_pool.size,
             intake_pool_capacity=self.intake_pool.capacity,
@@ -581,10 +580,10 @@ class BatchService:
             scheduling_pool_free=self.scheduling_pool.free,
             scheduling_pool_capacity=self.scheduling_pool.capacity,
             active_batches=0 if self._parts is None else len(self._parts.tracker),
-            requests_completed_total=totals.requests_completed,
-            requests_failed_total=totals.requests_failed,
-            prompt_tokens_total=totals.prompt_tokens,
-            completion_tokens_total=totals.completion_tokens,
+            requests_completed_total=counted.completed,
+            requests_failed_total=counted.failed,
+            prompt_tokens_total=counted.prompt_tokens,
+            completion_tokens_total=counted.generated_tokens,
         )
 
     @property
