@@ -184,7 +184,9 @@ def test_help_shows_every_default_exactly_once() -> None:
             line for line in text.splitlines() if line.lstrip().startswith(action.option_strings[0] + " ")
         ]
         assert line.count("default:") <= 1, line
-        if action.default not in (None, [], ()):
+        if isinstance(action, argparse._StoreTrueAction):  # a switch: off unless given
+            assert "(default:" not in line, line
+        elif action.default not in (None, [], ()):
             assert line.count(f"(default: {action.default})") == 1, line
 
 
