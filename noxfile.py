@@ -19,8 +19,9 @@ PACKAGES = ("packages/batchgen-core", "packages/batchgen-server", "packages/batc
 CONSTRAINTS = ("-c", "constraints.txt")
 #: What every test module imports; enough for the tests that need no model (`nox -s unit`).
 #: schemathesis fuzzes the server's published OpenAPI schema (tests/server/test_openapi_fuzz.py); pyyaml
-#: reads the shipped Prometheus alert rules (tests/server/test_operations_docs.py).
-UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx", "pyyaml")
+#: reads the shipped Prometheus alert rules (tests/server/test_operations_docs.py); trustme makes the
+#: throwaway certificate authority of the HTTPS test (tests/server/test_server_security.py).
+UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx", "pyyaml", "trustme")
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive; hatchling builds the example backend package that the
 #: tests install (examples/batchgen-backend-echo); playwright drives the system's Chromium

@@ -27,7 +27,9 @@ exactly once and every slot came back.
 
 from __future__ import annotations
 
+import math
 import random
+import tracemalloc
 from array import array
 from collections import Counter
 
@@ -487,3 +489,209 @@ async def test_resuming_refills_slots_freed_while_paused() -> None:
             await scheduler.wait_until_idle()
         tasks.cancel_scope.cancel()
     assert ran == [0, 1, 2]
+
+
+# -- tenants -----------------------------------------------------------------------------------
+
+TENANTS = ("alpha", "beta", "gamma")
+
+
+class TenantSchedulerMachine(RuleBasedStateMachine):
+    """The real pools and scheduler with several tenants of random weights.
+
+    Invariants, on top of those of ``SchedulerMachine``:
+
+    - Capacity: running requests never exceed the slots; ``queued_for_tenant`` is each tenant's
+      queued requests plus its reserved places, and ``free`` counts them all.
+    - No tenant with queued work is starved: from the moment a tenant has queued work, the other
+      tenants are admitted at most ``bound(tenant)`` requests before it is admitted, a bound set
+      by the weights alone, however much the others have queued (a tenant with a million queued
+      requests cannot make another wait for them).
+    - Within a tenant, batches take turns: if a tenant's batch is admitted twice, each other batch
+      of that tenant that had queued work at the first admission was admitted in between.
+    """
+
+    @initialize(
+        slot_count=st.integers(1, 6),
+        weights=st.tuples(*[st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0])] * len(TENANTS)),
+    )
+    def setup(self, slot_count: int, weights: tuple[float, ...]) -> None:
+        self.intake_pool = IntakePool(400)
+        self.scheduling_pool = SchedulingPool(slot_count)
+        self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, _not_run)
+        self.weights = dict(zip(TENANTS, weights, strict=True))
+        for tenant, weight in self.weights.items():
+            self.intake_pool.set_weight(tenant, weight)
+        self.batch_count = 0
+        self.tenant_of: dict[str, str] = {}
+        self.queued: dict[str, set[int]] = {}
+        self.reservations: dict[str, int] = {}
+        self.running: list[IntakeEntry] = []
+        # waited[t]: admissions of other tenants since t last got one (or since it had work)
+        self.waited: dict[str, int] = {}
+        self.owed: dict[str, set[str]] = {}  # batch -> same-tenant batches owed a turn
+
+    def bound(self, tenant: str) -> int:
+        """Most admissions other tenants may get while ``tenant`` waits with queued work."""
+        rounds = math.ceil(1 / min(self.weights[tenant], 1.0)) + 1
+        return rounds * sum(math.ceil(self.weights[other]) + 1 for other in TENANTS if other != tenant)
+
+    def _queued_tenants(self) -> set[str]:
+        return {self.tenant_of[batch_id] for batch_id in self.queued}
+
+    @rule(tenant=st.sampled_from(TENANTS), size=st.integers(1, 60), reserve_first=st.booleans())
+    def add_batch(self, tenant: str, size: int, reserve_first: bool) -> None:
+        batch_id = f"batch_{self.batch_count}"
+        self.batch_count += 1
+        index = make_index(self.batch_count * 1_000_000, [3] * size)
+        if size > self.intake_pool.free:
+            return
+        if reserve_first:  # accepted now, queued later: the reservation carries the tenant
+            self.intake_pool.reserve(batch_id, size, tenant)
+            self.reservations[batch_id] = size
+            self.tenant_of[batch_id] = tenant
+            return
+        self._queue(batch_id, tenant, index, explicit_tenant=True)
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data())
+    def convert(self, data: st.DataObject) -> None:
+        batch_id = data.draw(st.sampled_from(sorted(self.reservations)))
+        size = self.reservations.pop(batch_id)
+        self._queue(batch_id, self.tenant_of[batch_id], make_index(0, [3] * size), explicit_tenant=False)
+
+    def _queue(self, batch_id: str, tenant: str, index: LineIndex, *, explicit_tenant: bool) -> None:
+        had_work = tenant in self._queued_tenants()
+        self.intake_pool.add(batch_id, index, tenant=tenant if explicit_tenant else None)
+        self.tenant_of[batch_id] = tenant
+        self.queued[batch_id] = set(range(len(index)))
+        if not had_work:
+            self.waited[tenant] = 0
+
+    @precondition(lambda self: self.queued or self.reservations)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        batch_id = data.draw(st.sampled_from(sorted({*self.queued, *self.reservations})))
+        tenant = self.tenant_of[batch_id]
+        self.intake_pool.drop(batch_id)
+        self.queued.pop(batch_id, None)
+        self.reservations.pop(batch_id, None)
+        self.owed.pop(batch_id, None)
+        for waiting in self.owed.values():
+            waiting.discard(batch_id)
+        if tenant not in self._queued_tenants():
+            self.waited.pop(tenant, None)
+
+    @rule(tenant=st.sampled_from(TENANTS), weight=st.sampled_from([0.5, 1.0, 2.0]))
+    def reweigh(self, tenant: str, weight: float) -> None:
+        """A tenant's weight changes (``keys set-limits``): the bound follows the new weights."""
+        self.intake_pool.set_weight(tenant, weight)
+        self.weights[tenant] = weight
+        self.waited = dict.fromkeys(self.waited, 0)  # a fresh start for the bound
+
+    @rule()
+    def admit(self) -> None:
+        expected = min(self.scheduling_pool.free, self.intake_pool.size)
+        admitted = self.scheduler.admit()
+        assert len(admitted) == expected
+        for entry in admitted:
+            self._check_admission(entry)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        entry = data.draw(st.sampled_from(self.running))
+        self.scheduler.finish(entry)
+        self.running.remove(entry)
+
+    def _check_admission(self, entry: IntakeEntry) -> None:
+        batch_id, tenant = entry.batch_id, self.tenant_of[entry.batch_id]
+        assert entry.line in self.queued.get(batch_id, ()), f"{batch_id}:{entry.line} was not queued"
+        for other, waited in self.waited.items():
+            if other != tenant:
+                self.waited[other] = waited + 1
+                assert self.waited[other] <= self.bound(other), (
+                    f"tenant {other} (weight {self.weights[other]}) waited {self.waited[other]} admissions "
+                    f"with queued work; weights {self.weights}"
+                )
+        self.waited[tenant] = 0
+        skipped = self.owed.get(batch_id, set())
+        assert not skipped, f"{batch_id} was admitted twice while {sorted(skipped)} of its tenant waited"
+        for waiting in self.owed.values():
+            waiting.discard(batch_id)
+        self.owed[batch_id] = {b for b in self.queued if b != batch_id and self.tenant_of[b] == tenant}
+        self.queued[batch_id].discard(entry.line)
+        if not self.queued[batch_id]:
+            del self.queued[batch_id]
+            del self.owed[batch_id]
+            if tenant not in self._queued_tenants():
+                del self.waited[tenant]
+        self.running.append(entry)
+
+    @invariant()
+    def slots_and_tenant_counts(self) -> None:
+        if not hasattr(self, "intake_pool"):
+            return
+        assert 0 <= self.scheduling_pool.active == len(self.running) <= self.scheduling_pool.capacity
+        for tenant in TENANTS:
+            queued = sum(len(lines) for b, lines in self.queued.items() if self.tenant_of[b] == tenant)
+            held = sum(size for b, size in self.reservations.items() if self.tenant_of[b] == tenant)
+            assert self.intake_pool.queued_for_tenant(tenant) == queued + held
+        assert self.intake_pool.free == self.intake_pool.capacity - sum(
+            self.intake_pool.queued_for_tenant(tenant) for tenant in TENANTS
+        )
+
+
+TenantSchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestTenantSchedulerMachine = TenantSchedulerMachine.TestCase
+
+
+def test_a_small_tenant_gets_slots_within_one_turnover_of_a_million_queued_requests() -> None:
+    """Tenant A holds 1,000,000 queued requests, all slots run A's work; tenant B submits 100.
+    As A's running requests finish, B's requests take the freed slots in turn with A's: B is
+    admitted within the first slots freed, not after A drains."""
+    intake, slots = IntakePool(2_000_000), SchedulingPool(8)
+    scheduler = Scheduler(intake, slots, _not_run)
+    intake.add("batch_a", make_index(0, [10] * 1_000_000), tenant="A")
+    running = scheduler.admit()
+    assert {entry.batch_id for entry in running} == {"batch_a"} and slots.free == 0
+    intake.add("batch_b", make_index(0, [10] * 100), tenant="B")
+    admitted: list[IntakeEntry] = []
+    for _ in range(2):  # two slots free up
+        scheduler.finish(running.pop(0))
+        admitted += scheduler.admit()
+    assert "batch_b" in {entry.batch_id for entry in admitted}, admitted
+    running += admitted
+    # B keeps half the slot turnover while both have work: it drains in about 200 admissions
+    for _ in range(210):
+        scheduler.finish(running.pop(0))
+        running += scheduler.admit()
+    assert intake.queued("batch_b") == 0 and intake.queued("batch_a") > 999_000
+
+
+def test_weights_share_admissions_in_proportion() -> None:
+    """Two tenants with weights 3 and 1 and plenty of queued work: 3 of 4 admissions go to the first."""
+    intake, slots = IntakePool(10_000), SchedulingPool(400)
+    intake.set_weight("heavy", 3)
+    intake.add("h1", make_index(0, [1] * 1000), tenant="heavy")
+    intake.add("h2", make_index(0, [1] * 1000), tenant="heavy")
+    intake.add("l1", make_index(0, [1] * 1000), tenant="light")
+    taken = Counter(entry.batch_id for entry in Scheduler(intake, slots, _not_run).admit())
+    assert taken["h1"] + taken["h2"] == 300 and taken["l1"] == 100
+    assert taken["h1"] == taken["h2"] == 150  # within a tenant, its batches take turns
+
+
+def test_a_million_queued_requests_stay_small_in_memory() -> None:
+    """1,000,000 queued requests (with their line index) take well under 64 MiB."""
+    index = make_index(0, [100] * 1_000_000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        intake = IntakePool(1_000_000)
+        intake.add("huge", index, tenant="A")
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    index_bytes = index.offsets.itemsize * len(index.offsets) + index.lengths.itemsize * len(index.lengths)
+    assert intake.size == 1_000_000
+    assert grown + index_bytes <= 64 * 1024 * 1024, (grown, index_bytes)

@@ -23,6 +23,7 @@ from batchgen.core.models import (
     BatchStatus,
     FileObject,
     RequestCounts,
+    Usage,
 )
 from batchgen.core.storage import (
     BlobStore,
@@ -403,3 +404,67 @@ def test_outbox_messages_are_saved_with_the_status_and_kept_until_deleted(storag
     store.delete_webhook("evt_2", "http://b/")  # harmless twice
     assert store.due_webhooks(3000.0, 10) == [later] and store.pending_webhooks() == 1
     store.close()
+
+
+def test_owners_round_trip_and_narrow_lists_and_cursors(metadata: MetadataStore) -> None:
+    """Each file and batch keeps its owner; a list narrowed to an owner shows only its objects on
+    every page, and refuses another owner's id as a cursor, as an id never stored."""
+    for number, owner in enumerate(["a", "b", "a", "b", "a"]):
+        metadata.insert_file(attrs.evolve(_file(f"file-{number}"), owner=owner))
+        metadata.insert_batch(attrs.evolve(_batch(f"batch_{number}"), owner=owner))
+    assert metadata.get_file("file-1") == attrs.evolve(_file("file-1"), owner="b")
+    assert (metadata.get_batch("batch_1") or _batch("x")).owner == "b"
+    pages: list[str] = []
+    after = None
+    while True:
+        page, more = metadata.list_files(after=after, limit=1, descending=True, purpose=None, owner="a")
+        pages += [file.id for file in page]
+        if not more:
+            break
+        after = page[-1].id
+    assert pages == ["file-4", "file-2", "file-0"]
+    batches, _ = metadata.list_batches(after=None, limit=10, descending=False, owner="b")
+    assert [batch.id for batch in batches] == ["batch_1", "batch_3"]
+    assert len(metadata.list_batches(after=None, limit=10)[0]) == 5  # no owner: every one
+    for call in (
+        lambda: metadata.list_files(after="file-1", limit=5, descending=True, purpose=None, owner="a"),
+        lambda: metadata.list_batches(after="batch_1", limit=5, owner="a"),
+    ):
+        with pytest.raises(InvalidRequest):
+            call()
+    metadata.delete_file("file-2")  # a deleted file still pages on for its owner only
+    assert [
+        f.id
+        for f in metadata.list_files(after="file-2", limit=5, descending=True, purpose=None, owner="a")[0]
+    ] == ["file-0"]
+    with pytest.raises(InvalidRequest):
+        metadata.list_files(after="file-2", limit=5, descending=True, purpose=None, owner="b")
+
+
+def test_usage_sums_each_owners_saved_batch_counters(storage: Storage) -> None:
+    store = storage.open_metadata()
+    for number, (owner, counts, tokens) in enumerate(
+        [("a", RequestCounts(3, 2, 1), Usage(10, 20)), ("b", RequestCounts(3, 3, 0), Usage(1, 2)),
+         ("a", RequestCounts(3, 1, 0), Usage(5, 5))]
+    ):  # fmt: skip
+        batch = attrs.evolve(_batch(f"batch_{number}"), owner=owner)
+        store.insert_batch(batch)
+        store.save_batch(attrs.evolve(batch, request_counts=counts, usage=tokens))
+    store.close()
+    reopened = storage.open_metadata()  # the figures are durable
+    usage = {entry.tenant: entry for entry in reopened.usage()}
+    assert (
+        usage["a"].batches,
+        usage["a"].requests,
+        usage["a"].prompt_tokens,
+        usage["a"].completion_tokens,
+    ) == (
+        2,
+        4,
+        15,
+        25,
+    )
+    assert usage["b"].requests == 3 and usage["b"].failed_requests == 0
+    assert [entry.tenant for entry in reopened.usage("b")] == ["b"]
+    assert reopened.usage("nobody") == []
+    reopened.close()

@@ -149,11 +149,6 @@ def chat_file_id(api: httpx.Client) -> str:
         (b"not json", "not valid JSON", None),
         (b"[1, 2]", "must be a JSON object", None),
         (b"{}", "'input_file_id' is required", "input_file_id"),
-        (
-            {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions"},
-            "No file with id 'file-nope'",
-            "input_file_id",
-        ),
         ({"endpoint": "/v1/embeddings"}, "endpoint must be one of", "endpoint"),
         ({"endpoint": "/v1/completions"}, "requests use '/v1/chat/completions'", "endpoint"),
         ({"completion_window": "tomorrow"}, "completion_window must look like", "completion_window"),
@@ -169,7 +164,6 @@ def chat_file_id(api: httpx.Client) -> str:
         "not-json",
         "not-object",
         "empty",
-        "unknown-file",
         "unsupported-endpoint",
         "endpoint-mismatch",
         "bad-window",
@@ -193,6 +187,15 @@ def test_malformed_create_batch(
     error = api_error(response, 400)
     assert expected in str(error["message"])
     assert error["param"] == param
+
+
+def test_batch_on_an_unknown_file_is_404(api: httpx.Client) -> None:
+    """An id that names no file the caller may see is "not found", as in every other endpoint
+    (so that another tenant's file id cannot be told from one that never existed)."""
+    body = {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions"}
+    error = api_error(api.post("/v1/batches", json=body), 404)
+    assert "No file with id 'file-nope'" in str(error["message"])
+    assert error["param"] == "input_file_id"
 
 
 def test_batch_on_a_non_batch_file_is_400(api: httpx.Client) -> None:

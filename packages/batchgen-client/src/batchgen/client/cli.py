@@ -6,8 +6,10 @@
     batchgen watch                       # progress bars of every active batch, until they end
     batchgen download batch_abc -o output.jsonl
 
-The server is `--base-url`, else $BATCHGEN_BASE_URL, else http://localhost:10900. JSON and result
-lines go to stdout; progress, notices and errors go to stderr.
+The server is `--base-url`, else $BATCHGEN_BASE_URL, else http://localhost:10900. The API key is
+`--api-key`, else $BATCHGEN_API_KEY, else $OPENAI_API_KEY (sent as `Authorization: Bearer KEY`;
+none is sent when none is set). JSON and result lines go to stdout; progress, notices and errors go
+to stderr.
 
 Exit status:
     0    success
@@ -17,6 +19,7 @@ Exit status:
          does not exist
     3    the server answered with an error (its message is printed) or with something unreadable
     4    the server could not be reached, even after retrying
+    5    the server refused the API key (401: missing, wrong or revoked); it is not retried
     130  interrupted (Ctrl-C); a submitted batch keeps running on the server
 """
 
@@ -53,6 +56,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_SERVER_ERROR",
+    "EXIT_UNAUTHORIZED",
     "EXIT_USAGE",
     "build_parser",
     "main",
@@ -63,9 +67,12 @@ EXIT_BATCH_FAILED = 1
 EXIT_USAGE = 2
 EXIT_SERVER_ERROR = 3
 EXIT_CANNOT_CONNECT = 4
+EXIT_UNAUTHORIZED = 5
 EXIT_INTERRUPTED = 130
 
 BASE_URL_ENV = "BATCHGEN_BASE_URL"
+#: Where the API key is read from when --api-key is not given, in this order.
+API_KEY_ENVS = ("BATCHGEN_API_KEY", "OPENAI_API_KEY")
 PROG = "batchgen"
 
 logger = logging.getLogger("batchgen.client")
@@ -192,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Submit batches to a BatchGen server, follow them and fetch their results.",
         epilog="exit status: 0 ok; 1 batch ended failed/expired/cancelled; 2 usage error; "
-        "3 server error; 4 cannot connect; 130 interrupted",
+        "3 server error; 4 cannot connect; 5 API key refused (401); 130 interrupted",
         parents=[_global_options(suppress=False)],
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
@@ -267,6 +274,12 @@ def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
         help=f"the server (default: ${BASE_URL_ENV}, else {DEFAULT_BASE_URL})",
     )
     group.add_argument(
+        "--api-key",
+        default=default(None),
+        metavar="KEY",
+        help=f"the API key (default: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, else none)",
+    )
+    group.add_argument(
         "--retries",
         type=non_negative_int,
         default=default(5),
@@ -320,16 +333,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     base_url = args.base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+    api_key = args.api_key or next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
     command: Command = args.command
     try:
         with BatchGenHttpClient(
-            base_url, timeout=args.timeout, retry=RetryPolicy(max_retries=args.retries)
+            base_url, timeout=args.timeout, retry=RetryPolicy(max_retries=args.retries), api_key=api_key
         ) as client:
             return command(client, args)
     except UsageError as exc:
         _say(f"error: {exc}")
         return EXIT_USAGE
     except APIStatusError as exc:
+        if exc.status_code == 401:
+            _say(f"error: {_unauthorized(api_key, exc)}")
+            return EXIT_UNAUTHORIZED
         _say(f"error: {exc}")
         return EXIT_SERVER_ERROR
     except APIConnectionError as exc:
@@ -346,6 +363,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _unauthorized(api_key: str | None, exc: APIStatusError) -> str:
+    """What to tell the user when the server refused the key (never the key itself)."""
+    if api_key is None:
+        return (
+            f"the server needs an API key ({exc.message or 'HTTP 401'}); pass --api-key KEY or set "
+            f"${API_KEY_ENVS[0]}"
+        )
+    return f"the server refused the API key: {exc.message or 'HTTP 401'} (is it revoked or mistyped?)"
 
 
 def _configure_logging(verbose: int) -> None:

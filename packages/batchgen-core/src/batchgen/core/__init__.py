@@ -17,6 +17,7 @@ from batchgen.core.errors import (
 )
 from batchgen.core.models import Batch, BatchParameters, BatchStatus, FileObject, PoolStatus
 from batchgen.core.service import BatchService, ServiceSettings
+from batchgen.core.tenancy import Caller, TenantLimits
 
 __all__ = [
     "Backend",
@@ -25,6 +26,7 @@ __all__ = [
     "BatchParameters",
     "BatchService",
     "BatchStatus",
+    "Caller",
     "Conflict",
     "FileObject",
     "IntakeFull",
@@ -35,5 +37,6 @@ __all__ = [
     "PoolStatus",
     "ServiceSettings",
     "ServiceUnavailable",
+    "TenantLimits",
     "load_backend",
 ]

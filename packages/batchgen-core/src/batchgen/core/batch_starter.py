@@ -78,7 +78,7 @@ class BatchStarter:
         """Hold intake room for a batch about to be started; False (holding nothing) if it does not fit."""
         if requests > self._intake_pool.free:
             return False
-        self._intake_pool.reserve(active.id, requests)
+        self._intake_pool.reserve(active.id, requests, active.batch.owner)
         return True
 
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
@@ -113,7 +113,7 @@ class BatchStarter:
             self._tracker.move(active, BatchStatus.IN_PROGRESS)
         else:
             self._tracker.persist(active)
-        self._intake_pool.add(active.id, index, lines)
+        self._intake_pool.add(active.id, index, lines, tenant=active.batch.owner)
         if self._on_queued is not None:
             self._on_queued(active.id)
         self._wake_scheduler()

@@ -32,6 +32,10 @@ class BatchGenError(Exception):
 class NotFound(BatchGenError, LookupError):
     code = "not_found"
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 class InvalidRequest(BatchGenError, ValueError):
     code = "invalid_request"

@@ -2,7 +2,8 @@
 
 It validates and stores uploads (with idempotent retries), lists, retrieves and deletes files,
 reports a growing output file's current size, registers result files for batches, and deletes
-files past their expiry.
+files past their expiry. Every file has an owner (the tenant that uploaded it, or the owner of the
+batch whose result it is); a caller that may not see a file is told it does not exist.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from batchgen.core.batch_tracker import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
-from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
+from batchgen.core.models import DEFAULT_TENANT, OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
 from batchgen.core.storage import BlobStore, MetadataStore
+from batchgen.core.tenancy import EMBEDDED, Caller
 
 MAX_FILE_EXPIRY_S = 30 * 86400
 
@@ -66,7 +68,12 @@ class FileCatalogue:
         self._blobs.remove(staging_path)
 
     async def create_file(
-        self, content: bytes | str | os.PathLike[str], *, filename: str | None, purpose: str
+        self,
+        content: bytes | str | os.PathLike[str],
+        *,
+        filename: str | None,
+        purpose: str,
+        caller: Caller = EMBEDDED,
     ) -> FileObject:
         staging = self.new_upload_path()
         try:
@@ -79,7 +86,7 @@ class FileCatalogue:
         except BaseException:
             self._blobs.remove(staging)  # a half-written copy (a full disk) is not left behind
             raise
-        return await self.add_file(staging, filename=name, purpose=purpose)
+        return await self.add_file(staging, filename=name, purpose=purpose, caller=caller)
 
     async def add_file(
         self,
@@ -89,8 +96,10 @@ class FileCatalogue:
         purpose: str,
         expires_after_s: int | None = None,
         idempotency_key: str | None = None,
+        caller: Caller = EMBEDDED,
     ) -> FileObject:
-        """Validate an upload received into ``staging_path`` and store it; the staging file is consumed."""
+        """Validate an upload received into ``staging_path`` and store it as the caller's; the
+        staging file is consumed."""
         try:
             if expires_after_s is not None and not 1 <= expires_after_s <= MAX_FILE_EXPIRY_S:
                 raise InvalidRequest(
@@ -100,7 +109,7 @@ class FileCatalogue:
             if idempotency_key is not None:
                 digest = await anyio.to_thread.run_sync(_file_digest, staging_path)
                 call = fingerprint(digest, filename, purpose, expires_after_s)
-                earlier = self._ledger.replay(idempotency_key, "file", call)
+                earlier = self._ledger.replay(idempotency_key, "file", call, caller.tenant)
                 if earlier is not None:
                     self._blobs.remove(staging_path)
                     return self.get(earlier)
@@ -138,17 +147,18 @@ class FileCatalogue:
             line_count=line_count,
             url=url,
             expires_at=None if lifetime is None else created + lifetime,
+            owner=caller.tenant,
         )
         try:
             if idempotency_key is not None:
                 # a twin upload with the same key may have finished while this one validated
-                earlier = self._ledger.replay(idempotency_key, "file", call)
+                earlier = self._ledger.replay(idempotency_key, "file", call, caller.tenant)
                 if earlier is not None:
                     self._blobs.remove(path)
                     return self.get(earlier)
             # the row and its key in one step: a failure (a full disk) records neither
             self._metadata.insert_file(
-                file, idempotency=self._ledger.entry(idempotency_key, "file", call, created)
+                file, idempotency=self._ledger.entry(idempotency_key, "file", call, created, caller.tenant)
             )
         except BaseException:
             self._blobs.remove(path)  # no row points at it: an upload that fails leaves nothing
@@ -162,8 +172,9 @@ class FileCatalogue:
         """Record a batch's output or error file (its lines are appended as requests finish).
 
         It expires ``expires_after_s`` after now (the batch's ``output_expires_after``), else
-        after the server's ``file_expiry_s``, else never.
+        after the server's ``file_expiry_s``, else never. It belongs to the batch's owner.
         """
+        batch = self._metadata.get_batch(batch_id)
         created = now()
         lifetime = expires_after_s or self._file_expiry_s
         file = FileObject(
@@ -174,36 +185,37 @@ class FileCatalogue:
             filename=f"{batch_id}_{kind}.jsonl",
             purpose=OUTPUT_PURPOSE,
             path=str(path),
+            owner=DEFAULT_TENANT if batch is None else batch.owner,
         )
         self._metadata.insert_file(file)
         return file
 
     # --- reading and deleting --------------------------------------------------------------
-    def record(self, file_id: str) -> FileObject:
-        """The stored record, or NotFound."""
+    def record(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
+        """The stored record, or NotFound (also when the caller may not see it)."""
         file = self._metadata.get_file(file_id)
-        if file is None:
+        if file is None or not caller.sees(file.owner):
             raise NotFound(f"No file with id '{file_id}'.")
         return file
 
-    def get(self, file_id: str) -> FileObject:
+    def get(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
         """The file as the API shows it: a result file with its current size."""
-        return self._with_live_size(self.record(file_id))
+        return self._with_live_size(self.record(file_id, caller))
 
     def list(
-        self, *, after: str | None, limit: int, order: str, purpose: str | None
+        self, *, after: str | None, limit: int, order: str, purpose: str | None, caller: Caller = EMBEDDED
     ) -> tuple[list[FileObject], bool]:
         if order not in ("asc", "desc"):
             raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
         if not 1 <= limit <= 10000:
             raise InvalidRequest("limit must be between 1 and 10000", param="limit")
         files, has_more = self._metadata.list_files(
-            after=after, limit=limit, descending=order == "desc", purpose=purpose
+            after=after, limit=limit, descending=order == "desc", purpose=purpose, owner=caller.owner_filter
         )
         return [self._with_live_size(file) for file in files], has_more
 
-    def delete(self, file_id: str) -> None:
-        file = self.record(file_id)
+    def delete(self, file_id: str, caller: Caller = EMBEDDED) -> None:
+        file = self.record(file_id, caller)
         user = self._in_use(file_id)
         if user is not None:
             raise Conflict(
@@ -213,9 +225,9 @@ class FileCatalogue:
         self._metadata.delete_file(file_id)
         self._blobs.remove(file.path)
 
-    def content(self, file_id: str) -> tuple[Path, int]:
+    def content(self, file_id: str, caller: Caller = EMBEDDED) -> tuple[Path, int]:
         """The file's path and how many bytes of it to read now (an output file keeps growing)."""
-        file = self.get(file_id)
+        file = self.get(file_id, caller)
         return Path(file.path), file.bytes
 
     def delete_expired(self) -> None:

@@ -15,7 +15,9 @@ from typing import Any
 import msgspec
 
 from batchgen.core.errors import Conflict, InvalidRequest
+from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.storage import IdempotencyRecord, MetadataStore
+from batchgen.core.tenancy import scoped_key
 
 MAX_KEY_LENGTH = 255
 
@@ -42,14 +44,16 @@ class IdempotencyLedger:
     def __init__(self, metadata: MetadataStore) -> None:
         self._metadata = metadata
 
-    def replay(self, key: str, scope: str, call_fingerprint: str) -> str | None:
+    def replay(self, key: str, scope: str, call_fingerprint: str, tenant: str = DEFAULT_TENANT) -> str | None:
         """The id of the object an earlier call with this key made, if it still exists, or None.
 
+        Keys are per tenant: another tenant's key of the same name is a different key.
         InvalidRequest for an empty or too long key; Conflict when the key was used for a
         different call.
         """
         check_key(key)
-        recorded = self._metadata.get_idempotency_key(key)
+        stored_key = scoped_key(tenant, key)
+        recorded = self._metadata.get_idempotency_key(stored_key)
         if recorded is None:
             return None
         recorded_scope, recorded_fingerprint, object_id = recorded
@@ -59,7 +63,7 @@ class IdempotencyLedger:
                 "use a new key for a new request."
             )
         if not self._exists(scope, object_id):
-            self._metadata.delete_idempotency_key(key)
+            self._metadata.delete_idempotency_key(stored_key)
             return None
         return object_id
 
@@ -72,7 +76,9 @@ class IdempotencyLedger:
 
     @staticmethod
     def entry(
-        key: str | None, scope: str, call_fingerprint: str, created_at: int
+        key: str | None, scope: str, call_fingerprint: str, created_at: int, tenant: str = DEFAULT_TENANT
     ) -> IdempotencyRecord | None:
         """What to record with the new object (in the same step as it, see ``MetadataStore``)."""
-        return None if key is None else IdempotencyRecord(key, scope, call_fingerprint, created_at)
+        if key is None:
+            return None
+        return IdempotencyRecord(scoped_key(tenant, key), scope, call_fingerprint, created_at)

@@ -46,6 +46,8 @@ SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
 #: Purposes accepted on upload (OpenAI's); only ``batch`` files are validated as batch input.
 UPLOAD_PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
 OUTPUT_PURPOSE = "batch_output"
+#: The tenant that owns what is made without one (the embedded service, a server with no keys).
+DEFAULT_TENANT = "default"
 
 
 @attrs.frozen
@@ -61,6 +63,7 @@ class FileObject:
     line_count: int = 0
     url: str | None = None
     expires_at: int | None = None
+    owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +158,7 @@ class Batch:
     cancelled_at: int | None = None
     #: The recent pace of a running batch (never stored: it is measured live).
     progress: ProgressEstimate = UNKNOWN
+    owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
 
     def to_dict(self) -> dict[str, Any]:
         errors = None

@@ -17,6 +17,11 @@ The facade checks calls and delegates; the work is done by parts with one job ea
 - ``Maintenance`` (supervised periodic jobs: counter flushes, fsyncs, expiry), and the
   ``Supervisor`` (the scheduler loop and one-shot tasks: a crash stops the core, visibly).
 
+Tenants: every call takes an optional ``caller`` (``tenancy.Caller``). Objects belong to the
+caller's tenant; a caller that is not an admin sees only its tenant's objects (another tenant's id
+is NotFound) and is held to its tenant's limits. Without a caller, a call is made as ``EMBEDDED``
+(an admin of the ``default`` tenant), which is how the service behaved before tenants.
+
 Starting goes through one ``AsyncExitStack``: a failure at any step undoes the steps before it.
 A storage fault (a full disk, an I/O error, a read-only folder) in a call raises
 ``StorageUnavailable`` and leaves nothing half made; in a batch it fails that batch only.
@@ -28,6 +33,7 @@ import errno
 import functools
 import logging
 import os
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -71,6 +77,7 @@ from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.webhook_outbox import WebhookTargets
+from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
 
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
 
@@ -322,10 +329,15 @@ class BatchService:
 
     @_storage_call("store the file")
     async def create_file(
-        self, content: bytes | str | os.PathLike[str], *, filename: str | None = None, purpose: str = "batch"
+        self,
+        content: bytes | str | os.PathLike[str],
+        *,
+        filename: str | None = None,
+        purpose: str = "batch",
+        caller: Caller = EMBEDDED,
     ) -> FileObject:
         """Store a file given as bytes or as a path on disk (copied, not moved)."""
-        return await self.parts.files.create_file(content, filename=filename, purpose=purpose)
+        return await self.parts.files.create_file(content, filename=filename, purpose=purpose, caller=caller)
 
     @_storage_call("store the file")
     async def add_file(
@@ -336,6 +348,7 @@ class BatchService:
         purpose: str,
         expires_after_s: int | None = None,
         idempotency_key: str | None = None,
+        caller: Caller = EMBEDDED,
     ) -> FileObject:
         """Validate a file received into ``staging_path`` and store it; the staging file is consumed.
 
@@ -348,26 +361,33 @@ class BatchService:
             purpose=purpose,
             expires_after_s=expires_after_s,
             idempotency_key=idempotency_key,
+            caller=caller,
         )
 
     @_storage_call("read the file's record")
-    async def get_file(self, file_id: str) -> FileObject:
-        return self.parts.files.get(file_id)
+    async def get_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileObject:
+        return self.parts.files.get(file_id, caller)
 
     @_storage_call("list the files")
     async def list_files(
-        self, *, after: str | None = None, limit: int = 10000, order: str = "desc", purpose: str | None = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 10000,
+        order: str = "desc",
+        purpose: str | None = None,
+        caller: Caller = EMBEDDED,
     ) -> tuple[list[FileObject], bool]:
-        return self.parts.files.list(after=after, limit=limit, order=order, purpose=purpose)
+        return self.parts.files.list(after=after, limit=limit, order=order, purpose=purpose, caller=caller)
 
     @_storage_call("delete the file")
-    async def delete_file(self, file_id: str) -> None:
-        self.parts.files.delete(file_id)
+    async def delete_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> None:
+        self.parts.files.delete(file_id, caller)
 
     @_storage_call("read the file")
-    async def file_content(self, file_id: str) -> tuple[Path, int]:
+    async def file_content(self, file_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, int]:
         """The file's path and how many bytes of it to read now (an output file keeps growing)."""
-        return self.parts.files.content(file_id)
+        return self.parts.files.content(file_id, caller)
 
     def _live_user_of_file(self, file_id: str) -> Batch | None:
         """A batch that still needs the file (it is running or not yet ended), or None."""
@@ -388,6 +408,7 @@ class BatchService:
         parameters: BatchParameters | None = None,
         output_expires_after_s: int | None = None,
         idempotency_key: str | None = None,
+        caller: Caller = EMBEDDED,
     ) -> Batch:
         """Accept a batch over an uploaded ``batch`` file; it starts in the background.
 
@@ -399,6 +420,10 @@ class BatchService:
         each is created. With ``idempotency_key``, a repeat of the same call returns the batch the
         first call created, and the same key with different arguments raises Conflict. While the
         service is unhealthy, a new batch is refused with ServiceUnavailable.
+
+        The batch belongs to the caller's tenant, and its input file must be one the caller sees
+        (else NotFound, as for a file that does not exist). Over the tenant's own limits the call
+        raises IntakeFull naming that limit.
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
@@ -406,9 +431,9 @@ class BatchService:
             input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
         )
         if idempotency_key is not None:
-            earlier = parts.ledger.replay(idempotency_key, "batch", call)
+            earlier = parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
             if earlier is not None:
-                return await self.get_batch(earlier)
+                return await self.get_batch(earlier, caller=caller)
         health = self.health()
         if not health.healthy:
             raise ServiceUnavailable(
@@ -426,8 +451,8 @@ class BatchService:
         check_parameters(parameters)
         check_output_expiry(output_expires_after_s)
         file = self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
-        if file is None:
-            raise InvalidRequest(f"No file with id '{input_file_id}'.", param="input_file_id")
+        if file is None or not caller.sees(file.owner):
+            raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
         if file.purpose != "batch":
             raise InvalidRequest(
                 f"File '{file.id}' has purpose '{file.purpose}'; a batch needs a 'batch' file.",
@@ -448,6 +473,7 @@ class BatchService:
                     "wait for it to finish before submitting the file again.",
                     param="input_file_id",
                 )
+        self._check_tenant_limits(caller, file.line_count)
         fits_ever = file.line_count <= self.intake_pool.capacity
         if fits_ever and file.line_count > self.intake_pool.free:
             raise IntakeFull(
@@ -469,17 +495,18 @@ class BatchService:
             metadata=metadata,
             output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
+            owner=caller.tenant,
         )
         # Admission is atomic: the batch's places are held from now until the starter queues it
         # (or it ends first), so every batch answered here is queued in full. A batch larger than
         # the whole pool holds nothing; the starter fails it with capacity_exceeded.
         if fits_ever:
-            self.intake_pool.reserve(batch.id, file.line_count)
+            self.intake_pool.reserve(batch.id, file.line_count, caller.tenant)
         try:
             # the row and its key in one step: a failure (a full disk) records neither, and
             # nothing is tracked before the row exists
             self.metadata.insert_batch(
-                batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created)
+                batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant)
             )
         except BaseException:
             self.intake_pool.release(batch.id)
@@ -489,35 +516,63 @@ class BatchService:
         self._spawn(parts.starter.start, active, file)
         return active.snapshot()
 
+    def _check_tenant_limits(self, caller: Caller, requests: int) -> None:
+        """IntakeFull, naming the tenant's limit, when a batch of ``requests`` would exceed it."""
+        limits, tenant = caller.limits, caller.tenant
+        if limits.max_active_batches is not None:
+            active = sum(
+                1 for batch in self.parts.tracker if batch.batch.owner == tenant and batch.status.is_active
+            )
+            if active >= limits.max_active_batches:
+                raise IntakeFull(
+                    f"Tenant '{tenant}' has {active} active batches; its limit (max_active_batches) is "
+                    f"{limits.max_active_batches}. Retry when one of them has ended.",
+                    retry_after_s=self.intake_pool.drain.wait_for(
+                        max(1, self.intake_pool.queued_for_tenant(tenant))
+                    ),
+                )
+        if limits.max_queued_requests is not None:
+            queued = self.intake_pool.queued_for_tenant(tenant)
+            if queued + requests > limits.max_queued_requests:
+                raise IntakeFull(
+                    f"Tenant '{tenant}' has {queued} requests queued and this batch has {requests}; "
+                    f"its limit (max_queued_requests) is {limits.max_queued_requests}. Retry later.",
+                    retry_after_s=self.intake_pool.drain.wait_for(
+                        queued + requests - limits.max_queued_requests
+                    ),
+                )
+
     @_storage_call("read the batch")
-    async def get_batch(self, batch_id: str) -> Batch:
+    async def get_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:
         active = self.parts.tracker.get(batch_id)
-        if active is not None:
-            return active.snapshot()
-        batch = self.metadata.get_batch(batch_id)
-        if batch is None:
+        batch = active.snapshot() if active is not None else self.metadata.get_batch(batch_id)
+        if batch is None or not caller.sees(batch.owner):
             raise NotFound(f"No batch with id '{batch_id}'.")
         return batch
 
     @_storage_call("list the batches")
     async def list_batches(
-        self, *, after: str | None = None, limit: int = 20, order: str = "desc"
+        self, *, after: str | None = None, limit: int = 20, order: str = "desc", caller: Caller = EMBEDDED
     ) -> tuple[list[Batch], bool]:
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be between 1 and 100", param="limit")
         if order not in ("asc", "desc"):
             raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
         tracker = self.parts.tracker
-        batches, has_more = self.metadata.list_batches(after=after, limit=limit, descending=order == "desc")
+        batches, has_more = self.metadata.list_batches(
+            after=after, limit=limit, descending=order == "desc", owner=caller.owner_filter
+        )
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
         return live, has_more
 
     @_storage_call("cancel the batch")
-    async def cancel_batch(self, batch_id: str) -> Batch:
+    async def cancel_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:
         """Drop the batch's queued requests at once and abort those in flight."""
         active = self.parts.tracker.get(batch_id)
+        if active is not None and not caller.sees(active.batch.owner):
+            raise NotFound(f"No batch with id '{batch_id}'.")
         if active is None:
-            batch = await self.get_batch(batch_id)
+            batch = await self.get_batch(batch_id, caller=caller)
             raise Conflict(f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.")
         if active.status is BatchStatus.CANCELLING:
             return active.snapshot()
@@ -598,6 +653,58 @@ class BatchService:
             status = active.snapshot().status
             counts[status] = counts.get(status, 0) + 1
         return counts
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """A tenant's share of the slots while other tenants have queued work too (default 1)."""
+        self.intake_pool.set_weight(tenant, weight)
+
+    def tenant_status(self, caller: Caller = EMBEDDED) -> list[dict[str, Any]]:
+        """Per tenant with work: requests queued and running, batches not ended, and its weight.
+
+        An admin sees every tenant; any other caller only its own.
+        """
+        queued = self.intake_pool.tenants_queued()
+        running: Counter[str] = Counter()
+        batches: Counter[str] = Counter()
+        if self._parts is not None:
+            for active in self._parts.tracker:
+                batches[active.batch.owner] += 1
+                running[active.batch.owner] += self.scheduling_pool.active_for(active.id)
+        tenants = sorted(set(queued) | set(batches)) if caller.admin else [caller.tenant]
+        return [
+            {
+                "tenant": tenant,
+                "queued_requests": queued.get(tenant, 0),
+                "running_requests": running[tenant],
+                "active_batches": batches[tenant],
+                "weight": self.intake_pool.weight(tenant),
+            }
+            for tenant in tenants
+        ]
+
+    @_storage_call("read the usage")
+    async def usage(self, *, caller: Caller = EMBEDDED) -> list[TenantUsage]:
+        """Per tenant: batches, finished requests and tokens over all time (an admin sees every
+        tenant, any other caller its own). Saved figures plus what running batches did since
+        their last save, so nothing is written per request."""
+        saved = {usage.tenant: usage for usage in self.metadata.usage(caller.owner_filter)}
+        for active in self.parts.tracker:
+            owner, last = active.batch.owner, active.saved
+            if last is None or not caller.sees(owner):
+                continue
+            base = saved.get(owner) or TenantUsage(owner, batches=1)
+            saved[owner] = attrs.evolve(
+                base,
+                completed_requests=base.completed_requests + active.completed - last.request_counts.completed,
+                failed_requests=base.failed_requests + active.failed - last.request_counts.failed,
+                prompt_tokens=base.prompt_tokens + active.prompt_tokens - last.usage.prompt_tokens,
+                completion_tokens=base.completion_tokens
+                + active.completion_tokens
+                - last.usage.completion_tokens,
+            )
+        if not caller.admin and caller.tenant not in saved:
+            saved[caller.tenant] = TenantUsage(caller.tenant)
+        return [saved[tenant] for tenant in sorted(saved)]
 
     def health(self) -> Health:
         if self._parts is None:

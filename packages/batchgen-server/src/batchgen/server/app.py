@@ -3,6 +3,9 @@
 If the service's core stops while the app runs (a supervised background task crashed, or the
 service's task group ended), ``on_service_stopped(reason)`` is called, so that the process running
 the app can exit non-zero and be restarted (``cli`` does).
+
+API keys (``api_keys``, ``auth``) guard ``/v1/*`` and ``/metrics`` once a key exists; the
+``caller`` dependency tells each controller which tenant is calling.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -19,11 +23,14 @@ from litestar.middleware import DefineMiddleware
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
+from batchgen.server.api_keys import KeyStore
+from batchgen.server.auth import ApiKeyGuard, provide_caller
 from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, handle_body_timeout
 from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.dashboard import dashboard, dashboard_asset
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
+from batchgen.server.controllers.usage import usage
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
 from batchgen.server.settings import ServerSettings
@@ -59,6 +66,13 @@ def create_app(
         )
         service.maintenance.add("deliver webhooks", settings.webhook_interval_s, deliverer.deliver_due)
         registry.register(WebhookCollector(deliverer.counts))
+    keys = KeyStore(service.settings.storage_path / "metadata.sqlite3")
+
+    def apply_weights(limits: dict[str, Any]) -> None:
+        for tenant, tenant_limits in limits.items():
+            service.set_tenant_weight(tenant, tenant_limits.weight)
+
+    keys.on_reload = apply_weights
 
     def stopped(reason: str) -> None:
         logger.critical("the batch service stopped: %s", reason)
@@ -77,19 +91,25 @@ def create_app(
             if started:  # the core died under the app (its task group was cancelled by a crash)
                 stopped(f"{type(exc).__name__}: {exc}")
             raise
+        finally:
+            keys.close()
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             FilesController,
             BatchesController,
             pool_status,
             health,
             models,
+            usage,
             metrics,
             dashboard,
             dashboard_asset,
         ],
-        dependencies={"service": Provide(_provide_service, sync_to_thread=False)},
+        dependencies={
+            "service": Provide(_provide_service, sync_to_thread=False),
+            "caller": Provide(provide_caller, sync_to_thread=False),
+        },
         state=State({"service": service, "metrics_registry": registry}),
         lifespan=[run_service],
         logging_config=None,  # the batchgen-server command sets up logging (log_format)
@@ -104,3 +124,6 @@ def create_app(
             Exception: handle_unexpected_error,
         },
     )
+    keys.has_keys()  # load the keys (and the tenants' weights) now, not on the first request
+    app.asgi_handler = ApiKeyGuard(app.asgi_handler, keys)
+    return app

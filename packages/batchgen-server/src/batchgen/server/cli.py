@@ -3,16 +3,22 @@
 The server's own flags are listed here; each installed backend's flags come from the options its
 ``BackendSpec`` declares (``backend_flags``). The process exits non-zero when the service could
 not start (3) or stopped while serving (1), so that systemd or Kubernetes restarts it.
+
+``batchgen-server keys …`` manages API keys and tenants instead (``keys_cli``). Serving on an
+address other than loopback with no API key refuses to start (exit 2) unless
+``--allow-unauthenticated`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -62,7 +68,9 @@ def build_parser(
         specs, failures = backend_specs()
         problems.update(failures)
     parser = argparse.ArgumentParser(
-        prog="batchgen-server", description="Serve the BatchGen OpenAI-compatible Batch API."
+        prog="batchgen-server",
+        description="Serve the BatchGen OpenAI-compatible Batch API. API keys and tenants are managed "
+        "with 'batchgen-server keys {create,list,revoke,set-limits}' (see 'batchgen-server keys --help').",
     )
 
     def add(*flags: str, help: str, default: object = None, **options: Any) -> None:
@@ -191,6 +199,15 @@ def build_parser(
         help="the interval of --log-repeat-limit",
     )
     add(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=False,
+        help="serve on an address other than loopback although no API key exists (anyone who can reach "
+        "the port may then read, delete and cancel everything); without it such a start is refused",
+    )
+    add("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain) file")
+    add("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
+    add(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default=_DEFAULTS.log_level,
@@ -268,8 +285,48 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ServerS
     return parser, settings
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only listens on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_open_start(settings: ServerSettings) -> str | None:
+    """Why serving these settings must not start (no key, not loopback, no override), or None."""
+    if settings.allow_unauthenticated or is_loopback(settings.host):
+        return None
+    from batchgen.server.api_keys import KeyStore
+
+    store = KeyStore(Path(settings.storage_path) / "metadata.sqlite3")
+    try:
+        if store.has_keys():
+            return None
+    finally:
+        store.close()
+    return (
+        f"refusing to serve on {settings.host} with no API key: anyone who can reach the port could read, "
+        "delete and cancel everything. Create a key first with "
+        f"'batchgen-server keys create --tenant NAME --storage-path {settings.storage_path}' "
+        "(then every /v1 call needs it), or pass --allow-unauthenticated."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser, settings = _parse(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["keys"]:
+        from batchgen.server.keys_cli import main as keys_main
+
+        sys.exit(keys_main(arguments[1:]))
+    parser, settings = _parse(arguments)
+    if (settings.ssl_certfile is None) != (settings.ssl_keyfile is None):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
+    refusal = refuse_open_start(settings)
+    if refusal is not None:
+        parser.error(refusal)
     import uvicorn
 
     from batchgen.server.app import create_app
@@ -294,8 +351,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # What exists now (modules, the app) lives as long as the process: keep it out of the garbage
     # collector's full passes, which would walk all of it and stall the event loop under load.
     gc.freeze()
+    scheme = "https" if settings.ssl_certfile else "http"
     banner = (
-        f"BatchGen starting on http://{settings.host}:{settings.port} "
+        f"BatchGen starting on {scheme}://{settings.host}:{settings.port} "
         f"(backend: {settings.backend}, storage: {settings.storage_path}); it answers once the "
         "backend is ready (the first transformers start converts the model once, about 20-30 s)"
     )

@@ -112,4 +112,6 @@ def uvicorn_config(
         limit_concurrency=max_connections or settings.max_connections,
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout_s)),
         h11_max_incomplete_event_size=settings.max_header_bytes,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )

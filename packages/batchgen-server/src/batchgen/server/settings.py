@@ -55,6 +55,10 @@ class ServerSettings:
     webhook_timeout_s: float = 10.0
     webhook_retry_initial_s: float = 5.0
     webhook_interval_s: float = 0.25
+    #: API keys and TLS (``api_keys``, ``auth``; docs/security.md).
+    allow_unauthenticated: bool = False
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     def service_settings(self) -> ServiceSettings:
         return ServiceSettings(

@@ -1,8 +1,12 @@
-"""The intake pool: the bounded queue of requests waiting for a slot, fair across batches.
+"""The intake pool: the bounded queue of requests waiting for a slot, fair across tenants, then
+across each tenant's batches.
 
 Entries are tiny: per batch it keeps the file's line index (offset and length of each line) and
-the positions still to run, never a request body. ``pop`` takes batches in turn (round-robin), so a
-small batch queued behind a huge one starts at once instead of waiting for the huge one to drain.
+the positions still to run, never a request body. ``pop`` gives the tenants with queued work turns
+in order (deficit round-robin: a tenant of weight ``w`` takes ``w`` requests per round, on
+average, when ``w`` is not whole), and within a tenant's turn takes its batches in turn, so a
+small batch queued behind a huge one (of the same tenant or another) starts at once instead of
+waiting for the huge one to drain.
 
 A batch that was accepted but is not indexed yet holds a **reservation**: room counted against
 ``free`` from the moment the batch is accepted, so that concurrent creates cannot all be promised
@@ -13,13 +17,14 @@ the same places. ``add`` converts a batch's reservation into queued entries; ``r
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 import attrs
 
 from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
+from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.scheduling.drain_meter import DrainMeter
 
 
@@ -34,15 +39,26 @@ class IntakeEntry:
 
 
 class _BatchQueue:
-    __slots__ = ("cursor", "index", "pending")
+    __slots__ = ("cursor", "index", "pending", "tenant")
 
-    def __init__(self, index: LineIndex, pending: array) -> None:
+    def __init__(self, index: LineIndex, pending: array, tenant: str) -> None:
         self.index = index
         self.pending = pending
+        self.tenant = tenant
         self.cursor = 0
 
     def __len__(self) -> int:
         return len(self.pending) - self.cursor
+
+
+class _TenantTurns:
+    """A tenant with queued work: its batches in turn order, and what is left of its turn."""
+
+    __slots__ = ("batches", "credit")
+
+    def __init__(self) -> None:
+        self.batches: deque[str] = deque()
+        self.credit = 0.0
 
 
 class IntakePool:
@@ -55,9 +71,13 @@ class IntakePool:
         self.capacity = capacity
         self.drain = drain or DrainMeter()
         self._queues: dict[str, _BatchQueue] = {}
-        self._turns: deque[str] = deque()
+        self._tenants: dict[str, _TenantTurns] = {}
+        self._tenant_turns: deque[str] = deque()
+        self._weights: dict[str, float] = {}
+        self._queued_per_tenant: Counter[str] = Counter()
         self._size = 0
         self._reservations: dict[str, int] = {}
+        self._reservation_tenants: dict[str, str] = {}
         self._reserved = 0
 
     @property
@@ -77,11 +97,42 @@ class IntakePool:
     def reserved_for(self, batch_id: str) -> int:
         return self._reservations.get(batch_id, 0)
 
+    # --- tenants ---------------------------------------------------------------------------
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """A tenant's share of admissions while other tenants have queued work too (default 1)."""
+        if not 0 < weight < float("inf"):
+            raise ValueError(f"a tenant's weight must be above 0, got {weight}")
+        self._weights[tenant] = weight
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def queued_for_tenant(self, tenant: str) -> int:
+        """Requests of the tenant's batches queued now, plus the places its accepted batches hold."""
+        held = sum(
+            count
+            for batch_id, count in self._reservations.items()
+            if self._reservation_tenants[batch_id] == tenant
+        )
+        return self._queued_per_tenant.get(tenant, 0) + held
+
+    def tenants_queued(self) -> dict[str, int]:
+        """Queued requests (and held places) per tenant that has any."""
+        totals = Counter(self._queued_per_tenant)
+        for batch_id, count in self._reservations.items():
+            totals[self._reservation_tenants[batch_id]] += count
+        return {tenant: count for tenant, count in totals.items() if count}
+
+    def tenant_of(self, batch_id: str) -> str | None:
+        """The tenant of a queued batch (or one holding places), or None."""
+        queue = self._queues.get(batch_id)
+        return queue.tenant if queue is not None else self._reservation_tenants.get(batch_id)
+
     def retry_after_s(self, requests: int) -> int:
         """Seconds until ``requests`` places are likely free, at the current drain rate (1..300)."""
         return self.drain.wait_for(requests - self.free)
 
-    def reserve(self, batch_id: str, requests: int) -> None:
+    def reserve(self, batch_id: str, requests: int, tenant: str = DEFAULT_TENANT) -> None:
         """Hold ``requests`` places for a batch until ``add`` queues it or ``release`` gives them back.
 
         Raises IntakeFull, holding nothing, when they do not fit now.
@@ -96,11 +147,13 @@ class IntakePool:
                 retry_after_s=self.retry_after_s(requests),
             )
         self._reservations[batch_id] = requests
+        self._reservation_tenants[batch_id] = tenant
         self._reserved += requests
 
     def release(self, batch_id: str) -> int:
         """Give back a batch's reservation (it failed or was cancelled before it was queued)."""
         held = self._reservations.pop(batch_id, 0)
+        self._reservation_tenants.pop(batch_id, None)
         self._reserved -= held
         return held
 
@@ -111,8 +164,13 @@ class IntakePool:
         queue = self._queues.get(batch_id)
         return 0 if queue is None else len(queue)
 
-    def add(self, batch_id: str, index: LineIndex, lines: Iterable[int] | None = None) -> int:
+    def add(
+        self, batch_id: str, index: LineIndex, lines: Iterable[int] | None = None, tenant: str | None = None
+    ) -> int:
         """Queue ``lines`` (all lines of ``index`` when None) of a batch; return how many.
+
+        The batch belongs to ``tenant`` (default: the tenant its reservation was made for, else
+        the default tenant).
 
         The batch's reservation, if it holds one, is converted: the queued requests take its
         places, and any it held beyond them are given back. Raises IntakeFull, queueing nothing
@@ -132,28 +190,57 @@ class IntakePool:
                 f"The intake pool has room for {room} more requests; this batch has {len(pending)}.",
                 retry_after_s=self.drain.wait_for(len(pending) - room),
             )
+        if tenant is None:
+            tenant = self._reservation_tenants.get(batch_id, DEFAULT_TENANT)
         self.release(batch_id)
         if not pending:
             return 0
-        self._queues[batch_id] = _BatchQueue(index, pending)
-        self._turns.append(batch_id)
+        self._queues[batch_id] = _BatchQueue(index, pending, tenant)
+        turns = self._tenants.get(tenant)
+        if turns is None:
+            turns = self._tenants[tenant] = _TenantTurns()
+            self._tenant_turns.append(tenant)
+        turns.batches.append(batch_id)
         self._size += len(pending)
+        self._queued_per_tenant[tenant] += len(pending)
         return len(pending)
 
     def pop(self) -> IntakeEntry | None:
-        """Take the next request, giving each batch with queued work one turn in order."""
-        if not self._turns:
+        """Take the next request: tenants with queued work take turns (each as many requests as
+        its weight), and within a tenant's turn its batches take turns."""
+        if not self._tenant_turns:
             return None
-        batch_id = self._turns.popleft()
+        while True:
+            tenant = self._tenant_turns[0]
+            turns = self._tenants[tenant]
+            if turns.credit >= 1:
+                break
+            turns.credit += self._weights.get(tenant, 1.0)  # its turn begins
+            if turns.credit >= 1:
+                break
+            self._tenant_turns.rotate(-1)  # a weight below 1 saves up over rounds
+        batch_id = turns.batches.popleft()
         queue = self._queues[batch_id]
         line = queue.pending[queue.cursor]
         queue.cursor += 1
         self._size -= 1
+        self._queued_per_tenant[tenant] -= 1
+        turns.credit -= 1
         if len(queue):
-            self._turns.append(batch_id)
+            turns.batches.append(batch_id)
         else:
             del self._queues[batch_id]
+        if not turns.batches:
+            self._forget_tenant(tenant)
+        elif turns.credit < 1:
+            self._tenant_turns.rotate(-1)
         return IntakeEntry(batch_id, line, queue.index.offsets[line], queue.index.lengths[line])
+
+    def _forget_tenant(self, tenant: str) -> None:
+        """A tenant whose last queued request left: out of the turns (its weight is kept)."""
+        del self._tenants[tenant]
+        self._tenant_turns.remove(tenant)
+        del self._queued_per_tenant[tenant]
 
     def drop(self, batch_id: str) -> int:
         """Remove every queued request of a batch and release its reservation; return how many
@@ -162,7 +249,11 @@ class IntakePool:
         queue = self._queues.pop(batch_id, None)
         if queue is None:
             return 0
-        self._turns.remove(batch_id)
+        turns = self._tenants[queue.tenant]
+        turns.batches.remove(batch_id)
         dropped = len(queue)
         self._size -= dropped
+        self._queued_per_tenant[queue.tenant] -= dropped
+        if not turns.batches:
+            self._forget_tenant(queue.tenant)
         return dropped

@@ -21,6 +21,7 @@ import attrs
 
 from batchgen.core.models import Batch, FileObject
 from batchgen.core.storage.result_files import FinishedLines
+from batchgen.core.tenancy import TenantUsage
 from batchgen.core.webhook_outbox import OutboxMessage
 
 
@@ -60,8 +61,16 @@ class MetadataStore(Protocol):
         """Files whose ``expires_at`` is at or before ``now``, oldest first."""
 
     def list_files(
-        self, *, after: str | None, limit: int, descending: bool, purpose: str | None
-    ) -> tuple[list[FileObject], bool]: ...
+        self,
+        *,
+        after: str | None,
+        limit: int,
+        descending: bool,
+        purpose: str | None,
+        owner: str | None = None,
+    ) -> tuple[list[FileObject], bool]:
+        """With ``owner``, only that tenant's files; a cursor naming another's file is refused
+        as unknown."""
 
     def get_idempotency_key(self, key: str) -> tuple[str, str, str] | None:
         """The (scope, fingerprint, object id) recorded for ``key``, or None."""
@@ -96,15 +105,18 @@ class MetadataStore(Protocol):
     def get_batch(self, batch_id: str) -> Batch | None: ...
 
     def list_batches(
-        self, *, after: str | None, limit: int, descending: bool = True
+        self, *, after: str | None, limit: int, descending: bool = True, owner: str | None = None
     ) -> tuple[list[Batch], bool]:
-        """Newest first unless not ``descending``."""
+        """Newest first unless not ``descending``; with ``owner``, as ``list_files``."""
 
     def active_batches(self) -> list[Batch]:
         """Batches in a non-terminal status, oldest first (what a restart resumes)."""
 
     def batches_using_file(self, file_id: str) -> list[Batch]:
         """Batches whose input, output or error file is ``file_id``."""
+
+    def usage(self, owner: str | None = None) -> list[TenantUsage]:
+        """Per owner (or for ``owner`` only): batches, finished requests and tokens, as saved."""
 
 
 @runtime_checkable

@@ -7,6 +7,9 @@ Rows keep an insertion sequence number, which gives lists a stable newest-first 
 behind (``deleted_files``, two small columns), so a client paging with a cursor that names a file
 deleted meanwhile carries on where it was, and numbers are never reused; an id that never existed
 is refused as a cursor.
+
+Each file and batch records its ``owner`` (the tenant that made it); lists and cursors can be
+narrowed to one owner, and ``usage`` sums the saved counters of each owner's batches.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sqlite_utils
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import (
+    DEFAULT_TENANT,
     Batch,
     BatchErrorInfo,
     BatchParameters,
@@ -31,6 +35,7 @@ from batchgen.core.models import (
     Usage,
 )
 from batchgen.core.storage.interfaces import IdempotencyRecord
+from batchgen.core.tenancy import TenantUsage
 from batchgen.core.webhook_outbox import OutboxMessage
 
 _FILE_COLUMNS = {
@@ -44,6 +49,7 @@ _FILE_COLUMNS = {
     "line_count": int,
     "url": str,
     "expires_at": int,
+    "owner": str,
 }
 
 _BATCH_COLUMNS = {
@@ -78,6 +84,7 @@ _BATCH_COLUMNS = {
     "expired_at": int,
     "cancelling_at": int,
     "cancelled_at": int,
+    "owner": str,
 }
 
 _OUTBOX_COLUMNS = {
@@ -125,6 +132,7 @@ def _batch_to_row(batch: Batch) -> dict[str, Any]:
         "expired_at": batch.expired_at,
         "cancelling_at": batch.cancelling_at,
         "cancelled_at": batch.cancelled_at,
+        "owner": batch.owner,
     }
 
 
@@ -161,6 +169,7 @@ def _batch_from_row(row: dict[str, Any]) -> Batch:
         expired_at=row["expired_at"],
         cancelling_at=row["cancelling_at"],
         cancelled_at=row["cancelled_at"],
+        owner=row.get("owner") or DEFAULT_TENANT,
     )
 
 
@@ -175,6 +184,7 @@ def _file_from_row(row: dict[str, Any]) -> FileObject:
         line_count=row["line_count"] or 0,
         url=row["url"],
         expires_at=row["expires_at"],
+        owner=row.get("owner") or DEFAULT_TENANT,
     )
 
 
@@ -211,6 +221,10 @@ class SQLiteMetadataStore:
         missing = set(_BATCH_COLUMNS) - set(self._batches.columns_dict)
         for column in sorted(missing):  # a database made by an older version
             self._batches.add_column(column, _BATCH_COLUMNS[column])
+        for table in (self._files, self._deleted_files):  # owners, added with tenants
+            if "owner" not in table.columns_dict:
+                table.add_column("owner", str)
+        self._batches.create_index(["owner", "seq"], if_not_exists=True)
 
     def close(self) -> None:
         self._db.close()
@@ -223,13 +237,16 @@ class SQLiteMetadataStore:
         row = self._db.execute(query).fetchone()
         return int(row[0])
 
-    def _cursor_seq(self, table: str, object_id: str) -> int:
-        """The sequence number of the object an ``after`` cursor names, deleted or not."""
-        query = f"SELECT seq FROM {table} WHERE id = ?"
-        params = [object_id]
+    def _cursor_seq(self, table: str, object_id: str, owner: str | None = None) -> int:
+        """The sequence number of the object an ``after`` cursor names, deleted or not; with
+        ``owner``, only an object of that owner counts (another's id is refused as unknown)."""
+        mine = "" if owner is None else " AND COALESCE(owner, ?) = ?"
+        mine_params = [] if owner is None else [DEFAULT_TENANT, owner]
+        query = f"SELECT seq FROM {table} WHERE id = ?{mine}"
+        params = [object_id, *mine_params]
         if table == "files":
-            query += " UNION ALL SELECT seq FROM deleted_files WHERE id = ?"
-            params.append(object_id)
+            query += f" UNION ALL SELECT seq FROM deleted_files WHERE id = ?{mine}"
+            params += [object_id, *mine_params]
         row = self._db.execute(query, params).fetchone()
         if row is None:
             kind = "file" if table == "files" else "batch"
@@ -251,6 +268,7 @@ class SQLiteMetadataStore:
             "line_count": file.line_count,
             "url": file.url,
             "expires_at": file.expires_at,
+            "owner": file.owner,
         }
         with self._db.atomic():
             self._deleted_files.delete_where("id = ?", [file.id])  # an id used again is live again
@@ -267,22 +285,33 @@ class SQLiteMetadataStore:
 
     def delete_file(self, file_id: str) -> None:
         self._db.execute(
-            "INSERT OR IGNORE INTO deleted_files (id, seq) SELECT id, seq FROM files WHERE id = ?", [file_id]
+            "INSERT OR IGNORE INTO deleted_files (id, seq, owner) SELECT id, seq, owner FROM files WHERE id = ?",
+            [file_id],
         )
         self._files.delete_where("id = ?", [file_id])
 
     def list_files(
-        self, *, after: str | None, limit: int, descending: bool, purpose: str | None
+        self,
+        *,
+        after: str | None,
+        limit: int,
+        descending: bool,
+        purpose: str | None,
+        owner: str | None = None,
     ) -> tuple[list[FileObject], bool]:
-        """Return up to ``limit`` files after the cursor, and whether more follow."""
+        """Return up to ``limit`` files after the cursor (of ``owner`` only, if given), and whether
+        more follow."""
         clauses: list[str] = []
         params: list[Any] = []
         if purpose is not None:
             clauses.append("purpose = ?")
             params.append(purpose)
+        if owner is not None:
+            clauses.append("COALESCE(owner, ?) = ?")
+            params += [DEFAULT_TENANT, owner]
         if after is not None:
             clauses.append(f"seq {'<' if descending else '>'} ?")
-            params.append(self._cursor_seq("files", after))
+            params.append(self._cursor_seq("files", after, owner))
         rows = list(
             self._files.rows_where(
                 " AND ".join(clauses) or None,
@@ -361,15 +390,19 @@ class SQLiteMetadataStore:
         return _batch_from_row(rows[0]) if rows else None
 
     def list_batches(
-        self, *, after: str | None, limit: int, descending: bool = True
+        self, *, after: str | None, limit: int, descending: bool = True, owner: str | None = None
     ) -> tuple[list[Batch], bool]:
-        """Up to ``limit`` batches after the cursor (newest first unless not ``descending``), and
-        whether more follow."""
-        where = None
+        """Up to ``limit`` batches after the cursor (newest first unless not ``descending``; of
+        ``owner`` only, if given), and whether more follow."""
+        clauses: list[str] = []
         params: list[Any] = []
+        if owner is not None:
+            clauses.append("COALESCE(owner, ?) = ?")
+            params += [DEFAULT_TENANT, owner]
         if after is not None:
-            where = f"seq {'<' if descending else '>'} ?"
-            params.append(self._cursor_seq("batches", after))
+            clauses.append(f"seq {'<' if descending else '>'} ?")
+            params.append(self._cursor_seq("batches", after, owner))
+        where = " AND ".join(clauses) or None
         order_by = f"seq {'DESC' if descending else 'ASC'}"
         rows = list(self._batches.rows_where(where, params, order_by=order_by, limit=limit + 1))
         return [_batch_from_row(row) for row in rows[:limit]], len(rows) > limit
@@ -385,3 +418,18 @@ class SQLiteMetadataStore:
             [file_id, file_id, file_id],
         )
         return [_batch_from_row(row) for row in rows]
+
+    # --- usage -----------------------------------------------------------------------------
+    def usage(self, owner: str | None = None) -> list[TenantUsage]:
+        """Each owner's batches, finished requests and tokens, from the saved batch counters."""
+        query = (
+            "SELECT COALESCE(owner, ?) AS tenant, COUNT(*), COALESCE(SUM(completed), 0), "
+            "COALESCE(SUM(failed), 0), COALESCE(SUM(prompt_tokens), 0), "
+            "COALESCE(SUM(completion_tokens), 0) FROM batches"
+        )
+        params: list[Any] = [DEFAULT_TENANT]
+        if owner is not None:
+            query += " WHERE COALESCE(owner, ?) = ?"
+            params += [DEFAULT_TENANT, owner]
+        query += " GROUP BY tenant ORDER BY tenant"
+        return [TenantUsage(*row) for row in self._db.execute(query, params).fetchall()]

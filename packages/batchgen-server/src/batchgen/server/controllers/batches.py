@@ -11,6 +11,7 @@ from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import bounds_problem
 from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
+from batchgen.core.tenancy import Caller
 from batchgen.server.pagination import list_page
 
 #: What OpenAI's create call takes (every field the ``openai`` SDK sends), then BatchGen's
@@ -62,7 +63,9 @@ class BatchesController(Controller):
     path = "/v1/batches"
 
     @post("/", status_code=200)
-    async def create(self, request: Request[Any, Any, Any], service: BatchService) -> dict[str, Any]:
+    async def create(
+        self, request: Request[Any, Any, Any], service: BatchService, caller: Caller
+    ) -> dict[str, Any]:
         body = _parse_create_body(await request.body())
         batch = await service.create_batch(
             body["input_file_id"],
@@ -77,20 +80,26 @@ class BatchesController(Controller):
             ),
             output_expires_after_s=_output_expiry_seconds(body.get("output_expires_after")),
             idempotency_key=request.headers.get("idempotency-key"),
+            caller=caller,
         )
         return batch.to_dict()
 
     @get("/")
     async def list_batches(
-        self, service: BatchService, after: str | None = None, limit: int = 20, order: str = "desc"
+        self,
+        service: BatchService,
+        caller: Caller,
+        after: str | None = None,
+        limit: int = 20,
+        order: str = "desc",
     ) -> dict[str, Any]:
-        batches, has_more = await service.list_batches(after=after, limit=limit, order=order)
+        batches, has_more = await service.list_batches(after=after, limit=limit, order=order, caller=caller)
         return list_page([batch.to_dict() for batch in batches], has_more)
 
     @get("/{batch_id:str}")
-    async def retrieve(self, batch_id: str, service: BatchService) -> dict[str, Any]:
-        return (await service.get_batch(batch_id)).to_dict()
+    async def retrieve(self, batch_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+        return (await service.get_batch(batch_id, caller=caller)).to_dict()
 
     @post("/{batch_id:str}/cancel", status_code=200)
-    async def cancel(self, batch_id: str, service: BatchService) -> dict[str, Any]:
-        return (await service.cancel_batch(batch_id)).to_dict()
+    async def cancel(self, batch_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+        return (await service.cancel_batch(batch_id, caller=caller)).to_dict()

@@ -13,6 +13,7 @@ from litestar.response import Stream
 
 from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.service import BatchService
+from batchgen.core.tenancy import Caller
 from batchgen.server.errors import error_response
 from batchgen.server.pagination import list_page
 from batchgen.server.uploads import receive_upload
@@ -99,7 +100,9 @@ class FilesController(Controller):
     path = "/v1/files"
 
     @post("/", status_code=200, request_max_body_size=None)
-    async def upload(self, request: Request[Any, Any, Any], service: BatchService) -> dict[str, Any]:
+    async def upload(
+        self, request: Request[Any, Any, Any], service: BatchService, caller: Caller
+    ) -> dict[str, Any]:
         limit = service.max_upload_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
@@ -118,6 +121,7 @@ class FilesController(Controller):
                 purpose=purpose,
                 expires_after_s=_expires_after_seconds(upload.fields),
                 idempotency_key=request.headers.get("idempotency-key"),
+                caller=caller,
             )
         finally:
             service.discard_upload(staging)
@@ -127,26 +131,29 @@ class FilesController(Controller):
     async def list_files(
         self,
         service: BatchService,
+        caller: Caller,
         after: str | None = None,
         limit: int = 10000,
         order: str = "desc",
         purpose: str | None = None,
     ) -> dict[str, Any]:
-        files, has_more = await service.list_files(after=after, limit=limit, order=order, purpose=purpose)
+        files, has_more = await service.list_files(
+            after=after, limit=limit, order=order, purpose=purpose, caller=caller
+        )
         return list_page([file.to_dict() for file in files], has_more)
 
     @get("/{file_id:str}")
-    async def retrieve(self, file_id: str, service: BatchService) -> dict[str, Any]:
-        return (await service.get_file(file_id)).to_dict()
+    async def retrieve(self, file_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+        return (await service.get_file(file_id, caller=caller)).to_dict()
 
     @delete("/{file_id:str}", status_code=200)
-    async def delete_file(self, file_id: str, service: BatchService) -> dict[str, Any]:
-        await service.delete_file(file_id)
+    async def delete_file(self, file_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+        await service.delete_file(file_id, caller=caller)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @route("/{file_id:str}/content", http_method=[HttpMethod.GET, HttpMethod.HEAD])
     async def content(
-        self, file_id: str, request: Request[Any, Any, Any], service: BatchService
+        self, file_id: str, request: Request[Any, Any, Any], service: BatchService, caller: Caller
     ) -> Stream | Response[dict[str, Any]]:
         """The file's bytes; a running batch's output holds the lines written so far.
 
@@ -155,13 +162,13 @@ class FilesController(Controller):
         empty 200. ``HEAD`` answers the same status and headers without the bytes. The file is
         opened before the response starts, so nothing can fail once it has.
         """
-        return await _content_response(file_id, request, service, body=request.method != "HEAD")
+        return await _content_response(file_id, request, service, caller, body=request.method != "HEAD")
 
 
 async def _content_response(
-    file_id: str, request: Request[Any, Any, Any], service: BatchService, *, body: bool
+    file_id: str, request: Request[Any, Any, Any], service: BatchService, caller: Caller, *, body: bool
 ) -> Stream | Response[dict[str, Any]]:
-    path, size = await service.file_content(file_id)
+    path, size = await service.file_content(file_id, caller=caller)
     try:
         wanted = byte_range(request.headers.get("range"), size)
     except RangeNotSatisfiable as exc:

@@ -7,11 +7,17 @@ from typing import Any
 from litestar import Response, get
 
 from batchgen.core.service import BatchService
+from batchgen.core.tenancy import EMBEDDED, Caller
 
 
 @get("/v1/pool/status")
-async def pool_status(service: BatchService) -> dict[str, Any]:
-    return service.pool_status().to_dict()
+async def pool_status(service: BatchService, caller: Caller) -> dict[str, Any]:
+    """The pools' figures; once API keys exist, also per tenant (every tenant for an admin key,
+    else the caller's own)."""
+    figures = service.pool_status().to_dict()
+    if caller is not EMBEDDED:  # a server with keys
+        figures["tenants"] = service.tenant_status(caller)
+    return figures
 
 
 @get("/health")

@@ -1,0 +1,97 @@
+"""Tenants as the core sees them: who makes a call, what that caller may see, and its limits.
+
+Every file and batch has an ``owner``, the tenant that made it. A ``Caller`` is a tenant, with
+admin rights or not, and the limits set on that tenant. A caller sees only its own tenant's objects
+(another tenant's id is "not found", never "forbidden"), unless it is an admin, which sees and
+manages everything. The embedded service, with no tenants at all, calls as ``EMBEDDED``: an admin
+of the ``default`` tenant, so a pipeline that never heard of tenants works as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from batchgen.core.models import DEFAULT_TENANT
+
+__all__ = ["DEFAULT_TENANT", "EMBEDDED", "Caller", "TenantLimits", "TenantUsage", "scoped_key"]
+
+
+def _positive_weight(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{attribute.name} must be a number above 0, got {value}")
+
+
+@attrs.frozen
+class TenantLimits:
+    """What one tenant may hold at once (None: no limit beyond the server's) and its share weight.
+
+    ``max_queued_requests`` counts the requests of the tenant's batches still waiting for a slot
+    (and those of batches accepted but not queued yet); ``max_active_batches`` the batches not
+    ended yet. ``weight`` is the tenant's share of the slots while several tenants have work: a
+    tenant of weight 2 is admitted twice as many requests per round as one of weight 1.
+    """
+
+    max_queued_requests: int | None = None
+    max_active_batches: int | None = None
+    weight: float = attrs.field(default=1.0, validator=_positive_weight)
+
+
+@attrs.frozen
+class Caller:
+    """Who makes a service call: a tenant, whether it is an admin, and that tenant's limits."""
+
+    tenant: str = DEFAULT_TENANT
+    admin: bool = False
+    limits: TenantLimits = TenantLimits()
+
+    def sees(self, owner: str) -> bool:
+        """Whether this caller may see (and manage) an object ``owner`` made."""
+        return self.admin or owner == self.tenant
+
+    @property
+    def owner_filter(self) -> str | None:
+        """The owner a list is narrowed to: None for an admin (everything), else the tenant."""
+        return None if self.admin else self.tenant
+
+
+#: The caller of the embedded service and of a server without API keys.
+EMBEDDED = Caller(DEFAULT_TENANT, admin=True)
+
+
+def scoped_key(tenant: str, key: str) -> str:
+    """An ``Idempotency-Key`` as stored: keys are per tenant, so two tenants may use the same key.
+
+    The default tenant's keys are stored as given, as they were before there were tenants.
+    """
+    return key if tenant == DEFAULT_TENANT else f"{tenant}\x1f{key}"
+
+
+@attrs.frozen
+class TenantUsage:
+    """What one tenant's batches have used: requests finished and tokens, over all time."""
+
+    tenant: str
+    batches: int = 0
+    completed_requests: int = 0
+    failed_requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.completed_requests + self.failed_requests
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "object": "usage",
+            "tenant": self.tenant,
+            "batches": self.batches,
+            "requests": self.requests,
+            "completed_requests": self.completed_requests,
+            "failed_requests": self.failed_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }

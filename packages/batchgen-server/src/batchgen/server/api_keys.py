@@ -1,0 +1,231 @@
+"""API keys and tenants, kept in the server's metadata database (``{storage}/metadata.sqlite3``).
+
+A key is ``bg-<key id>-<secret>``: the key id (12 hex digits) names the row, the secret (64 hex
+digits, 256 random bits) is never stored, only its SHA-256 digest (a slow hash adds nothing for
+a random secret of that length), compared with ``hmac.compare_digest``. A tenant row holds the
+tenant's limits and weight; a key belongs to one tenant and may be an admin key.
+
+``KeyStore`` is used both by the ``batchgen-server keys`` command (another process) and by the
+running server, which answers from an in-memory copy of the rows and reloads it only when the
+database changed: ``PRAGMA data_version`` (no disk read) tells it another connection committed,
+and a version counter that every key and tenant change bumps tells it the keys are what changed.
+So a revoked key stops working on the next request, at no per-request query cost. ``last_used_at``
+is written at most once a minute per key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import re
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from batchgen.core.tenancy import Caller, TenantLimits
+
+KEY_PREFIX = "bg-"
+_KEY_FORMAT = re.compile(r"^bg-([0-9a-f]{12})-([0-9a-f]{64})$")
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+#: Seconds between two writes of one key's ``last_used_at``.
+LAST_USED_WRITE_INTERVAL_S = 60
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    max_queued_requests INTEGER,
+    max_active_batches INTEGER,
+    weight REAL NOT NULL DEFAULT 1.0,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    admin INTEGER NOT NULL DEFAULT 0,
+    secret_sha256 TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    last_used_at INTEGER,
+    revoked_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS api_keys_version (id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL);
+INSERT OR IGNORE INTO api_keys_version (id, version) VALUES (1, 0);
+"""
+
+
+def check_tenant_name(name: str) -> str:
+    """The name, or ValueError saying what a tenant name may hold."""
+    if not _TENANT_NAME.match(name):
+        raise ValueError(
+            f"tenant name {name!r} must be 1-64 letters, digits, '.', '_', '@' or '-', starting with a "
+            "letter or digit"
+        )
+    return name
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@attrs.frozen
+class KeyRecord:
+    """One API key as stored (never its secret)."""
+
+    id: str
+    tenant: str
+    admin: bool
+    created_at: int
+    last_used_at: int | None
+    revoked_at: int | None
+    secret_sha256: str = attrs.field(repr=False)
+
+
+@attrs.frozen
+class TenantRecord:
+    name: str
+    limits: TenantLimits
+    created_at: int
+
+
+class KeyStore:
+    """Keys and tenants in the SQLite database at ``path`` (created if missing)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._data_version = -1
+        self._keys_version = -1
+        self._keys: dict[str, KeyRecord] = {}
+        self._tenants: dict[str, TenantRecord] = {}
+        self._last_written: dict[str, int] = {}
+        #: Called with every tenant's limits whenever the rows are (re)loaded.
+        self.on_reload: Callable[[dict[str, TenantLimits]], object] | None = None
+
+    def close(self) -> None:
+        self._db.close()
+
+    # --- changes (the ``keys`` command) ------------------------------------------------------
+    def _bump(self) -> None:
+        self._db.execute("UPDATE api_keys_version SET version = version + 1 WHERE id = 1")
+
+    def create_key(
+        self, tenant: str, *, admin: bool = False, limits: TenantLimits | None = None
+    ) -> tuple[str, str]:
+        """Make a key for ``tenant`` (made with ``limits`` if new; given limits replace its old
+        ones); return (key id, the key). The key is shown once and cannot be recovered."""
+        check_tenant_name(tenant)
+        key_id = secrets.token_hex(6)
+        secret = secrets.token_hex(32)
+        created = int(time.time())
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT OR IGNORE INTO tenants (name, weight, created_at) VALUES (?, 1.0, ?)",
+                (tenant, created),
+            )
+            if limits is not None:
+                self._set_limits(tenant, limits)
+            self._db.execute(
+                "INSERT INTO api_keys (id, tenant, admin, secret_sha256, created_at) VALUES (?, ?, ?, ?, ?)",
+                (key_id, tenant, int(admin), _digest(secret), created),
+            )
+            self._bump()
+        return key_id, f"{KEY_PREFIX}{key_id}-{secret}"
+
+    def _set_limits(self, tenant: str, limits: TenantLimits) -> None:
+        self._db.execute(
+            "UPDATE tenants SET max_queued_requests = ?, max_active_batches = ?, weight = ? WHERE name = ?",
+            (limits.max_queued_requests, limits.max_active_batches, limits.weight, tenant),
+        )
+
+    def set_limits(self, tenant: str, limits: TenantLimits) -> None:
+        """Replace a tenant's limits and weight; KeyError if there is no such tenant."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            if self._db.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant,)).fetchone() is None:
+                raise KeyError(tenant)
+            self._set_limits(tenant, limits)
+            self._bump()
+
+    def revoke(self, key_id: str) -> bool:
+        """Revoke a key; False if no key has that id (or it was revoked already)."""
+        key_id = key_id.removeprefix(KEY_PREFIX)
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            changed = self._db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                (int(time.time()), key_id),
+            ).rowcount
+            self._bump()
+        return bool(changed)
+
+    # --- reading ---------------------------------------------------------------------------
+    def list_keys(self) -> list[KeyRecord]:
+        rows = self._db.execute(
+            "SELECT id, tenant, admin, created_at, last_used_at, revoked_at, secret_sha256 FROM api_keys "
+            "ORDER BY created_at, id"
+        ).fetchall()
+        return [KeyRecord(row[0], row[1], bool(row[2]), *row[3:]) for row in rows]
+
+    def tenants(self) -> list[TenantRecord]:
+        rows = self._db.execute(
+            "SELECT name, max_queued_requests, max_active_batches, weight, created_at FROM tenants ORDER BY name"
+        ).fetchall()
+        return [TenantRecord(row[0], TenantLimits(row[1], row[2], row[3]), row[4]) for row in rows]
+
+    def has_keys(self) -> bool:
+        """Whether any key was ever made (then every /v1 call needs a valid one). Revoking every
+        key does not open the server again: it refuses everyone until a new key is made."""
+        self._refresh()
+        return bool(self._keys)
+
+    def tenant_limits(self) -> dict[str, TenantLimits]:
+        self._refresh()
+        return {name: record.limits for name, record in self._tenants.items()}
+
+    def _refresh(self) -> bool:
+        """Reload the rows if another connection changed them since; True if it reloaded."""
+        data_version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if data_version == self._data_version:
+            return False
+        self._data_version = data_version
+        keys_version = self._db.execute("SELECT version FROM api_keys_version WHERE id = 1").fetchone()[0]
+        if keys_version == self._keys_version:
+            return False
+        self._keys_version = keys_version
+        self._keys = {key.id: key for key in self.list_keys()}
+        self._tenants = {tenant.name: tenant for tenant in self.tenants()}
+        if self.on_reload is not None:
+            self.on_reload({name: record.limits for name, record in self._tenants.items()})
+        return True
+
+    def authenticate(self, presented: str, *, refresh: bool = True) -> Caller | None:
+        """The caller a presented key stands for, or None if it is unknown, malformed or revoked
+        (``refresh=False``: the caller has just checked for changes, with ``has_keys``)."""
+        if refresh:
+            self._refresh()
+        match = _KEY_FORMAT.match(presented)
+        # the digest is computed and compared whatever the key id, so timing says nothing
+        digest = _digest(match.group(2) if match else presented)
+        key = self._keys.get(match.group(1)) if match else None
+        stored = key.secret_sha256 if key is not None else _digest("")
+        if not hmac.compare_digest(digest, stored) or key is None or key.revoked_at is not None:
+            return None
+        self._note_use(key.id)
+        tenant = self._tenants.get(key.tenant)
+        limits = tenant.limits if tenant is not None else TenantLimits()
+        return Caller(key.tenant, admin=key.admin, limits=limits)
+
+    def _note_use(self, key_id: str) -> None:
+        moment = int(time.time())
+        if moment - self._last_written.get(key_id, 0) < LAST_USED_WRITE_INTERVAL_S:
+            return
+        self._last_written[key_id] = moment
+        with contextlib.suppress(sqlite3.OperationalError):  # busy or read-only: last use is a hint
+            self._db.execute("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (moment, key_id))

@@ -1,0 +1,17 @@
+"""``/v1/usage``: requests and tokens per tenant, over all time (admins see every tenant)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import get
+
+from batchgen.core.service import BatchService
+from batchgen.core.tenancy import Caller
+
+
+@get("/v1/usage")
+async def usage(service: BatchService, caller: Caller) -> dict[str, Any]:
+    """``{"object": "list", "data": [{"tenant", "requests", "prompt_tokens", ...}]}``."""
+    figures = await service.usage(caller=caller)
+    return {"object": "list", "data": [tenant.to_dict() for tenant in figures]}

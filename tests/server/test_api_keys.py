@@ -1,0 +1,147 @@
+"""The key store: keys hashed at rest, constant-time checks, revocation seen at once by another
+connection (as a running server sees the ``keys`` command), tenants' limits, and the 401 guard
+of the in-process app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from litestar.testing import TestClient
+
+from batchgen.core.tenancy import Caller, TenantLimits
+from batchgen.server import api_keys
+from batchgen.server.api_keys import KeyStore, check_tenant_name
+from batchgen.server.cli import build_parser as server_parser
+from batchgen.server.keys_cli import build_parser as keys_parser
+from tests.conftest import in_process_app
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> KeyStore:
+    return KeyStore(tmp_path / "metadata.sqlite3")
+
+
+def test_a_key_is_stored_hashed_and_authenticates_its_tenant(store: KeyStore, tmp_path: Path) -> None:
+    key_id, key = store.create_key("alpha", limits=TenantLimits(max_queued_requests=9, weight=2))
+    assert key.startswith("bg-") and key_id in key
+    assert store.authenticate(key) == Caller("alpha", limits=TenantLimits(max_queued_requests=9, weight=2))
+    secret = key.rsplit("-", 1)[1]
+    for path in tmp_path.iterdir():
+        assert secret.encode() not in path.read_bytes()
+    assert all(record.id == key_id and record.tenant == "alpha" for record in store.list_keys())
+
+
+def test_admin_keys_and_unknown_tenants(store: KeyStore) -> None:
+    _, admin = store.create_key("ops", admin=True)
+    caller = store.authenticate(admin)
+    assert caller is not None and caller.admin and caller.tenant == "ops"
+
+
+@settings(max_examples=60, deadline=None)
+@given(position=st.integers(3, 80), replacement=st.sampled_from("0123456789abcdef-x"))
+def test_a_changed_key_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, position: int, replacement: str
+) -> None:
+    store = KeyStore(tmp_path_factory.mktemp("keys") / "metadata.sqlite3")
+    try:
+        _, key = store.create_key("alpha")
+        changed = key[:position] + replacement + key[position + 1 :]
+        if changed != key:
+            assert store.authenticate(changed) is None
+        assert store.authenticate(key[:-1]) is None and store.authenticate(key + "0") is None
+    finally:
+        store.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(presented=st.text(max_size=120))
+def test_random_strings_never_authenticate(tmp_path_factory: pytest.TempPathFactory, presented: str) -> None:
+    store = KeyStore(tmp_path_factory.mktemp("keys") / "metadata.sqlite3")
+    try:
+        store.create_key("alpha")
+        assert store.authenticate(presented) is None
+    finally:
+        store.close()
+
+
+def test_revoking_from_another_connection_is_seen_on_the_next_check(tmp_path: Path) -> None:
+    server, command = KeyStore(tmp_path / "metadata.sqlite3"), KeyStore(tmp_path / "metadata.sqlite3")
+    try:
+        key_id, key = command.create_key("alpha")
+        assert server.authenticate(key) is not None
+        assert command.revoke(key_id)
+        assert server.authenticate(key) is None
+        assert not command.revoke(key_id)  # already revoked
+        assert server.has_keys()  # revoking every key does not open the server
+    finally:
+        server.close()
+        command.close()
+
+
+def test_limits_changed_elsewhere_reach_the_server_and_its_weights(tmp_path: Path) -> None:
+    server, command = KeyStore(tmp_path / "metadata.sqlite3"), KeyStore(tmp_path / "metadata.sqlite3")
+    seen: list[dict[str, TenantLimits]] = []
+    server.on_reload = seen.append
+    try:
+        _, key = command.create_key("alpha")
+        assert server.authenticate(key) == Caller("alpha")
+        command.set_limits("alpha", TenantLimits(max_active_batches=2, weight=3))
+        caller = server.authenticate(key)
+        assert caller is not None and caller.limits == TenantLimits(max_active_batches=2, weight=3)
+        assert seen[-1] == {"alpha": TenantLimits(max_active_batches=2, weight=3)}
+        with pytest.raises(KeyError):
+            command.set_limits("nobody", TenantLimits())
+    finally:
+        server.close()
+        command.close()
+
+
+def test_last_use_is_written_at_most_once_a_minute(store: KeyStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, key = store.create_key("alpha")
+    clock = [1_000_000.0]
+    monkeypatch.setattr(api_keys.time, "time", lambda: clock[0])
+    store.authenticate(key)
+    assert store.list_keys()[0].last_used_at == 1_000_000
+    clock[0] += 30
+    store.authenticate(key)
+    assert store.list_keys()[0].last_used_at == 1_000_000
+    clock[0] += 31
+    store.authenticate(key)
+    assert store.list_keys()[0].last_used_at == 1_000_061
+
+
+@pytest.mark.parametrize("name", ["", "has space", "-leading", "x" * 65, "semi;colon"])
+def test_bad_tenant_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError):
+        check_tenant_name(name)
+
+
+def test_the_in_process_app_needs_a_key_once_one_exists(tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    with TestClient(in_process_app(storage), timeout=30) as client:
+        assert client.get("/v1/files").status_code == 200  # no key yet: today's behaviour
+        command = KeyStore(storage / "metadata.sqlite3")
+        key_id, key = command.create_key("alpha")
+        refused = client.get("/v1/files")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
+        assert client.get("/v1/files", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert client.get("/health").status_code == 200
+        command.revoke(key_id)
+        # with every key revoked the server refuses everyone; it does not fall open
+        assert client.get("/v1/files", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+        assert client.get("/v1/files").status_code == 401
+        command.close()
+
+
+def test_help_of_the_keys_command_and_of_the_server_names_every_subcommand() -> None:
+    keys_help = keys_parser().format_help()
+    for command in ("create", "list", "revoke", "set-limits"):
+        assert command in keys_help
+    server_help = server_parser(specs=[]).format_help()
+    assert "batchgen-server keys" in server_help
+    for flag in ("--allow-unauthenticated", "--ssl-certfile", "--ssl-keyfile"):
+        assert flag in server_help
