@@ -76,8 +76,8 @@ from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, Resu
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
-from batchgen.core.webhook_outbox import WebhookTargets
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
+from batchgen.core.webhook_outbox import WebhookTargets
 
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
 

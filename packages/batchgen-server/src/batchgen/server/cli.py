@@ -198,10 +198,9 @@ def build_parser(
         default=_DEFAULTS.log_repeat_interval_s,
         help="the interval of --log-repeat-limit",
     )
-    add(
+    parser.add_argument(
         "--allow-unauthenticated",
         action="store_true",
-        default=False,
         help="serve on an address other than loopback although no API key exists (anyone who can reach "
         "the port may then read, delete and cancel everything); without it such a start is refused",
     )
