@@ -19,11 +19,13 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 
 from batchgen.core import BatchService, ServiceSettings
+from batchgen.core.backends import Outcome, ReportOutcome
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.models import GenerationRequest, GenerationResult
 
@@ -31,7 +33,8 @@ SLOTS = 10_240
 
 
 class BusyMeter(SimulatedBackend):
-    """The simulated backend, integrating how many requests are inside ``generate`` over time."""
+    """The simulated backend, integrating how many requests are inside ``generate`` (or a
+    ``generate_many`` call, until each is reported) over time."""
 
     def __init__(self, **options: object) -> None:
         super().__init__(**options)  # type: ignore[arg-type]
@@ -55,6 +58,21 @@ class BusyMeter(SimulatedBackend):
             return await super().generate(request)
         finally:
             self._tick(-1)
+
+    async def generate_many(self, requests: Sequence[GenerationRequest], report: ReportOutcome) -> None:
+        # Without a capacity limit, on asyncio, the simulated generate_many never calls generate.
+        unreported = set(range(len(requests)))
+        self._tick(+len(requests))
+
+        def metered(position: int, outcome: Outcome) -> None:
+            unreported.discard(position)
+            self._tick(-1)
+            report(position, outcome)
+
+        try:
+            await super().generate_many(requests, metered)
+        finally:
+            self._tick(-len(unreported))
 
 
 def batch_file(name: str, count: int) -> bytes:

@@ -15,7 +15,9 @@ with ``BackendUnavailable`` when not started; return complete results (token cou
 reason, the output limit kept, no stop string in the text); end an aborted request with
 ``RequestAborted`` soon, and shrug off aborts of unknown or finished requests; reject a prompt
 longer than the context with ``RequestRejected("context_length_exceeded")``; serve concurrent
-calls. A new backend adds a ``Subject`` below and passes these unchanged.
+calls. Groups of requests (``generate_all``: the backend's own ``generate_many``, or one
+``generate`` each) keep the same promises per request, and report each request exactly once.
+A new backend adds a ``Subject`` below and passes these unchanged.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import pytest
 from batchgen.core.backends import (
     Backend,
     BackendUnavailable,
+    Outcome,
     RequestAborted,
     RequestRejected,
     backend_spec,
+    generate_all,
 )
 from batchgen.core.models import (
     CHAT_COMPLETIONS,
@@ -291,5 +295,76 @@ async def test_aborting_unknown_or_finished_requests_is_harmless(subject: Subjec
         await backend.abort("req_done")
         assert backend.health().healthy
         assert_complete(await backend.generate(chat("req_after", max_tokens=4)), 4)
+    finally:
+        await backend.stop()
+
+
+# --- groups (generate_many) ---------------------------------------------------------------------
+async def run_group(backend: Backend, requests: list[GenerationRequest]) -> list[Outcome]:
+    """``generate_all`` over ``requests``; every outcome, checking each position is reported once."""
+    reports: list[tuple[int, Outcome]] = []
+    with anyio.fail_after(120):
+        await generate_all(backend, requests, lambda position, outcome: reports.append((position, outcome)))
+    positions = [position for position, _ in reports]
+    assert sorted(positions) == list(range(len(requests))), f"reported positions {positions}"
+    return [outcome for _, outcome in sorted(reports, key=lambda report: report[0])]
+
+
+async def test_a_group_gets_the_results_of_single_calls(subject: Subject) -> None:
+    backend = subject.build(context_length=64)
+    await backend.start()
+    try:
+        requests = [
+            chat("req_g0", "Question number 0?", max_tokens=4),
+            completion("req_g1", max_tokens=3),
+            chat("req_g2", " ".join(["word"] * 200)),  # longer than the context
+            chat("req_g3", "Question number 3?", max_tokens=2),
+        ]
+        outcomes = await run_group(backend, requests)
+        single = await backend.generate(chat("req_single", "Question number 0?", max_tokens=4))
+    finally:
+        await backend.stop()
+    assert_complete(outcomes[0], 4)  # type: ignore[arg-type]
+    assert_complete(outcomes[1], 3)  # type: ignore[arg-type]
+    rejected = outcomes[2]
+    assert isinstance(rejected, RequestRejected) and rejected.code == "context_length_exceeded"
+    assert_complete(outcomes[3], 2)  # type: ignore[arg-type]
+    if backend.name != "openai":  # an upstream server may sample differently between calls
+        assert outcomes[0] == single, "a request in a group got another answer than alone"
+
+
+async def test_a_group_before_start_reports_backend_unavailable_for_each(subject: Subject) -> None:
+    backend = subject.build()
+    outcomes = await run_group(backend, [chat("req_early_0"), chat("req_early_1")])
+    assert all(isinstance(outcome, BackendUnavailable) for outcome in outcomes), outcomes
+
+
+async def test_aborting_one_request_of_a_group_ends_it_alone(subject: Subject) -> None:
+    backend = subject.build(slow=True)
+    await backend.start()
+    reports: dict[int, Outcome] = {}
+    requests = [chat(f"req_slow_{n}", max_tokens=SLOW_MAX_TOKENS) for n in range(3)]
+    try:
+        async with anyio.create_task_group() as tasks:
+
+            async def run() -> None:
+                await generate_all(backend, requests, reports.__setitem__)
+
+            tasks.start_soon(run)
+            await anyio.sleep(0.5)
+            assert reports == {}, "the slow requests should still be running"
+            await backend.abort("req_slow_1")
+            with anyio.fail_after(ABORT_WITHIN_S):
+                while 1 not in reports:
+                    await anyio.sleep(0.01)
+            assert isinstance(reports[1], RequestAborted)
+            assert set(reports) == {1}, "aborting one request ended others"
+            await backend.abort("req_slow_0")
+            await backend.abort("req_slow_2")
+            with anyio.fail_after(ABORT_WITHIN_S):
+                while len(reports) < 3:
+                    await anyio.sleep(0.01)
+        assert all(isinstance(outcome, RequestAborted) for outcome in reports.values())
+        assert backend.health().healthy
     finally:
         await backend.stop()

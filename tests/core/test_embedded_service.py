@@ -183,3 +183,23 @@ async def test_reopening_the_storage_resumes_an_unfinished_batch_exactly_once(tm
     ids = [line["custom_id"] for line in _read_lines(output)]
     assert sorted(ids) == sorted(f"r{i}" for i in range(300))
     assert resumed.request_counts.completed == 300
+
+
+def test_a_service_under_plain_asyncio_run_ends_requests_reported_by_timers(tmp_path: Path) -> None:
+    """Requests the backend reports from loop callbacks (its timers), with retries, under a plain
+    ``asyncio.run`` as an embedding program (or uvicorn) has it, not a test runner's loop."""
+    import asyncio
+
+    async def run() -> tuple[object, list[bytes]]:
+        settings = ServiceSettings(storage_path=tmp_path, max_pool_size=16)
+        backend = load_backend("simulated", latency_s=0.01, failure_rate=0.2)
+        async with BatchService(settings, backend) as service:
+            file = await service.create_file(b"".join(_line(f"r{i}") for i in range(100)))
+            batch = await service.create_batch(file.id, "/v1/chat/completions")
+            batch = await asyncio.wait_for(service.wait_for_batch(batch.id, poll_interval=0.01), 60)
+            path, size = await service.file_content(batch.output_file_id or "")
+            return batch, path.read_bytes()[:size].splitlines()
+
+    batch, lines = asyncio.run(run())
+    assert batch.status is BatchStatus.COMPLETED  # type: ignore[attr-defined]
+    assert sorted(json.loads(line)["custom_id"] for line in lines) == sorted(f"r{i}" for i in range(100))

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batchgen.core.models import BatchParameters
-from batchgen.core.parameters import ServerDefaults
+from batchgen.core.parameters import ServerDefaults, sets_sampling
 from batchgen.core.parameters import resolve_sampling as resolve_body
 from batchgen.core.request_schema import ChatBody
 from batchgen.core.sampling_ranges import RULES
@@ -55,3 +57,39 @@ def test_a_stop_string_is_one_stop_sequence_and_a_list_keeps_its_order() -> None
 
 def test_the_server_default_is_a_valid_output_limit() -> None:
     assert RULES["max_tokens"].accepts(ServerDefaults().max_tokens)
+
+
+_BODY_FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(1, 4096),
+        "max_completion_tokens": st.integers(1, 4096),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.sampled_from([-1, 1, 40]),
+        "seed": st.integers(0, 2**31),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=4)),
+        "n": st.just(1),
+        "model": st.just("default"),
+    },
+)
+_BATCHES = st.builds(
+    BatchParameters,
+    max_decoding_length=st.one_of(st.none(), st.integers(1, 512)),
+    temperature=st.one_of(st.none(), st.floats(0, 2)),
+    top_p=st.one_of(st.none(), st.floats(0.01, 1)),
+    top_k=st.one_of(st.none(), st.integers(1, 50)),
+)
+
+
+@given(body=_BODY_FIELDS, batch=_BATCHES)
+def test_a_body_that_sets_no_sampling_field_resolves_to_the_batch_level(
+    body: dict[str, Any], batch: BatchParameters
+) -> None:
+    """The executor resolves such bodies once per batch: they must all resolve alike."""
+    decoded = msgspec.convert({"messages": [{"role": "user"}], **body}, ChatBody)
+    batch_level = resolve_body(msgspec.convert({"messages": [{"role": "user"}]}, ChatBody), batch, DEFAULTS)
+    if not sets_sampling(decoded):
+        assert resolve_body(decoded, batch, DEFAULTS) == batch_level
+    else:
+        assert set(body) - {"n", "model"}, "a body with no sampling field was said to set one"

@@ -7,6 +7,7 @@ and the engines. Checking the bytes first makes every later decode of an accepte
 
 Both checks start with a scan in C (counting brackets, looking for 19 digits in a row), so an
 ordinary line costs a few microseconds; only a line that might break a bound is looked at closely.
+``lines_within_bounds`` makes the same first look at a block of many lines at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ _CLASSES = bytes(0x30 if byte in b"0123456789" else 0x28 if byte in b"[{" else 0
 _NINETEEN_DIGITS = b"0" * 19
 #: An integer token of 19 digits or more (not a fraction's or an exponent's digits).
 _LONG_INTEGER = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{19,}(?![0-9.eE])")
+#: Kept of a block: its opening brackets (as "(") and newlines; a line with more than MAX_DEPTH
+#: openings is then a run of that many "(".
+_OPENINGS = bytes.maketrans(b"[{", b"((")
+_NOT_OPENINGS = bytes(set(range(256)) - set(b"[{\n"))
+_TOO_MANY_OPENINGS = b"(" * (MAX_DEPTH + 1)
 _BRACKETS = bytes.maketrans(b"[{]}", b"(())")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 
@@ -63,3 +69,11 @@ def bounds_problem(raw: bytes) -> str | None:
             if _integer_too_big(match.group()):
                 return f"an integer outside the 64-bit signed range ({MIN_INTEGER} to {MAX_INTEGER})"
     return None
+
+
+def lines_within_bounds(block: bytes) -> bool:
+    """True when no line of ``block`` (lines separated by newlines) can break a bound: the first
+    look of ``bounds_problem`` passes for every line. False means: look at each line."""
+    if _TOO_MANY_OPENINGS in block.translate(_OPENINGS, _NOT_OPENINGS):
+        return False
+    return _NINETEEN_DIGITS not in block.translate(_CLASSES)  # a newline is no digit: runs stay in a line

@@ -1,7 +1,9 @@
 """Sampling-parameter resolution: per-request body, then batch level, then server default.
 
 The output limit is the body's ``max_completion_tokens``, else its ``max_tokens``, else the batch's
-``max_decoding_length``, else the server default. Sampling with nothing set is greedy.
+``max_decoding_length``, else the server default. Sampling with nothing set is greedy. A body that
+sets no sampling field (``sets_sampling`` is False) resolves to the batch level alone, so callers
+may resolve such bodies once per batch.
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ def resolve_sampling(
         top_k=_or(body.top_k, batch.top_k, defaults.top_k),
         seed=body.seed,
         stop=() if stop is None else (stop,) if isinstance(stop, str) else tuple(stop),
+    )
+
+
+def sets_sampling(body: RequestBody) -> bool:
+    """Whether the body sets any field ``resolve_sampling`` reads (if not, every such body of one
+    batch resolves to the same parameters)."""
+    return not (
+        body.max_tokens is None
+        and body.max_completion_tokens is None
+        and body.temperature is None
+        and body.top_p is None
+        and body.top_k is None
+        and body.seed is None
+        and body.stop is None
     )
 
 

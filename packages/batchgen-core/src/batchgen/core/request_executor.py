@@ -1,4 +1,9 @@
-"""The request executor: run one admitted request and turn whatever happens into exactly one line.
+"""The request executor: run admitted requests and turn whatever happens to each into exactly one line.
+
+Requests come in groups (``run_group``): their lines are read back in blocks (``line_blocks``),
+each body is checked and its parameters resolved (once per batch for bodies that set none), and
+the group goes to the backend in one call (``backends.base.generate_all``), which reports each
+request the moment it ends; its line is written then, and the scheduler is told it finished.
 
 A result becomes an output line; a request the backend rejects (or keeps failing transiently,
 ``max_attempts`` times) becomes an error line; any other exception while running it becomes an
@@ -12,26 +17,31 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 
 import anyio
+import anyio.abc
 import attrs
 
 from batchgen.core.backends.base import (
     Backend,
     BackendUnavailable,
+    Outcome,
     RequestAborted,
     RequestRejected,
     TransientBackendError,
+    generate_all,
 )
 from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.ids import new_request_id
-from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult
-from batchgen.core.parameters import ServerDefaults, resolve_sampling
+from batchgen.core.line_blocks import read_spans
+from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult, SamplingParameters
+from batchgen.core.parameters import ServerDefaults, resolve_sampling, sets_sampling
 from batchgen.core.request_schema import ChatBody, Envelope, message_dicts, read_body, read_envelope
 from batchgen.core.results import error_line, output_line
-from batchgen.core.scheduling import IntakeEntry
+from batchgen.core.scheduling import Finished, IntakeEntry
 from batchgen.core.storage import ResultWriter
 from batchgen.core.storage_faults import storage_fault
 from batchgen.core.telemetry import RequestTelemetry
@@ -44,6 +54,22 @@ LARGE_LINE_BYTES = 1 << 20
 
 def _read_line(fd: int, length: int, offset: int) -> Envelope:
     return read_envelope(os.pread(fd, length, offset))
+
+
+def _ignore(*positions: int) -> None:
+    pass
+
+
+@attrs.define(slots=True)
+class _Running:
+    """A request handed to the backend: where its line came from and what to report."""
+
+    position: int
+    active: ActiveBatch
+    custom_id: str
+    request: GenerationRequest
+    ended: bool = False
+    attempts: int = 1
 
 
 class RequestExecutor:
@@ -71,112 +97,243 @@ class RequestExecutor:
         self._max_attempts = max_attempts
 
     async def run(self, entry: IntakeEntry) -> None:
-        """Run the request ``entry`` points at (the scheduler's ``run_request``)."""
-        active = self._tracker.get(entry.batch_id)
-        if active is None or active.status is not BatchStatus.IN_PROGRESS:
-            return
-        self._telemetry.request_admitted(entry.batch_id)
-        assert active.input_fd is not None
-        try:
-            if entry.length > LARGE_LINE_BYTES:
-                envelope = await anyio.to_thread.run_sync(
-                    _read_line, active.input_fd, entry.length, entry.offset
-                )
-            else:
-                envelope = _read_line(active.input_fd, entry.length, entry.offset)
-        except Exception as exc:  # the file changed under us: no custom_id to write a line for
-            logger.exception("batch %s: request line %d cannot be read back", active.id, entry.line + 1)
-            self._tracker.fail(
-                active,
-                "batch_failed",
-                f"Request line {entry.line + 1} of the input file cannot be read: {exc}",
-            )
-            return
-        custom_id = envelope.custom_id
-        request_id = new_request_id("req_")
-        active.in_flight.add(request_id)
-        try:
-            await self._execute(active, envelope, request_id)
-        except Exception as exc:
-            fault = storage_fault(exc, f"record the result of request {custom_id!r}")
-            if fault is not None:  # its line cannot be stored: the batch fails, as on a failed write
-                logger.warning("batch %s: %s", active.id, fault.message)
-                self._tracker.fail(
-                    active, "batch_failed", f"{fault.message} Lines written before this are kept."
-                )
-            else:
-                logger.exception("batch %s: request %r raised", active.id, custom_id)
-                self.record_error(active, custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
-        finally:
-            active.in_flight.discard(request_id)
-            self._tracker.settle(active)
+        """Run the one request ``entry`` points at."""
+        await self.run_group((entry,), _ignore)
 
-    async def _execute(self, active: ActiveBatch, envelope: Envelope, request_id: str) -> None:
-        custom_id = envelope.custom_id
+    async def run_group(self, entries: Sequence[IntakeEntry], finished: Finished) -> None:
+        """Run the requests ``entries`` point at as one group (the scheduler's ``run_group``);
+        ``finished(position)`` is called as each one has ended (its line written, if it has one)."""
+        ended_early: list[int] = []  # not run: their batch is not running, or they have their line
+        envelopes = await self._read_envelopes(entries, ended_early)
+        running: list[_Running] = []
+        batch_level: dict[str, SamplingParameters] = {}
+        for position, active, envelope in envelopes:
+            try:
+                request = self._prepare(active, envelope, batch_level)
+            except Exception as exc:
+                self._record_failure(active, envelope.custom_id, exc)
+                request = None
+            if request is None:  # it has its line already (or the batch failed)
+                self._tracker.settle(active)
+                ended_early.append(position)
+                continue
+            active.in_flight.add(request.request_id)
+            running.append(_Running(position, active, envelope.custom_id, request))
+        finished(*ended_early)
+        if not running:
+            return
+        reported = _Reported(time.perf_counter())
+        try:
+            async with anyio.create_task_group() as helpers:
+                helpers.start_soon(self._end_when_reported, reported, helpers, finished)
+                try:
+                    await generate_all(
+                        self._backend,
+                        [item.request for item in running],
+                        lambda index, outcome: reported.add(running[index], outcome),
+                    )
+                finally:
+                    self._end_all(reported.take(), helpers, finished, reported.started)
+                    reported.close()
+        finally:
+            for item in running:
+                if not item.ended:  # cancelled (shutdown): abandoned with no line, rerun on restart
+                    item.active.in_flight.discard(item.request.request_id)
+                    self._tracker.settle(item.active)
+
+    async def _read_envelopes(
+        self, entries: Sequence[IntakeEntry], ended_early: list[int]
+    ) -> list[tuple[int, ActiveBatch, Envelope]]:
+        """The envelopes of the entries whose batch is running, read back in blocks per batch;
+        the other entries are finished at once (with no line). A line that cannot be read back
+        fails its batch."""
+        by_batch: dict[str, list[int]] = {}
+        actives: dict[str, ActiveBatch] = {}
+        for position, entry in enumerate(entries):
+            active = self._tracker.get(entry.batch_id)
+            if active is None or active.status is not BatchStatus.IN_PROGRESS:
+                ended_early.append(position)
+                continue
+            actives[entry.batch_id] = active
+            by_batch.setdefault(entry.batch_id, []).append(position)
+        for batch_id, positions in by_batch.items():
+            self._telemetry.requests_admitted(batch_id, len(positions))
+        envelopes: list[tuple[int, ActiveBatch, Envelope]] = []
+        for batch_id, positions in by_batch.items():
+            active = actives[batch_id]
+            for position, envelope in await self._read_batch_lines(active, entries, positions):
+                if envelope is None:
+                    ended_early.append(position)
+                else:
+                    envelopes.append((position, active, envelope))
+        return envelopes
+
+    async def _read_batch_lines(
+        self, active: ActiveBatch, entries: Sequence[IntakeEntry], positions: list[int]
+    ) -> list[tuple[int, Envelope | None]]:
+        small = [position for position in positions if entries[position].length <= LARGE_LINE_BYTES]
+        read: list[tuple[int, Envelope | None]] = []
+        position = positions[0]
+        try:
+            if active.input_fd is None or active.status is not BatchStatus.IN_PROGRESS:
+                return [(position, None) for position in positions]
+            if small:
+                raws = read_spans(
+                    active.input_fd,
+                    [(entries[position].offset, entries[position].length) for position in small],
+                )
+                for position, raw in zip(small, raws, strict=True):
+                    read.append((position, read_envelope(raw)))
+            for position in positions:
+                entry = entries[position]
+                if entry.length > LARGE_LINE_BYTES and active.input_fd is not None:
+                    envelope = await anyio.to_thread.run_sync(
+                        _read_line, active.input_fd, entry.length, entry.offset
+                    )
+                    read.append((position, envelope))
+        except Exception as exc:  # the file changed under us: no custom_id to write a line for
+            line = entries[position].line + 1
+            logger.exception("batch %s: request line %d cannot be read back", active.id, line)
+            self._tracker.fail(
+                active, "batch_failed", f"Request line {line} of the input file cannot be read: {exc}"
+            )
+            return [(position, None) for position in positions]
+        if len(read) < len(positions):  # the batch ended while a large line was read
+            done = {position for position, _ in read}
+            read.extend((position, None) for position in positions if position not in done)
+        return read
+
+    def _prepare(
+        self, active: ActiveBatch, envelope: Envelope, batch_level: dict[str, SamplingParameters]
+    ) -> GenerationRequest | None:
+        """The request a line asks for, or None once its error line is written."""
         try:
             # The schema upload validation used: only a file accepted by an older version (or
             # changed on disk) can fail here, and then this request gets its error line.
             body = read_body(envelope)
         except InvalidRequest as exc:
-            self.record_error(active, custom_id, "invalid_request", exc.message)
-            return
+            self.record_error(active, envelope.custom_id, "invalid_request", exc.message)
+            return None
+        if sets_sampling(body):
+            sampling = resolve_sampling(body, active.batch.parameters, self._defaults)
+        else:  # every such line of the batch resolves alike: once per group
+            sampling = batch_level.get(active.id)  # type: ignore[assignment]
+            if sampling is None:
+                sampling = batch_level[active.id] = resolve_sampling(
+                    body, active.batch.parameters, self._defaults
+                )
         chat = isinstance(body, ChatBody)
-        request = GenerationRequest(
-            request_id=request_id,
+        return GenerationRequest(
+            request_id=new_request_id("req_"),
             endpoint=active.batch.endpoint,
-            sampling=resolve_sampling(body, active.batch.parameters, self._defaults),
+            sampling=sampling,
             messages=message_dicts(envelope) if chat else None,
             prompt=None if chat else str(body.prompt),
         )
-        try:
-            result = await self._generate(request)
-        except RequestRejected as exc:
-            self.record_error(active, custom_id, exc.code, exc.message)
-        except RequestAborted:
-            pass  # cancelled or expired: the request ends with no line
-        except BackendUnavailable as exc:
-            self._tracker.fail(active, "batch_failed", f"The inference backend became unavailable: {exc}")
-        else:
-            self._record_result(active, custom_id, request, result)
 
-    async def _generate(self, request: GenerationRequest) -> GenerationResult:
-        started = time.perf_counter()
-        try:
-            return await self._generate_with_retries(request)
-        finally:
-            self._telemetry.backend_call(time.perf_counter() - started)
-
-    async def _generate_with_retries(self, request: GenerationRequest) -> GenerationResult:
-        for attempt in range(1, self._max_attempts + 1):
-            try:
-                return await self._backend.generate(request)
-            except TransientBackendError as exc:
-                if attempt == self._max_attempts:
-                    raise RequestRejected(
-                        "backend_error", f"The backend failed this request {self._max_attempts} times: {exc}"
-                    ) from exc
-                logger.info("retrying %s after: %s", request.request_id, exc)
-                await anyio.sleep(0.01 * 2**attempt)
-        raise AssertionError("unreachable")
-
-    def _record_result(
-        self, active: ActiveBatch, custom_id: str, request: GenerationRequest, result: GenerationResult
+    async def _end_when_reported(
+        self, reported: _Reported, helpers: anyio.abc.TaskGroup, finished: Finished
     ) -> None:
-        if active.status.is_terminal:
-            return  # the batch ended (expired, failed) while this request ran
-        line = output_line(
-            custom_id, request.request_id, request.endpoint, self._backend.model_name, result, now()
-        )
-        if self._write(active, active.output, line):
-            active.completed += 1
-            active.prompt_tokens += result.prompt_tokens
-            active.completion_tokens += result.completion_tokens
-            active.dirty = True
-            self._telemetry.request_completed(result.prompt_tokens, result.completion_tokens)
+        """End what the backend reports while the group waits, a turn of the loop's worth at a time."""
+        while await reported.wait():
+            self._end_all(reported.take(), helpers, finished, reported.started)
+
+    def _end_all(
+        self,
+        items: list[tuple[_Running, Outcome]],
+        helpers: anyio.abc.TaskGroup,
+        finished: Finished,
+        started: float,
+    ) -> None:
+        """End requests the backend has reported: retry those that failed transiently (while
+        attempts are left), write the lines the others call for, one write per result file, then
+        release each of them however that went. ``started``: when they went to the backend."""
+        if not items:
+            return
+        lines = _Lines(self._telemetry)
+        ending: list[tuple[_Running, Outcome]] = []
+        try:
+            for item, outcome in items:
+                if isinstance(outcome, TransientBackendError) and item.attempts < self._max_attempts:
+                    helpers.start_soon(self._retry, item, outcome, helpers, finished, started)
+                    continue
+                ending.append((item, outcome))
+                try:
+                    self._add_line(item, outcome, lines)
+                except Exception as exc:
+                    self._record_failure(item.active, item.custom_id, exc)
+            self._telemetry.backend_calls(time.perf_counter() - started, len(ending))
+            lines.write(self._write)
+            for item, outcome in ending:  # after the lines of those that finished
+                if isinstance(outcome, BackendUnavailable):
+                    message = f"The inference backend became unavailable: {outcome}"
+                    self._tracker.fail(item.active, "batch_failed", message)
+        finally:
+            for item, _ in ending:
+                item.ended = True
+                item.active.in_flight.discard(item.request.request_id)
+                self._tracker.settle(item.active)
+            finished(*(item.position for item, _ in ending))
+
+    def _add_line(self, item: _Running, outcome: Outcome, lines: _Lines) -> None:
+        """Add the line ``outcome`` calls for to ``lines`` (none when aborted or the backend is gone)."""
+        active, custom_id = item.active, item.custom_id
+        if isinstance(outcome, GenerationResult):
+            if not active.status.is_terminal:  # else it ended (expired, failed) while this request ran
+                request = item.request
+                line = output_line(
+                    custom_id, request.request_id, request.endpoint, self._backend.model_name, outcome, now()
+                )
+                lines.add(active, active.output, line, outcome)
+        elif isinstance(outcome, RequestRejected):
+            self._add_error(active, custom_id, outcome.code, outcome.message, lines)
+        elif isinstance(outcome, TransientBackendError):  # the last attempt failed too
+            message = f"The backend failed this request {self._max_attempts} times: {outcome}"
+            self._add_error(active, custom_id, "backend_error", message, lines)
+        elif not isinstance(outcome, RequestAborted | BackendUnavailable):  # aborted: no line
+            raise outcome
+
+    def _record_failure(self, active: ActiveBatch, custom_id: str, exc: Exception) -> None:
+        """A request raised something unexpected: its line says so, or, when its line cannot be
+        stored, the batch fails."""
+        fault = storage_fault(exc, f"record the result of request {custom_id!r}")
+        if fault is not None:  # its line cannot be stored: the batch fails, as on a failed write
+            logger.warning("batch %s: %s", active.id, fault.message)
+            self._tracker.fail(active, "batch_failed", f"{fault.message} Lines written before this are kept.")
+            return
+        logger.error("batch %s: request %r raised", active.id, custom_id, exc_info=exc)
+        try:
+            self.record_error(active, custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
+        except Exception:
+            logger.exception("batch %s: the error line of request %r cannot be written", active.id, custom_id)
+
+    async def _retry(
+        self,
+        item: _Running,
+        error: TransientBackendError,
+        helpers: anyio.abc.TaskGroup,
+        finished: Finished,
+        started: float,
+    ) -> None:
+        """The next attempt at a request that failed transiently, after a backoff."""
+        logger.info("retrying %s after: %s", item.request.request_id, error)
+        await anyio.sleep(0.01 * 2**item.attempts)
+        item.attempts += 1
+        try:
+            outcome: Outcome = await self._backend.generate(item.request)
+        except Exception as exc:
+            outcome = exc
+        self._end_all([(item, outcome)], helpers, finished, started)
 
     def record_error(self, active: ActiveBatch, custom_id: str, code: str, message: str) -> None:
-        """Write the request's error line: in the output file, as the user guide has it, or in
-        a separate error file (made on its first line) under OpenAI's convention."""
+        """Write the request's error line now (see ``_add_error``)."""
+        lines = _Lines(self._telemetry)
+        self._add_error(active, custom_id, code, message, lines)
+        lines.write(self._write)
+
+    def _add_error(self, active: ActiveBatch, custom_id: str, code: str, message: str, lines: _Lines) -> None:
+        """Add the request's error line: for the output file, as the user guide has it, or for a
+        separate error file (made on its first line) under OpenAI's convention."""
         if active.status.is_terminal:
             return
         writer = active.output
@@ -191,15 +348,12 @@ class RequestExecutor:
                 )
                 active.batch = attrs.evolve(active.batch, error_file_id=errors.id)
                 self._tracker.persist(active)
-        if self._write(active, writer, error_line(custom_id, code, message)):
-            active.failed += 1
-            active.dirty = True
-            self._telemetry.request_failed()
+        lines.add(active, writer, error_line(custom_id, code, message), None)
 
-    def _write(self, active: ActiveBatch, writer: ResultWriter, line: bytes) -> bool:
-        """Append a result line; on a storage fault fail the batch (earlier lines stay intact)."""
+    def _write(self, active: ActiveBatch, writer: ResultWriter, lines: bytes) -> bool:
+        """Append result lines; on a storage fault fail the batch (earlier lines stay intact)."""
         try:
-            writer.append(line)
+            writer.append(lines)
         except OSError as exc:
             self._tracker.fail(
                 active,
@@ -209,3 +363,83 @@ class RequestExecutor:
             )
             return False
         return True
+
+
+class _Reported:
+    """Outcomes the backend has reported and the group has not ended yet.
+
+    ``add`` may be called from anywhere on the event loop's thread (a timer callback, say); the
+    group's own tasks ``wait`` for outcomes and ``take`` them, so the lines of requests reported in
+    the same turn of the loop are written together.
+    """
+
+    def __init__(self, started: float) -> None:
+        #: When the group was handed to the backend (``perf_counter``).
+        self.started = started
+        self._items: list[tuple[_Running, Outcome]] = []
+        self._closed = False
+        self._wake = anyio.Event()
+
+    def add(self, item: _Running, outcome: Outcome) -> None:
+        if not self._items:
+            self._wake.set()
+        self._items.append((item, outcome))
+
+    def take(self) -> list[tuple[_Running, Outcome]]:
+        items, self._items = self._items, []
+        return items
+
+    def close(self) -> None:
+        """Nothing more will be reported: ``wait`` returns False once all is taken."""
+        self._closed = True
+        self._wake.set()
+
+    async def wait(self) -> bool:
+        """Wait until something is reported (True) or the group is closed (False)."""
+        while not self._items:
+            if self._closed:
+                return False
+            await self._wake.wait()
+            self._wake = anyio.Event()
+        return True
+
+
+class _Lines:
+    """Result lines of requests that ended together, written with one append per result file.
+
+    Each request's counters move only once its line is written; a batch that has ended by then
+    gets none of them.
+    """
+
+    def __init__(self, telemetry: RequestTelemetry) -> None:
+        self._telemetry = telemetry
+        self._files: dict[
+            int, tuple[ActiveBatch, ResultWriter, list[bytes], list[GenerationResult | None]]
+        ] = {}
+
+    def add(
+        self, active: ActiveBatch, writer: ResultWriter, line: bytes, result: GenerationResult | None
+    ) -> None:
+        """A result's output line (``result``), or an error line (None)."""
+        pending = self._files.get(id(writer))
+        if pending is None:
+            pending = self._files[id(writer)] = (active, writer, [], [])
+        pending[2].append(line)
+        pending[3].append(result)
+
+    def write(self, append: Callable[[ActiveBatch, ResultWriter, bytes], bool]) -> None:
+        """Append each file's lines with ``append(active, writer, lines)``; count those written."""
+        for active, writer, lines, results in self._files.values():
+            if active.status.is_terminal or not append(active, writer, b"".join(lines)):
+                continue
+            telemetry = self._telemetry
+            for result in results:
+                if result is None:
+                    active.failed += 1
+                    telemetry.request_failed()
+                else:
+                    active.completed += 1
+                    active.prompt_tokens += result.prompt_tokens
+                    active.completion_tokens += result.completion_tokens
+                    telemetry.request_completed(result.prompt_tokens, result.completion_tokens)
+            active.dirty = True

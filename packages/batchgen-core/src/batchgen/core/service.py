@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -71,7 +71,7 @@ from batchgen.core.models import (
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
-from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
+from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
@@ -210,7 +210,7 @@ class BatchService:
         self.supervisor = Supervisor()
         self.intake_pool = IntakePool(settings.max_intake_capacity)
         self.scheduling_pool = SchedulingPool(settings.max_pool_size)
-        self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, self._run_request)
+        self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, run_group=self._run_group)
         self.maintenance = Maintenance()
         #: Counters and latency histograms of the requests run (read by the server's /metrics).
         self.telemetry = RequestTelemetry()
@@ -309,8 +309,8 @@ class BatchService:
     def max_upload_bytes(self) -> int:
         return self.settings.max_upload_bytes
 
-    async def _run_request(self, entry: IntakeEntry) -> None:
-        await self.parts.executor.run(entry)
+    async def _run_group(self, entries: Sequence[IntakeEntry], finished: Finished) -> None:
+        await self.parts.executor.run_group(entries, finished)
 
     async def _sync_results(self) -> None:
         """Group commit: one fsync per open result file per interval, never one per request."""

@@ -37,9 +37,10 @@ class Histogram:
         self.counts = [0] * (len(self.bounds) + 1)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count ``value`` (``times`` times: a group of requests that took as long)."""
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.total += value * times
 
     @property
     def count(self) -> int:
@@ -91,8 +92,19 @@ class RequestTelemetry:
         if queued_at is not None:
             self.queue_wait.observe(self._clock() - queued_at)
 
+    def requests_admitted(self, batch_id: str, count: int) -> None:
+        """``count`` requests of the batch were admitted together (one clock reading for all)."""
+        queued_at = self._queued_at.get(batch_id)
+        if queued_at is not None:
+            self.queue_wait.observe(self._clock() - queued_at, count)
+
     def backend_call(self, seconds: float) -> None:
         self.backend_latency.observe(seconds)
+
+    def backend_calls(self, seconds: float, count: int) -> None:
+        """``count`` requests of one group ended after ``seconds`` inside the backend."""
+        if count:
+            self.backend_latency.observe(seconds, count)
 
     def request_completed(self, prompt_tokens: int, generated_tokens: int) -> None:
         self.completed += 1

@@ -9,9 +9,14 @@ builds it. Backend modules import their engines only when started, so importing
 from batchgen.core.backends.base import (
     Backend,
     BackendUnavailable,
+    GroupingBackend,
+    Outcome,
+    ReportOutcome,
     RequestAborted,
     RequestRejected,
     TransientBackendError,
+    generate_all,
+    generate_each,
 )
 from batchgen.core.backends.registry import (
     BackendLoadError,
@@ -29,6 +34,9 @@ __all__ = [
     "BackendOption",
     "BackendSpec",
     "BackendUnavailable",
+    "GroupingBackend",
+    "Outcome",
+    "ReportOutcome",
     "RequestAborted",
     "RequestRejected",
     "TransientBackendError",
@@ -36,5 +44,7 @@ __all__ = [
     "backend_names",
     "backend_spec",
     "backend_specs",
+    "generate_all",
+    "generate_each",
     "load_backend",
 ]

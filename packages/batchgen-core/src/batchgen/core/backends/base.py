@@ -1,5 +1,9 @@
 """The Backend protocol every inference engine implements, and the errors ``generate`` may raise.
 
+A backend may also take requests in groups (``GroupingBackend.generate_many``); ``generate_all``
+hands a group to any backend, through its ``generate_many`` or, by default, one concurrent
+``generate`` call per request.
+
 RequestRejected        this request can never succeed (e.g. context_length_exceeded): write
                        an error line, do not retry
 TransientBackendError  this attempt failed; a retry may succeed
@@ -9,7 +13,10 @@ BackendUnavailable     the engine is gone; the service reports itself unhealthy
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
+
+import anyio
 
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
@@ -49,6 +56,9 @@ class Backend(Protocol):
     concurrently, up to ``--max-pool-size`` calls at once: the backend queues, batches or spreads
     them as its engine needs, and never blocks the event loop (run blocking work in a thread).
     ``abort`` and ``health`` may be called while ``generate`` calls are running.
+
+    A backend may also implement ``generate_many`` (``GroupingBackend``) to take several requests
+    in one call; the service calls ``generate_all``, which falls back to ``generate``.
 
     ``tests/core/test_backend_contract.py`` checks what this contract promises for every backend.
     """
@@ -120,3 +130,62 @@ class Backend(Protocol):
         engine is gone.
         """
         ...
+
+
+#: What ``generate_many`` reports for one request: its result, or the exception ``generate`` would
+#: have raised for it.
+Outcome = GenerationResult | Exception
+#: ``report(position, outcome)``: request ``requests[position]`` has ended with ``outcome``.
+ReportOutcome = Callable[[int, Outcome], None]
+
+
+@runtime_checkable
+class GroupingBackend(Backend, Protocol):
+    """A backend that takes a group of requests in one call, which costs less than a call each."""
+
+    async def generate_many(self, requests: Sequence[GenerationRequest], report: ReportOutcome) -> None:
+        """Run every request of ``requests`` to its end, reporting each the moment it ends.
+
+        Calls ``report(position, outcome)`` exactly once for each position, from the event loop's
+        thread, as soon as that request has ended: with its ``GenerationResult``, or with the
+        exception ``generate`` would have raised for it alone (``RequestRejected``,
+        ``TransientBackendError``, ``RequestAborted`` after ``abort(request_id)``,
+        ``BackendUnavailable``; anything else is a bug). One request's failure never ends the
+        others. Returns once every request has been reported. ``abort`` works on each request by
+        its ``request_id`` as it does for ``generate``. ``report`` does not raise. When the call
+        itself is cancelled (the service is shutting down), requests not reported yet are
+        abandoned: nothing more is reported for them.
+        """
+        ...
+
+
+async def generate_each(
+    backend: Backend, requests: Sequence[GenerationRequest], report: ReportOutcome
+) -> None:
+    """The default ``generate_many``: one ``generate`` call per request, all running at once."""
+
+    async def run(position: int, request: GenerationRequest) -> None:
+        try:
+            outcome: Outcome = await backend.generate(request)
+        except Exception as exc:
+            outcome = exc
+        report(position, outcome)
+
+    if len(requests) == 1:
+        await run(0, requests[0])
+        return
+    async with anyio.create_task_group() as tasks:
+        for position, request in enumerate(requests):
+            tasks.start_soon(run, position, request)
+
+
+async def generate_all(
+    backend: Backend, requests: Sequence[GenerationRequest], report: ReportOutcome
+) -> None:
+    """Run ``requests`` on ``backend`` as ``GroupingBackend.generate_many`` promises: through the
+    backend's own ``generate_many`` when it has one, else through ``generate_each``."""
+    generate_many = getattr(backend, "generate_many", None)
+    if generate_many is not None:
+        await generate_many(requests, report)
+    else:
+        await generate_each(backend, requests, report)

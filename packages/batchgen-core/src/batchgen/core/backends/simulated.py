@@ -11,17 +11,21 @@ a real engine's, and prompts longer than the context are rejected as a real engi
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 
 from batchgen.core.backends.base import (
     BackendUnavailable,
+    Outcome,
+    ReportOutcome,
     RequestAborted,
     TransientBackendError,
     context_length_exceeded,
+    generate_each,
 )
 from batchgen.core.backends.option_types import fraction, non_negative_float
 from batchgen.core.backends.spec import BackendOption, BackendSpec
@@ -117,31 +121,51 @@ class SimulatedBackend:
             return sum(_word_count(_content(message)) + TOKENS_PER_MESSAGE for message in request.messages)
         return _word_count(request.prompt or "")
 
-    def _prompt_key(self, request: GenerationRequest) -> bytes:
-        if request.messages is not None:
-            text = "\x1e".join(f"{m.get('role')}\x1f{_content(m)}" for m in request.messages)
+    def _count_and_complete(self, request: GenerationRequest) -> GenerationResult:
+        result = self._complete_now(request, max_chars=-1)
+        assert result is not None
+        return result
+
+    def _complete_now(
+        self, request: GenerationRequest, max_chars: int = LARGE_PROMPT_CHARS
+    ) -> GenerationResult | None:
+        """The request's result, computed in one pass over its prompt; None when the prompt is longer
+        than ``max_chars`` (then counting it is left to a worker thread; -1: no limit)."""
+        messages = request.messages
+        if messages is not None:
+            contents = [_content(message) for message in messages]
+            if max_chars >= 0 and sum(map(len, contents)) > max_chars:
+                return None
+            prompt_tokens = sum(map(_word_count, contents)) + TOKENS_PER_MESSAGE * len(contents)
+            text = "\x1e".join(
+                [
+                    f"{message.get('role')}\x1f{content}"
+                    for message, content in zip(messages, contents, strict=True)
+                ]
+            )
         else:
             text = request.prompt or ""
-        sampling = request.sampling
-        return f"{self.seed}|{sampling.seed}|{sampling.temperature}|{text}".encode()
-
-    def _count_and_complete(self, request: GenerationRequest) -> GenerationResult:
-        prompt_tokens = self.count_prompt_tokens(request)
+            if max_chars >= 0 and len(text) > max_chars:
+                return None
+            prompt_tokens = _word_count(text)
         if prompt_tokens > self.context_length:
             raise context_length_exceeded(prompt_tokens, self.context_length)
-        return self._complete(request, prompt_tokens)
+        return self._complete(request, text, prompt_tokens)
 
-    def _complete(self, request: GenerationRequest, prompt_tokens: int) -> GenerationResult:
-        digest = hashlib.blake2b(self._prompt_key(request), digest_size=8).digest()
-        draw = int.from_bytes(digest, "big")
+    def _complete(self, request: GenerationRequest, prompt_text: str, prompt_tokens: int) -> GenerationResult:
+        sampling = request.sampling
+        key = f"{self.seed}|{sampling.seed}|{sampling.temperature}|{prompt_text}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
         natural_length = 4 + draw % 45  # 4..48 words
-        limit = request.sampling.max_tokens
+        limit = sampling.max_tokens
         length = min(natural_length, limit)
         start = (draw >> 16) % len(_WORDS)
         text = " ".join(_WORD_CYCLE[start : start + length])
-        text, stopped = trim_at_stop(text, request.sampling.stop)
-        if stopped:
-            length = len(text.split())
+        stopped = False
+        if sampling.stop:
+            text, stopped = trim_at_stop(text, sampling.stop)
+            if stopped:
+                length = len(text.split())
         finish_reason = "length" if natural_length > limit and not stopped else "stop"
         return GenerationResult(
             text=text,
@@ -149,6 +173,18 @@ class SimulatedBackend:
             prompt_tokens=prompt_tokens,
             completion_tokens=length,
         )
+
+    async def _result(self, request: GenerationRequest) -> GenerationResult:
+        """The result of one attempt at ``request``, before its simulated latency; raises as
+        ``generate`` does."""
+        if not self._started:
+            raise BackendUnavailable("the simulated backend is not started")
+        result = self._complete_now(request)
+        if result is None:  # counting words is slow: not on the loop
+            result = await anyio.to_thread.run_sync(self._count_and_complete, request)
+        if self.failure_rate and self._failures.random() < self.failure_rate:
+            raise TransientBackendError("simulated transient failure")
+        return result
 
     async def _wait(self, request_id: str, seconds: float) -> None:
         """Sleep ``seconds`` unless aborted first (then raise RequestAborted)."""
@@ -183,14 +219,7 @@ class SimulatedBackend:
             raise RequestAborted(request_id)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        if not self._started:
-            raise BackendUnavailable("the simulated backend is not started")
-        if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # counting words is slow: not on the loop
-            result = await anyio.to_thread.run_sync(self._count_and_complete, request)
-        else:
-            result = self._count_and_complete(request)
-        if self.failure_rate and self._failures.random() < self.failure_rate:
-            raise TransientBackendError("simulated transient failure")
+        result = await self._result(request)
         delay = self.latency_s + self.token_latency_s * result.completion_tokens
         if delay > 0:
             if self._capacity is None:
@@ -199,6 +228,62 @@ class SimulatedBackend:
                 async with self._capacity:
                     await self._wait(request.request_id, delay)
         return result
+
+    async def generate_many(self, requests: Sequence[GenerationRequest], report: ReportOutcome) -> None:
+        """The group at once: results are made in one loop; a request with latency waits on one
+        timer, and is reported when it fires (or with ``RequestAborted`` when aborted first)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on asyncio (trio): one generate call each
+            loop = None
+        if loop is None or self._capacity is not None:
+            await generate_each(self, requests, report)
+            return
+        timed: list[tuple[int, str, GenerationResult, float]] = []
+        for position, request in enumerate(requests):
+            try:
+                result = await self._result(request)
+            except Exception as exc:
+                report(position, exc)
+                continue
+            delay = self.latency_s + self.token_latency_s * result.completion_tokens
+            if delay > 0:
+                timed.append((position, request.request_id, result, delay))
+            else:
+                report(position, result)
+        if timed:
+            await self._report_when_due(loop, timed, report)
+
+    async def _report_when_due(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        timed: list[tuple[int, str, GenerationResult, float]],
+        report: ReportOutcome,
+    ) -> None:
+        """Report each result when its delay has passed, unless it is aborted first."""
+        pending: dict[str, tuple[int, asyncio.TimerHandle]] = {}
+        all_reported: asyncio.Future[None] = loop.create_future()
+
+        def end(request_id: str, outcome: Outcome) -> None:
+            ending = pending.pop(request_id, None)
+            if ending is None:
+                return  # reported already (an abort after the result, or the other way round)
+            position, timer = ending
+            timer.cancel()
+            self._running.pop(request_id, None)
+            report(position, outcome)
+            if not pending and not all_reported.done():
+                all_reported.set_result(None)
+
+        for position, request_id, result, delay in timed:
+            pending[request_id] = (position, loop.call_later(delay, end, request_id, result))
+            self._running[request_id] = functools.partial(end, request_id, RequestAborted(request_id))
+        try:
+            await all_reported
+        finally:  # cancelled (shutdown): what is not reported yet is abandoned
+            for request_id, (_, timer) in pending.items():
+                timer.cancel()
+                self._running.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         cancel = self._running.get(request_id)
@@ -220,12 +305,6 @@ def _word_count(text: str, chunk: int = 1 << 18) -> int:
         count += words
         joined = not piece[-1].isspace()
     return count
-
-
-def _prompt_chars(request: GenerationRequest) -> int:
-    if request.messages is not None:
-        return sum(len(_content(message)) for message in request.messages)
-    return len(request.prompt or "")
 
 
 def _content(message: dict[str, object]) -> str:

@@ -8,7 +8,15 @@
 """
 
 from batchgen.core.scheduling.intake_pool import IntakeEntry, IntakePool
-from batchgen.core.scheduling.scheduler import RequestRunner, Scheduler
+from batchgen.core.scheduling.scheduler import Finished, GroupRunner, RequestRunner, Scheduler
 from batchgen.core.scheduling.scheduling_pool import SchedulingPool
 
-__all__ = ["IntakeEntry", "IntakePool", "RequestRunner", "Scheduler", "SchedulingPool"]
+__all__ = [
+    "Finished",
+    "GroupRunner",
+    "IntakeEntry",
+    "IntakePool",
+    "RequestRunner",
+    "Scheduler",
+    "SchedulingPool",
+]

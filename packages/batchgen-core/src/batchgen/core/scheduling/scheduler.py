@@ -2,12 +2,15 @@
 
 The decisions are synchronous and small (``admit`` fills free slots in the intake pool's fair
 order; ``finish`` frees a slot) so they can be tested directly. ``run`` is the async loop that
-starts a task for each admitted request; a request's task always releases its slot, whatever the
-request did, refills it from the intake pool in the same step, and runs that next request itself,
-so a busy scheduler creates no task per request.
+starts a task for each **group** of admitted requests (up to ``group_size``, taken together in
+fair order) and hands the group to the runner in one call; the runner reports each request as it
+ends, which frees its slot at once. A group's task always releases every slot of its group,
+whatever the runner did, then refills the group from the intake pool in the same step and runs
+that next group itself, so a busy scheduler creates no task per request, nor per group. A runner
+of single requests (``run_request``) is run in groups of one.
 
-The loop stays responsive under load: ``run`` starts at most ``ADMIT_PER_TURN`` tasks per turn of
-the event loop, and every request task asks the ``Pacer`` for a turn before each request, so
+The loop stays responsive under load: ``run`` admits at most ``ADMIT_PER_TURN`` requests per turn
+of the event loop, and every group's task asks the ``Pacer`` for a turn before each group, so
 thousands of requests that need no I/O cannot hold the loop for long. Each finished request is
 counted on the intake pool's drain meter (the basis of ``Retry-After`` when the pool is full).
 """
@@ -15,7 +18,8 @@ counted on the intake pool's drain meter (the basis of ``Retry-After`` when the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -29,20 +33,83 @@ logger = logging.getLogger("batchgen.scheduler")
 
 RequestRunner = Callable[[IntakeEntry], Awaitable[None]]
 
-#: The most request tasks ``run`` starts in one turn of the event loop.
+
+class Finished(Protocol):
+    """``finished(*positions)``: the requests ``entries[position]`` of a group have ended."""
+
+    def __call__(self, *positions: int) -> None: ...
+
+
+#: ``run_group(entries, finished)`` runs the requests ``entries`` point at and calls ``finished``
+#: the moment some of them have ended (each position at most once); their slots are refilled then.
+GroupRunner = Callable[[Sequence[IntakeEntry], Finished], Awaitable[None]]
+
+#: The most requests ``run`` admits in one turn of the event loop.
 ADMIT_PER_TURN = 256
+#: The most requests handed to a group runner in one call.
+GROUP_SIZE = 128
+
+
+class _Group:
+    """Admitted requests run together; each frees its slot when it is reported finished."""
+
+    __slots__ = ("done", "entries", "running", "scheduler")
+
+    def __init__(self, scheduler: Scheduler, entries: list[IntakeEntry]) -> None:
+        self.scheduler = scheduler
+        self.entries = entries
+        self.done = [False] * len(entries)
+        self.running = True
+
+    def finished(self, *positions: int) -> None:
+        freed = 0
+        for position in positions:
+            if not self.done[position]:
+                self.done[position] = True
+                self.scheduler.finish(self.entries[position])
+                freed += 1
+        if freed and self.running:  # the rest of the group runs on: refill the freed slots now
+            self.scheduler._refill(freed)
+
+    def finish_rest(self) -> None:
+        self.running = False
+        self.finished(*range(len(self.entries)))
+
+
+def _in_groups_of_one(run_request: RequestRunner) -> GroupRunner:
+    async def run_group(entries: Sequence[IntakeEntry], finished: Finished) -> None:
+        for entry in entries:  # one: its slot is freed, and refilled, once it returns
+            await run_request(entry)
+
+    return run_group
 
 
 class Scheduler:
     """Admits queued requests into free slots and runs each on ``run_request``."""
 
     def __init__(
-        self, intake_pool: IntakePool, scheduling_pool: SchedulingPool, run_request: RequestRunner
+        self,
+        intake_pool: IntakePool,
+        scheduling_pool: SchedulingPool,
+        run_request: RequestRunner | None = None,
+        *,
+        run_group: GroupRunner | None = None,
+        group_size: int = GROUP_SIZE,
     ) -> None:
+        """Give ``run_request`` (requests one at a time) or ``run_group`` (up to ``group_size``
+        requests per call)."""
+        if run_group is None:
+            if run_request is None:
+                raise TypeError("a Scheduler needs run_request or run_group")
+            run_group, group_size = _in_groups_of_one(run_request), 1
+        if group_size < 1:
+            raise ValueError("group_size must be at least 1")
         self.intake_pool = intake_pool
         self.scheduling_pool = scheduling_pool
-        self._run_request = run_request
+        self._run_group = run_group
+        self.group_size = group_size
         self.pacer = Pacer()
+        self._refills: list[IntakeEntry] = []
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
         self._paused = False
@@ -80,34 +147,61 @@ class Scheduler:
         self._wakeup.set()
 
     def _start_admitted(self) -> bool:
-        """Start a task for each request admitted now (one turn's worth); True if more could start."""
+        """Start a task for each group admitted now (one turn's worth); True if more could start."""
         assert self._tasks is not None
-        for entry in self.admit(ADMIT_PER_TURN):
-            self._tasks.start_soon(self._run_one, entry)
+        admitted = 0
+        while admitted < ADMIT_PER_TURN:
+            started = self._start_group(min(self.group_size, ADMIT_PER_TURN - admitted))
+            if not started:
+                break
+            admitted += started
         return not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
 
-    def _admit_one(self) -> IntakeEntry | None:
-        if self._paused or not self.scheduling_pool.free or not self.intake_pool.size:
-            return None
-        entry = self.intake_pool.pop()
-        assert entry is not None
-        self.scheduling_pool.acquire(entry.batch_id)
-        return entry
+    def _refill(self, size: int) -> None:
+        """Admit up to ``size`` requests now, into the group that the slots freed in this turn of
+        the loop are refilled with; one task runs it, from the next turn."""
+        if self._tasks is None or self._tasks.cancel_scope.cancel_called:
+            return
+        entries = self.admit(size)
+        if not entries:
+            return
+        if not self._refills:
+            self._tasks.start_soon(self._run_refills)
+        self._refills.extend(entries)
 
-    async def _run_one(self, entry: IntakeEntry) -> None:
-        """Run a request; then keep this task for the next admitted one instead of starting a task."""
-        current: IntakeEntry | None = entry
-        while current is not None:
+    async def _run_refills(self) -> None:
+        refills, self._refills = self._refills, []
+        assert self._tasks is not None
+        for start in range(self.group_size, len(refills), self.group_size):
+            self._tasks.start_soon(self._run_groups, refills[start : start + self.group_size])
+        await self._run_groups(refills[: self.group_size])
+
+    def _start_group(self, size: int) -> int:
+        """Admit up to ``size`` requests and start a task for them; how many were admitted."""
+        if self._tasks is None or self._tasks.cancel_scope.cancel_called:
+            return 0
+        entries = self.admit(size)
+        if entries:
+            self._tasks.start_soon(self._run_groups, entries)
+        return len(entries)
+
+    async def _run_groups(self, entries: list[IntakeEntry]) -> None:
+        """Run a group; then keep this task for the next admitted group instead of starting a task."""
+        started = True
+        while entries:
+            group = _Group(self, entries)
             try:
-                await self.pacer.pace()  # let the loop serve other work between requests
-                await self._run_request(current)
-            except Exception:  # the runner reports its own failures; never lose the slot
-                logger.exception("request %s:%d raised", current.batch_id, current.line)
+                if not (started and self.pacer.open()):  # a new task has just had the loop yield
+                    await self.pacer.pace(len(entries))  # let the loop serve other work between groups
+                started = False
+                await self._run_group(entries, group.finished)
+            except Exception:  # the runner reports its own failures; never lose a slot
+                logger.exception("requests %s:%d.. raised", entries[0].batch_id, entries[0].line)
             finally:
-                self.finish(current)
+                group.finish_rest()
             if self._tasks is None or self._tasks.cancel_scope.cancel_called:
                 return
-            current = self._admit_one()  # the freed slot is refilled at once, in fair order
+            entries = self.admit(self.group_size)  # freed slots are refilled at once, in fair order
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Admit and run requests until cancelled."""
