@@ -31,7 +31,7 @@ def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
     body: dict[str, Any] = {"messages": [{"role": "user", "content": draw(st.text(max_size=20))}]}
     if draw(st.booleans()):
         body["model"] = draw(st.sampled_from(["default", "simulated", "other-model"]))
-    extra = draw(
+    extra: dict[str, Any] = draw(
         st.sampled_from(
             [
                 {},

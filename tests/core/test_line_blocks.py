@@ -19,7 +19,7 @@ from batchgen.core.batch_file import index_batch_file
 from batchgen.core.line_blocks import InputChanged, read_spans
 
 #: Line contents: JSON-ish text, without line breaks (the file's own separators are added apart).
-_TEXT = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=300)
+_TEXT = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]), max_size=300)
 
 
 @st.composite
