@@ -36,6 +36,7 @@ from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.ids import new_request_id
+from batchgen.core.json_bounds import lines_within_bounds
 from batchgen.core.line_blocks import read_spans
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult, SamplingParameters
 from batchgen.core.parameters import ServerDefaults, resolve_sampling, sets_sampling
@@ -182,8 +183,9 @@ class RequestExecutor:
                     active.input_fd,
                     [(entries[position].offset, entries[position].length) for position in small],
                 )
+                within_bounds = lines_within_bounds(b"\n".join(raws))  # one look for all
                 for position, raw in zip(small, raws, strict=True):
-                    read.append((position, read_envelope(raw)))
+                    read.append((position, read_envelope(raw, within_bounds=within_bounds)))
             for position in positions:
                 entry = entries[position]
                 if entry.length > LARGE_LINE_BYTES and active.input_fd is not None:

@@ -149,9 +149,12 @@ def _problem(error: msgspec.MsgspecError, prefix: str) -> InvalidRequest:
     return InvalidRequest(f"'{field}': {text}", param=field)
 
 
-def read_envelope(raw: bytes) -> Envelope:
-    """The line ``raw`` (one line's bytes) without its body decoded; InvalidRequest if malformed."""
-    too_big = bounds_problem(raw)
+def read_envelope(raw: bytes, *, within_bounds: bool = False) -> Envelope:
+    """The line ``raw`` (one line's bytes) without its body decoded; InvalidRequest if malformed.
+
+    ``within_bounds``: the caller has checked the line against the JSON bounds already (a block
+    of lines at once, ``json_bounds.lines_within_bounds``)."""
+    too_big = None if within_bounds else bounds_problem(raw)
     if too_big is not None:
         raise InvalidRequest(too_big)
     try:

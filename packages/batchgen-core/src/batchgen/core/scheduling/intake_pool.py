@@ -19,8 +19,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterable
-
-import attrs
+from typing import NamedTuple
 
 from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
@@ -28,9 +27,11 @@ from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.scheduling.drain_meter import DrainMeter
 
 
-@attrs.frozen
-class IntakeEntry:
-    """One queued request: which batch, which line, and where that line lies in the input file."""
+class IntakeEntry(NamedTuple):
+    """One queued request: which batch, which line, and where that line lies in the input file.
+
+    A named tuple: one is made for every request admitted, so it must be cheap to make.
+    """
 
     batch_id: str
     line: int  # 0-based position among the file's request lines
