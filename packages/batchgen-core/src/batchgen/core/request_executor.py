@@ -103,7 +103,7 @@ class RequestExecutor:
 
     async def run_group(self, entries: Sequence[IntakeEntry], finished: Finished) -> None:
         """Run the requests ``entries`` point at as one group (the scheduler's ``run_group``);
-        ``finished(position)`` is called as each one has ended (its line written, if it has one)."""
+        ``finished(*positions)`` is called as they end (their lines written, if they have one)."""
         ended_early: list[int] = []  # not run: their batch is not running, or they have their line
         envelopes = await self._read_envelopes(entries, ended_early)
         running: list[_Running] = []
