@@ -23,15 +23,19 @@ from batchgen.core.backends.base import (
     RequestRejected,
     TransientBackendError,
 )
+from batchgen.core.backends.capabilities import unsupported_problem
 from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
+from batchgen.core.embeddings_api import fit_dimensions
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.ids import new_request_id
+from batchgen.core.line_requests import generation_request
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult
-from batchgen.core.parameters import ServerDefaults, resolve_sampling
-from batchgen.core.request_schema import ChatBody, Envelope, message_dicts, read_body, read_envelope
+from batchgen.core.parameters import ServerDefaults
+from batchgen.core.request_schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
 from batchgen.core.results import error_line, output_line
 from batchgen.core.scheduling import IntakeEntry
+from batchgen.core.served_models import ModelSet, Route
 from batchgen.core.storage import ResultWriter
 from batchgen.core.storage_faults import storage_fault
 from batchgen.core.telemetry import RequestTelemetry
@@ -53,20 +57,21 @@ class RequestExecutor:
         self,
         tracker: BatchTracker,
         files: FileCatalogue,
-        backend: Backend,
+        backend: Backend | ModelSet,
         *,
         defaults: ServerDefaults,
         max_attempts: int,
         separate_error_file: bool = False,
         telemetry: RequestTelemetry | None = None,
     ) -> None:
-        """``separate_error_file``: OpenAI's convention, failed lines in their own file;
-        ``telemetry`` counts admissions, finished requests and backend time."""
+        """``backend``: the served models (or one backend); ``separate_error_file``: OpenAI's
+        convention, failed lines in their own file; ``telemetry`` counts admissions, finished
+        requests and backend time."""
         self._telemetry = telemetry or RequestTelemetry()
         self._separate_error_file = separate_error_file
         self._tracker = tracker
         self._files = files
-        self._backend = backend
+        self._models = ModelSet.of(backend)
         self._defaults = defaults
         self._max_attempts = max_attempts
 
@@ -120,16 +125,29 @@ class RequestExecutor:
         except InvalidRequest as exc:
             self.record_error(active, custom_id, "invalid_request", exc.message)
             return
-        chat = isinstance(body, ChatBody)
-        request = GenerationRequest(
-            request_id=request_id,
-            endpoint=active.batch.endpoint,
-            sampling=resolve_sampling(body, active.batch.parameters, self._defaults),
-            messages=message_dicts(envelope) if chat else None,
-            prompt=None if chat else str(body.prompt),
+        # The models may have changed since upload (a restart with other flags): check again.
+        try:
+            route = self._models.route(body.model)
+        except InvalidRequest as exc:
+            self.record_error(active, custom_id, "model_not_found", exc.message)
+            return
+        model = route.model
+        problem = unsupported_problem(
+            model.public_name, getattr(model.backend, "name", "?"), model.capabilities, envelope.url, body
+        )
+        if problem is not None:
+            self.record_error(active, custom_id, "invalid_request", problem)
+            return
+        if model.failure is not None:
+            self.record_error(
+                active, custom_id, "model_unavailable", f"model {model.public_name!r}: {model.failure}"
+            )
+            return
+        request = generation_request(
+            request_id, envelope, body, route, active.batch.parameters, self._defaults
         )
         try:
-            result = await self._generate(request)
+            result = await self._generate(model.backend, request)
         except RequestRejected as exc:
             self.record_error(active, custom_id, exc.code, exc.message)
         except RequestAborted:
@@ -137,19 +155,19 @@ class RequestExecutor:
         except BackendUnavailable as exc:
             self._tracker.fail(active, "batch_failed", f"The inference backend became unavailable: {exc}")
         else:
-            self._record_result(active, custom_id, request, result)
+            self._record_result(active, custom_id, request, result, body, route)
 
-    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+    async def _generate(self, backend: Backend, request: GenerationRequest) -> GenerationResult:
         started = time.perf_counter()
         try:
-            return await self._generate_with_retries(request)
+            return await self._generate_with_retries(backend, request)
         finally:
             self._telemetry.backend_call(time.perf_counter() - started)
 
-    async def _generate_with_retries(self, request: GenerationRequest) -> GenerationResult:
+    async def _generate_with_retries(self, backend: Backend, request: GenerationRequest) -> GenerationResult:
         for attempt in range(1, self._max_attempts + 1):
             try:
-                return await self._backend.generate(request)
+                return await backend.generate(request)
             except TransientBackendError as exc:
                 if attempt == self._max_attempts:
                     raise RequestRejected(
@@ -160,12 +178,26 @@ class RequestExecutor:
         raise AssertionError("unreachable")
 
     def _record_result(
-        self, active: ActiveBatch, custom_id: str, request: GenerationRequest, result: GenerationResult
+        self,
+        active: ActiveBatch,
+        custom_id: str,
+        request: GenerationRequest,
+        result: GenerationResult,
+        body: Body,
+        route: Route,
     ) -> None:
         if active.status.is_terminal:
             return  # the batch ended (expired, failed) while this request ran
+        if isinstance(body, EmbeddingsBody):
+            try:
+                vectors = fit_dimensions(result.embeddings or (), body.dimensions)
+            except InvalidRequest as exc:
+                self.record_error(active, custom_id, "invalid_request", exc.message)
+                return
+            result = attrs.evolve(result, embeddings=vectors)
+        model_name = route.backend_model or route.model.public_name
         line = output_line(
-            custom_id, request.request_id, request.endpoint, self._backend.model_name, result, now()
+            custom_id, request.request_id, active.batch.endpoint, model_name, result, now(), body
         )
         if self._write(active, active.output, line):
             active.completed += 1

@@ -10,6 +10,9 @@ The loop stays responsive under load: ``run`` starts at most ``ADMIT_PER_TURN`` 
 the event loop, and every request task asks the ``Pacer`` for a turn before each request, so
 thousands of requests that need no I/O cannot hold the loop for long. Each finished request is
 counted on the intake pool's drain meter (the basis of ``Retry-After`` when the pool is full).
+
+With several served models, ``shares`` (``ModelShares``) keeps any one model from holding more
+than its fair share of the slots while another model has queued work.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from batchgen.core.scheduling.intake_pool import IntakeEntry, IntakePool
+from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.scheduling.pacer import Pacer
 from batchgen.core.scheduling.scheduling_pool import SchedulingPool
 
@@ -37,8 +41,13 @@ class Scheduler:
     """Admits queued requests into free slots and runs each on ``run_request``."""
 
     def __init__(
-        self, intake_pool: IntakePool, scheduling_pool: SchedulingPool, run_request: RequestRunner
+        self,
+        intake_pool: IntakePool,
+        scheduling_pool: SchedulingPool,
+        run_request: RequestRunner,
+        shares: ModelShares | None = None,
     ) -> None:
+        self.shares = shares
         self.intake_pool = intake_pool
         self.scheduling_pool = scheduling_pool
         self._run_request = run_request
@@ -64,15 +73,31 @@ class Scheduler:
         while not self._paused and self.scheduling_pool.free and self.intake_pool.size:
             if limit is not None and len(admitted) >= limit:
                 break
-            entry = self.intake_pool.pop()
-            assert entry is not None
-            self.scheduling_pool.acquire(entry.batch_id)
+            entry = self._pop()
+            if entry is None:
+                break
             admitted.append(entry)
         return admitted
+
+    def _pop(self) -> IntakeEntry | None:
+        """The next queued request, its slot taken; None when nothing may be admitted now."""
+        admissible = None
+        if self.shares is not None:
+            admissible = self.shares.admission_test(self.intake_pool.queued_batches())
+        entry = self.intake_pool.pop(admissible)
+        if entry is None:
+            assert admissible is not None  # without shares, a non-empty pool always gives one
+            return None
+        self.scheduling_pool.acquire(entry.batch_id)
+        if self.shares is not None:
+            self.shares.acquire(entry.batch_id)
+        return entry
 
     def finish(self, entry: IntakeEntry) -> None:
         """Give back the slot a request held, and count the request as drained."""
         self.scheduling_pool.release(entry.batch_id)
+        if self.shares is not None:
+            self.shares.release(entry.batch_id)
         self.intake_pool.drain.record()
 
     def notify(self) -> None:
@@ -82,17 +107,16 @@ class Scheduler:
     def _start_admitted(self) -> bool:
         """Start a task for each request admitted now (one turn's worth); True if more could start."""
         assert self._tasks is not None
-        for entry in self.admit(ADMIT_PER_TURN):
+        admitted = self.admit(ADMIT_PER_TURN)
+        for entry in admitted:
             self._tasks.start_soon(self._run_one, entry)
-        return not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
+        more = not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
+        return more and len(admitted) == ADMIT_PER_TURN
 
     def _admit_one(self) -> IntakeEntry | None:
         if self._paused or not self.scheduling_pool.free or not self.intake_pool.size:
             return None
-        entry = self.intake_pool.pop()
-        assert entry is not None
-        self.scheduling_pool.acquire(entry.batch_id)
-        return entry
+        return self._pop()
 
     async def _run_one(self, entry: IntakeEntry) -> None:
         """Run a request; then keep this task for the next admitted one instead of starting a task."""
