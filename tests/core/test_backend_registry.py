@@ -31,6 +31,7 @@ BUILT_IN = {
     "sglang": "batchgen.core.backends.sglang_engine",
     "openai": "batchgen.core.backends.openai_upstream",
     "simulated": "batchgen.core.backends.simulated",
+    "embeddings": "batchgen.core.backends.hf_embeddings",
 }
 
 

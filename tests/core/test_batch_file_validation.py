@@ -6,7 +6,10 @@ exact way, which says what is wrong. Hypothesis builds files of valid and broken
 fields, other endpoints, duplicates, out-of-range parameters, models not served, bad UTF-8, deep
 nesting, huge integers, blank and CRLF lines, a last line without a newline) and checks that the
 result, accepted or the problems reported, is the one the exact way alone gives, whatever the
-block size. It also checks the block-wide first look of the JSON bounds against the per-line one.
+block size, with served model names or with the service's models (a ``ModelSet``, whose
+``check_line`` and one-model-per-file rule the fast way must apply too; embeddings and responses
+lines, which have no whole-line decoder, go the exact way). It also checks the block-wide first
+look of the JSON bounds against the per-line one.
 """
 
 from __future__ import annotations
@@ -20,11 +23,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgen.core import batch_file, json_bounds
-from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.backends.capabilities import Capabilities
+from batchgen.core.backends.simulated import SimulatedBackend
+from batchgen.core.batch_file import LineRouter, validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
+from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from batchgen.core.served_models import ModelSet, ServedModel
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT = CHAT_COMPLETIONS
 SERVED = ("simulated", "default")
+
+
+def _model_set() -> ModelSet:
+    """Two models: the default serves chat and completions only; "other-model" serves every
+    endpoint and feature."""
+    everything = SimulatedBackend(model_name="other-model")
+    everything.capabilities = Capabilities(  # type: ignore[attr-defined]
+        endpoints=frozenset({CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS}),
+        features=frozenset({"response_format", "logprobs", "n", "dimensions"}),
+    )
+    return ModelSet([ServedModel(SimulatedBackend()), ServedModel(everything)])
 
 
 def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
@@ -47,6 +65,8 @@ def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
                 {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
                 {"messages": "hi"},
                 {"metadata": {"x": [1, 2, {"y": None}]}},
+                {"logprobs": True, "top_logprobs": 2},
+                {"response_format": {"type": "json_object"}},
             ]
         )
     )
@@ -57,7 +77,7 @@ def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def lines(draw: st.DrawFn) -> bytes:
     """One line's bytes, without its line ending."""
-    kind = draw(st.integers(0, 14))
+    kind = draw(st.integers(0, 16))
     custom_id = draw(st.sampled_from(["a", "b", "c", "d", "e", "f", ""]))
     line: dict[str, Any] = {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": _chat_body(draw)}
     if kind == 0:
@@ -87,12 +107,18 @@ def lines(draw: st.DrawFn) -> bytes:
         line["body"]["x"] = 12345678901234567890123
     elif kind == 12:
         return json.dumps([line]).encode()
+    elif kind == 13:
+        line["url"] = "/v1/embeddings"
+        line["body"] = {"input": draw(st.sampled_from(["hi", ["a", "b"], 5])), "model": "other-model"}
+    elif kind == 14:
+        line["url"] = "/v1/responses"
+        line["body"] = {"input": draw(st.sampled_from(["hi", 5])), "max_output_tokens": 4}
     return json.dumps(line, ensure_ascii=draw(st.booleans())).encode()
 
 
-def _outcome(path: Path) -> object:
+def _outcome(path: Path, served: tuple[str, ...] | LineRouter) -> object:
     try:
-        return validate_batch_file(str(path), SERVED)
+        return validate_batch_file(str(path), served)
     except InvalidBatchFile as exc:
         return ("invalid", [(problem.line, problem.message) for problem in exc.problems], str(exc))
 
@@ -102,12 +128,14 @@ def _outcome(path: Path) -> object:
     content=st.lists(st.tuples(lines(), st.sampled_from([b"\n", b"\r\n"])), min_size=1, max_size=25),
     last_newline=st.booleans(),
     block_bytes=st.sampled_from([16, 200, 1000, 1 << 20]),
+    with_models=st.booleans(),
 )
 def test_the_fast_way_decides_as_the_exact_way(
     tmp_path_factory: pytest.TempPathFactory,
     content: list[tuple[bytes, bytes]],
     last_newline: bool,
     block_bytes: int,
+    with_models: bool,
 ) -> None:
     data = b"".join(line + ending for line, ending in content)
     if not last_newline:
@@ -116,9 +144,10 @@ def test_the_fast_way_decides_as_the_exact_way(
     path.write_bytes(data)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(batch_file, "VALIDATION_BLOCK_BYTES", block_bytes)
-        fast = _outcome(path)
+        served = _model_set() if with_models else SERVED
+        fast = _outcome(path, served)
         patch.setattr(batch_file, "lines_within_bounds", lambda block: False)  # every line the exact way
-        exact = _outcome(path)
+        exact = _outcome(path, served)
     assert fast == exact
 
 

@@ -203,3 +203,45 @@ def test_a_service_under_plain_asyncio_run_ends_requests_reported_by_timers(tmp_
     batch, lines = asyncio.run(run())
     assert batch.status is BatchStatus.COMPLETED  # type: ignore[attr-defined]
     assert sorted(json.loads(line)["custom_id"] for line in lines) == sorted(f"r{i}" for i in range(100))
+
+
+async def test_a_group_spanning_two_models_goes_to_each_backend_with_only_its_own_requests(
+    tmp_path: Path,
+) -> None:
+    """Two batches on two models run together: the scheduler's groups mix their requests, and the
+    executor hands each backend (one ``generate_many`` call per backend and group) only the
+    requests of its own model, each once; every line names the model that ran it."""
+    from collections.abc import Sequence
+
+    from batchgen.core.backends.base import ReportOutcome
+    from batchgen.core.backends.simulated import SimulatedBackend
+    from batchgen.core.models import GenerationRequest
+    from batchgen.core.served_models import ServedModel
+
+    class Recording(SimulatedBackend):
+        def __init__(self, model_name: str) -> None:
+            super().__init__(latency_s=0.002, model_name=model_name)
+            self.seen: list[str] = []
+
+        async def generate_many(self, requests: Sequence[GenerationRequest], report: ReportOutcome) -> None:
+            self.seen.extend(str((request.messages or ({},))[0].get("content")) for request in requests)
+            await super().generate_many(requests, report)
+
+    first, second = Recording("first"), Recording("second")
+    settings = ServiceSettings(storage_path=tmp_path, max_pool_size=32)
+    async with BatchService(settings, [ServedModel(first), ServedModel(second)]) as service:
+        batches = []
+        for model in ("first", "second"):
+            content = b"".join(_line(f"{model}-{i}", f"{model}-{i}", model=model) for i in range(200))
+            file = await service.create_file(content)
+            batches.append(await service.create_batch(file.id, "/v1/chat/completions"))
+        for batch in batches:
+            done = await service.wait_for_batch(batch.id, poll_interval=0.01)
+            assert done.status is BatchStatus.COMPLETED
+            path, _ = await service.file_content(done.output_file_id or "")
+            lines = _read_lines(path)
+            model = done.model
+            assert {line["response"]["body"]["model"] for line in lines} == {model}
+            assert sorted(line["custom_id"] for line in lines) == sorted(f"{model}-{i}" for i in range(200))
+    assert sorted(first.seen) == sorted(f"first-{i}" for i in range(200))
+    assert sorted(second.seen) == sorted(f"second-{i}" for i in range(200))

@@ -14,11 +14,18 @@ from batchgen.core.batch_options import check_parameters
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import MAX_DEPTH, bounds_problem
 from batchgen.core.models import BatchParameters
-from batchgen.core.request_schema import ChatBody, CompletionBody, message_dicts, read_body, read_envelope
+from batchgen.core.request_schema import (
+    Body,
+    ChatBody,
+    CompletionBody,
+    message_dicts,
+    read_body,
+    read_envelope,
+)
 from tests.helpers import chat_line, completion_line
 
 
-def _read(line: Any) -> ChatBody | CompletionBody:
+def _read(line: Any) -> Body:
     return read_body(read_envelope(json.dumps(line).encode()))
 
 
@@ -51,7 +58,7 @@ def _refusal(line: Any) -> InvalidRequest:
         (chat_line("a", top_p=2), "body.top_p", "in (0, 1]"),
         (chat_line("a", top_k=-5), "body.top_k", "-1 or at least 1"),
         (chat_line("a", seed="x"), "body.seed", "an integer"),
-        (chat_line("a", n=2), "body.n", "must be 1"),
+        (chat_line("a", n=0), "body.n", "from 1 to 128"),
         (chat_line("a", stream=True), "body.stream", "do not stream"),
         ({**completion_line("a", "x"), "body": {"prompt": ["x"]}}, "body.prompt", "must be a string"),
         ({**chat_line("a"), "body": []}, "body", "must be a JSON object"),

@@ -48,7 +48,7 @@ def _file_count(api: httpx.Client) -> int:
             "line 3: duplicate custom_id 'same'",
         ),
         (jsonl({**chat_line("a"), "method": "GET"}), "line 1: 'method' must be \"POST\""),
-        (jsonl({**chat_line("a"), "url": "/v1/embeddings"}), "line 1: 'url' must be one of"),
+        (jsonl({**chat_line("a"), "url": "/v1/audio/speech"}), "line 1: 'url' must be one of"),
         (
             jsonl(
                 chat_line("a"),
@@ -149,7 +149,7 @@ def chat_file_id(api: httpx.Client) -> str:
         (b"not json", "not valid JSON", None),
         (b"[1, 2]", "must be a JSON object", None),
         (b"{}", "'input_file_id' is required", "input_file_id"),
-        ({"endpoint": "/v1/embeddings"}, "endpoint must be one of", "endpoint"),
+        ({"endpoint": "/v1/audio/speech"}, "endpoint must be one of", "endpoint"),
         ({"endpoint": "/v1/completions"}, "requests use '/v1/chat/completions'", "endpoint"),
         ({"completion_window": "tomorrow"}, "completion_window must look like", "completion_window"),
         ({"metadata": {"k": 1}}, "metadata keys", "metadata"),

@@ -149,7 +149,10 @@ def test_settings_built_in_code_take_the_backend_options_by_keyword() -> None:
         (["--backend", "sglang"], "--backend sglang needs --model-path"),
         (["--backend", "openai"], "--backend openai needs --upstream"),
         (["--backend", "openai", "--upstream", "gpu1:30000"], "--upstream must be an http(s) URL"),
-        (["--backend", "nope"], "invalid choice: 'nope' (choose from 'transformers', 'openai', 'sglang'"),
+        (
+            ["--backend", "nope"],
+            "invalid choice: 'nope' (choose from 'transformers', 'embeddings', 'openai', 'sglang'",
+        ),
         (["--simulated-failure-rate", "2"], "--simulated-failure-rate: invalid value '2': must be between 0"),
         (["--tp-size", "0"], "--tp-size: invalid value '0': must be at least 1, got 0"),
         (["--sglang-arg", "no-equals"], "--sglang-arg: invalid value 'no-equals': expected KEY=VALUE"),

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import attrs
 import msgspec
 
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest, LineProblem
 from batchgen.core.json_bounds import lines_within_bounds
-from batchgen.core.request_schema import Envelope, check_body, line_decoder, read_body, read_envelope
+from batchgen.core.request_schema import Body, Envelope, check_body, line_decoder, read_body, read_envelope
 
 #: How many problems a validation error lists before summarising the rest.
 MAX_REPORTED_PROBLEMS = 10
@@ -45,22 +45,40 @@ class LineIndex:
         return len(self.offsets)
 
 
-def _check_line(raw: bytes, served_models: Collection[str] | None) -> Envelope:
-    """The line's envelope once the request schema accepts the whole line; InvalidRequest otherwise."""
+@runtime_checkable
+class LineRouter(Protocol):
+    """Checks that a line can run on the model it names (``served_models.ModelSet``)."""
+
+    def check_line(self, url: str, body: Body) -> object:
+        """The model the line runs on (any object, compared by identity); InvalidRequest if it
+        cannot run there."""
+        ...
+
+
+def _check_line(raw: bytes, served_models: Collection[str] | LineRouter | None) -> tuple[Envelope, object]:
+    """The line's envelope and model once the request schema and the model accept the whole line;
+    InvalidRequest otherwise."""
     envelope = read_envelope(raw)
     body = read_body(envelope)
+    if isinstance(served_models, LineRouter):
+        return envelope, served_models.check_line(envelope.url, body)
     if served_models is not None and body.model is not None and body.model not in served_models:
         raise InvalidRequest(
             f"'body.model' {body.model!r} is not served here; use one of {', '.join(map(repr, served_models))}",
             param="body.model",
         )
-    return envelope
+    return envelope, None
 
 
-def validate_batch_file(path: str, served_models: Collection[str] | None = None) -> BatchFileSummary:
+def validate_batch_file(
+    path: str, served_models: Collection[str] | LineRouter | None = None
+) -> BatchFileSummary:
     """Check every line of the file at ``path``; raise InvalidBatchFile listing the problems.
 
-    With ``served_models``, a line's ``body.model`` must be absent or one of them.
+    With ``served_models`` names, a line's ``body.model`` must be absent or one of them. With a
+    ``LineRouter`` (the service's models), each line must be able to run on the model it names
+    (that model serves its endpoint and the features it uses), and all lines must run on one
+    model, as in OpenAI's Batch API.
     """
     validation = _Validation(served_models)
     with open(path, "rb") as stream:
@@ -97,16 +115,25 @@ class _Validation:
 
     A block whose bytes are valid UTF-8 and within the JSON bounds (``lines_within_bounds``) is
     checked the fast way: each line decoded whole with one decoder (``line_decoder``) and its
-    remaining rules checked on the result. A line that fails any of that, and every line of any
-    other block, is checked the exact way (``check_line``), which says what is wrong.
+    remaining rules checked on the result (with a ``LineRouter``, its ``check_line`` too, and the
+    model it gives must be the file's). A line that fails any of that, every line of an endpoint
+    with no whole-line decoder, and every line of any other block, is checked the exact way
+    (``check_line``), which says what is wrong.
     """
 
-    def __init__(self, served_models: Collection[str] | None) -> None:
+    def __init__(self, served_models: Collection[str] | LineRouter | None) -> None:
         self.served_models = served_models
+        self.router: LineRouter | None = None
+        self.served_names: Collection[str] | None = None
+        if isinstance(served_models, LineRouter):
+            self.router = served_models
+        else:
+            self.served_names = served_models
         self.problems: list[LineProblem] = []
         self.total_problems = 0
         self.seen_ids: set[str] = set()
         self.file_url: str | None = None
+        self.file_model: object = None
         self.count = 0
 
     def report(self, line_number: int, message: str) -> None:
@@ -119,14 +146,14 @@ class _Validation:
         if not lines[-1]:
             lines.pop()  # the block ends with a newline
         fast = _valid_utf8(block) and lines_within_bounds(block)
-        served, seen = self.served_models, self.seen_ids
+        served, router, seen = self.served_names, self.router, self.seen_ids
         for line_number, raw in enumerate(lines, start=first_line_number):
             url = self.file_url
-            if not fast or url is None:
+            if not fast or url is None or (decoder := line_decoder(url)) is None:
                 self.check_line(line_number, raw)
                 continue
             try:
-                line = line_decoder(url).decode(raw)
+                line = decoder.decode(raw)
                 accepted = (
                     bool(line.custom_id)
                     and line.method == "POST"
@@ -134,6 +161,7 @@ class _Validation:
                     and line.custom_id not in seen
                     and check_body(line.body) is not None
                     and (served is None or line.body.model is None or line.body.model in served)
+                    and (router is None or router.check_line(url, line.body) is self.file_model)
                 )
             except (msgspec.MsgspecError, InvalidRequest):
                 accepted = False
@@ -154,9 +182,18 @@ class _Validation:
             self.report(line_number, "not valid UTF-8")
             return
         try:
-            envelope = _check_line(raw, self.served_models)
+            envelope, model = _check_line(raw, self.served_models)
         except InvalidRequest as exc:
             self.report(line_number, exc.message)
+            return
+        if self.file_model is None:
+            self.file_model = model
+        elif model is not self.file_model:
+            self.report(
+                line_number,
+                f"'body.model' {read_body(envelope).model!r} is another model than the lines before; "
+                "a batch file's lines must all use one model (as in OpenAI's Batch API)",
+            )
             return
         custom_id = envelope.custom_id
         if custom_id in self.seen_ids:
@@ -178,6 +215,19 @@ def _valid_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def first_line_model(path: str) -> str | None:
+    """The ``body.model`` of the file's first request line (validation made every line run on
+    the same model); None when it names none or cannot be read."""
+    with open(path, "rb") as stream:
+        for raw in stream:
+            if raw.strip():
+                try:
+                    return read_body(read_envelope(raw)).model
+                except InvalidRequest:
+                    return None
+    return None
 
 
 def index_batch_file(path: str) -> LineIndex:

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import attrs
 
-from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.batch_file import LineRouter, validate_batch_file
 from batchgen.core.batch_tracker import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
@@ -49,7 +49,7 @@ class FileCatalogue:
         max_upload_bytes: int,
         file_expiry_s: int | None,
         in_use: Callable[[str], Batch | None],
-        served_models: Collection[str] | None = None,
+        served_models: Collection[str] | LineRouter | None = None,
     ) -> None:
         """``in_use(file_id)`` is a live batch that still needs the file, or None."""
         self._metadata = metadata

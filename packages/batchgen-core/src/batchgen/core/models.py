@@ -38,10 +38,13 @@ class BatchStatus(enum.StrEnum):
 
 _TERMINAL = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
 
-#: The two endpoints a batch line may target.
+#: The endpoints a batch line may target. ``/v1/responses`` lines run on the chat path; whether a
+#: model serves an endpoint is its backend's to say (``backends.capabilities``).
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES)
 
 #: Purposes accepted on upload (OpenAI's); only ``batch`` files are validated as batch input.
 UPLOAD_PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
@@ -216,13 +219,26 @@ class SamplingParameters:
 
 @attrs.frozen
 class GenerationRequest:
-    """One request as a backend sees it: chat messages or a raw prompt, and its parameters."""
+    """One request as a backend sees it: chat messages, a raw prompt or embedding inputs, and its
+    parameters.
+
+    ``endpoint`` is ``/v1/chat/completions`` (also for ``/v1/responses`` lines, which run on the
+    chat path), ``/v1/completions`` or ``/v1/embeddings``. ``model`` is the served model name the
+    line asked for (None: the backend's own model); a backend serving several models (the openai
+    backend's upstreams) routes by it. ``inputs`` are an embeddings line's texts or token arrays.
+    ``options`` are the line's fields a backend passes on as they are (``response_format``,
+    ``logprobs``, ``top_logprobs``, ``n``; the embeddings ``dimensions``), only those its
+    capabilities declare (``backends.capabilities``).
+    """
 
     request_id: str
     endpoint: str
     sampling: SamplingParameters
     messages: tuple[dict[str, Any], ...] | None = None
     prompt: str | None = None
+    model: str | None = None
+    inputs: tuple[str | tuple[int, ...], ...] | None = None
+    options: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -234,6 +250,11 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     reasoning_content: str | None = None
+    #: An embeddings request's vectors, one per input, in input order.
+    embeddings: tuple[tuple[float, ...], ...] | None = None
+    #: The OpenAI ``choices`` as an upstream answered them (``n`` > 1, ``logprobs``), written to the
+    #: output line as they are; None: one choice made of ``text``.
+    choices: tuple[dict[str, Any], ...] | None = None
 
 
 @attrs.frozen

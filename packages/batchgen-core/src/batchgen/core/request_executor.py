@@ -2,8 +2,10 @@
 
 Requests come in groups (``run_group``): their lines are read back in blocks (``line_blocks``),
 each body is checked and its parameters resolved (once per batch for bodies that set none), and
-the group goes to the backend in one call (``backends.base.generate_all``), which reports each
-request the moment it ends; its line is written then, and the scheduler is told it finished.
+each line is routed to the model it names (``served_models``; checked again, as the models may
+have changed since upload), and the group's requests go to each model's backend in one call per
+backend (``backends.base.generate_all``), which reports each request the moment it ends; its
+line is written then, and the scheduler is told it finished.
 
 A result becomes an output line; a request the backend rejects (or keeps failing transiently,
 ``max_attempts`` times) becomes an error line; any other exception while running it becomes an
@@ -32,17 +34,21 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     generate_all,
 )
+from batchgen.core.backends.capabilities import unsupported_problem
 from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
+from batchgen.core.embeddings_api import fit_dimensions
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.ids import new_request_id
 from batchgen.core.json_bounds import lines_within_bounds
 from batchgen.core.line_blocks import read_spans
+from batchgen.core.line_requests import generation_request
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult, SamplingParameters
 from batchgen.core.parameters import ServerDefaults, resolve_sampling, sets_sampling
-from batchgen.core.request_schema import ChatBody, Envelope, message_dicts, read_body, read_envelope
+from batchgen.core.request_schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
 from batchgen.core.results import error_line, output_line
 from batchgen.core.scheduling import Finished, IntakeEntry
+from batchgen.core.served_models import ModelSet, Route
 from batchgen.core.storage import ResultWriter
 from batchgen.core.storage_faults import storage_fault
 from batchgen.core.telemetry import RequestTelemetry
@@ -69,6 +75,8 @@ class _Running:
     active: ActiveBatch
     custom_id: str
     request: GenerationRequest
+    body: Body
+    route: Route
     ended: bool = False
     attempts: int = 1
 
@@ -80,20 +88,21 @@ class RequestExecutor:
         self,
         tracker: BatchTracker,
         files: FileCatalogue,
-        backend: Backend,
+        backend: Backend | ModelSet,
         *,
         defaults: ServerDefaults,
         max_attempts: int,
         separate_error_file: bool = False,
         telemetry: RequestTelemetry | None = None,
     ) -> None:
-        """``separate_error_file``: OpenAI's convention, failed lines in their own file;
-        ``telemetry`` counts admissions, finished requests and backend time."""
+        """``backend``: the served models (or one backend); ``separate_error_file``: OpenAI's
+        convention, failed lines in their own file; ``telemetry`` counts admissions, finished
+        requests and backend time."""
         self._telemetry = telemetry or RequestTelemetry()
         self._separate_error_file = separate_error_file
         self._tracker = tracker
         self._files = files
-        self._backend = backend
+        self._models = ModelSet.of(backend)
         self._defaults = defaults
         self._max_attempts = max_attempts
 
@@ -110,16 +119,17 @@ class RequestExecutor:
         batch_level: dict[str, SamplingParameters] = {}
         for position, active, envelope in envelopes:
             try:
-                request = self._prepare(active, envelope, batch_level)
+                prepared = self._prepare(active, envelope, batch_level)
             except Exception as exc:
                 self._record_failure(active, envelope.custom_id, exc)
-                request = None
-            if request is None:  # it has its line already (or the batch failed)
+                prepared = None
+            if prepared is None:  # it has its line already (or the batch failed)
                 self._tracker.settle(active)
                 ended_early.append(position)
                 continue
+            request, body, route = prepared
             active.in_flight.add(request.request_id)
-            running.append(_Running(position, active, envelope.custom_id, request))
+            running.append(_Running(position, active, envelope.custom_id, request, body, route))
         finished(*ended_early)
         if not running:
             return
@@ -128,11 +138,7 @@ class RequestExecutor:
             async with anyio.create_task_group() as helpers:
                 helpers.start_soon(self._end_when_reported, reported, helpers, finished)
                 try:
-                    await generate_all(
-                        self._backend,
-                        [item.request for item in running],
-                        lambda index, outcome: reported.add(running[index], outcome),
-                    )
+                    await self._generate_per_backend(running, reported)
                 finally:
                     self._end_all(reported.take(), helpers, finished, reported.started)
                     reported.close()
@@ -141,6 +147,30 @@ class RequestExecutor:
                 if not item.ended:  # cancelled (shutdown): abandoned with no line, rerun on restart
                     item.active.in_flight.discard(item.request.request_id)
                     self._tracker.settle(item.active)
+
+    @staticmethod
+    async def _generate_per_backend(running: list[_Running], reported: _Reported) -> None:
+        """Hand the group to its models' backends: one ``generate_all`` call per backend, the
+        calls running side by side."""
+
+        async def generate(backend: Backend, items: list[_Running]) -> None:
+            await generate_all(
+                backend,
+                [item.request for item in items],
+                lambda index, outcome: reported.add(items[index], outcome),
+            )
+
+        first = running[0].route.model.backend
+        if all(item.route.model.backend is first for item in running):  # the usual case: no task
+            await generate(first, running)
+            return
+        by_backend: dict[int, tuple[Backend, list[_Running]]] = {}
+        for item in running:
+            backend = item.route.model.backend
+            by_backend.setdefault(id(backend), (backend, []))[1].append(item)
+        async with anyio.create_task_group() as calls:
+            for backend, items in by_backend.values():
+                calls.start_soon(generate, backend, items)
 
     async def _read_envelopes(
         self, entries: Sequence[IntakeEntry], ended_early: list[int]
@@ -207,31 +237,52 @@ class RequestExecutor:
 
     def _prepare(
         self, active: ActiveBatch, envelope: Envelope, batch_level: dict[str, SamplingParameters]
-    ) -> GenerationRequest | None:
-        """The request a line asks for, or None once its error line is written."""
+    ) -> tuple[GenerationRequest, Body, Route] | None:
+        """The request a line asks for, with its body and route; None once its error line is written."""
+        custom_id = envelope.custom_id
         try:
             # The schema upload validation used: only a file accepted by an older version (or
             # changed on disk) can fail here, and then this request gets its error line.
             body = read_body(envelope)
         except InvalidRequest as exc:
-            self.record_error(active, envelope.custom_id, "invalid_request", exc.message)
+            self.record_error(active, custom_id, "invalid_request", exc.message)
             return None
-        if sets_sampling(body):
-            sampling = resolve_sampling(body, active.batch.parameters, self._defaults)
-        else:  # every such line of the batch resolves alike: once per group
-            sampling = batch_level.get(active.id)  # type: ignore[assignment]
+        # The models may have changed since upload (a restart with other flags): check again.
+        try:
+            route = self._models.route(body.model)
+        except InvalidRequest as exc:
+            self.record_error(active, custom_id, "model_not_found", exc.message)
+            return None
+        model = route.model
+        problem = unsupported_problem(
+            model.public_name, getattr(model.backend, "name", "?"), model.capabilities, envelope.url, body
+        )
+        if problem is not None:
+            self.record_error(active, custom_id, "invalid_request", problem)
+            return None
+        if model.failure is not None:
+            self.record_error(
+                active, custom_id, "model_unavailable", f"model {model.public_name!r}: {model.failure}"
+            )
+            return None
+        sampling = None
+        if not isinstance(body, EmbeddingsBody) and not sets_sampling(body):
+            # every such line of the batch resolves alike: once per group
+            sampling = batch_level.get(active.id)
             if sampling is None:
                 sampling = batch_level[active.id] = resolve_sampling(
                     body, active.batch.parameters, self._defaults
                 )
-        chat = isinstance(body, ChatBody)
-        return GenerationRequest(
-            request_id=new_request_id("req_"),
-            endpoint=active.batch.endpoint,
+        request = generation_request(
+            new_request_id("req_"),
+            envelope,
+            body,
+            route,
+            active.batch.parameters,
+            self._defaults,
             sampling=sampling,
-            messages=message_dicts(envelope) if chat else None,
-            prompt=None if chat else str(body.prompt),
         )
+        return request, body, route
 
     async def _end_when_reported(
         self, reported: _Reported, helpers: anyio.abc.TaskGroup, finished: Finished
@@ -282,11 +333,7 @@ class RequestExecutor:
         active, custom_id = item.active, item.custom_id
         if isinstance(outcome, GenerationResult):
             if not active.status.is_terminal:  # else it ended (expired, failed) while this request ran
-                request = item.request
-                line = output_line(
-                    custom_id, request.request_id, request.endpoint, self._backend.model_name, outcome, now()
-                )
-                lines.add(active, active.output, line, outcome)
+                self._add_result(item, outcome, lines)
         elif isinstance(outcome, RequestRejected):
             self._add_error(active, custom_id, outcome.code, outcome.message, lines)
         elif isinstance(outcome, TransientBackendError):  # the last attempt failed too
@@ -294,6 +341,23 @@ class RequestExecutor:
             self._add_error(active, custom_id, "backend_error", message, lines)
         elif not isinstance(outcome, RequestAborted | BackendUnavailable):  # aborted: no line
             raise outcome
+
+    def _add_result(self, item: _Running, result: GenerationResult, lines: _Lines) -> None:
+        """Add a result's output line (an embeddings result cut to the dimensions asked for;
+        an error line when it cannot be)."""
+        active, custom_id, body, route = item.active, item.custom_id, item.body, item.route
+        if isinstance(body, EmbeddingsBody):
+            try:
+                vectors = fit_dimensions(result.embeddings or (), body.dimensions)
+            except InvalidRequest as exc:
+                self._add_error(active, custom_id, "invalid_request", exc.message, lines)
+                return
+            result = attrs.evolve(result, embeddings=vectors)
+        model_name = route.backend_model or route.model.public_name
+        line = output_line(
+            custom_id, item.request.request_id, active.batch.endpoint, model_name, result, now(), body
+        )
+        lines.add(active, active.output, line, result)
 
     def _record_failure(self, active: ActiveBatch, custom_id: str, exc: Exception) -> None:
         """A request raised something unexpected: its line says so, or, when its line cannot be
@@ -322,7 +386,7 @@ class RequestExecutor:
         await anyio.sleep(0.01 * 2**item.attempts)
         item.attempts += 1
         try:
-            outcome: Outcome = await self._backend.generate(item.request)
+            outcome: Outcome = await item.route.model.backend.generate(item.request)
         except Exception as exc:
             outcome = exc
         self._end_all([(item, outcome)], helpers, finished, started)

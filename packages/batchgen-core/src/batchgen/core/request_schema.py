@@ -11,6 +11,13 @@ sampling fields of ``RequestBody``, whose types the structs fix and whose ranges
 allowed and ignored, except the other endpoint's input field, which would be ambiguous. Every
 line must also stay within the ``json_bounds`` (nesting depth, integer size).
 
+``/v1/embeddings`` bodies are ``EmbeddingsBody`` (``embeddings_api`` checks ``input``,
+``encoding_format`` and ``dimensions``); ``/v1/responses`` bodies are ``ResponsesBody``
+(``responses_api`` checks ``input`` and refuses the features BatchGen does not run). Chat and
+completion bodies may carry ``response_format`` (checked by ``structured_output``), ``logprobs``,
+``top_logprobs`` and ``n``; whether the chosen model honours them is ``backends.capabilities``'s
+decision, made at upload for every line.
+
 Problems are ``InvalidRequest`` whose message names the field (``'body.top_p' must be ...``) and
 whose ``param`` is that field's path.
 """
@@ -26,8 +33,9 @@ from msgspec import UNSET, Raw, Struct, UnsetType
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import bounds_problem
-from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, SUPPORTED_ENDPOINTS
+from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, SUPPORTED_ENDPOINTS
 from batchgen.core.sampling_ranges import range_problem
+from batchgen.core.structured_output import response_format_problem
 
 
 class ContentPart(Struct):
@@ -65,6 +73,7 @@ class RequestBody(Struct):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
+    response_format: Any = None
 
 
 class ChatBody(RequestBody):
@@ -72,6 +81,8 @@ class ChatBody(RequestBody):
 
     messages: list[Message] = msgspec.field(default_factory=list)
     prompt: Any = None  # refused: it belongs to /v1/completions
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionBody(RequestBody):
@@ -79,6 +90,42 @@ class CompletionBody(RequestBody):
 
     prompt: str | UnsetType = UNSET
     messages: Any = None  # refused: it belongs to /v1/chat/completions
+    logprobs: int | None = None
+
+
+class EmbeddingsBody(Struct):
+    """A ``/v1/embeddings`` body: ``input`` is checked by ``embeddings_api.read_inputs``."""
+
+    input: Any = UNSET
+    model: str | None = None
+    encoding_format: str | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class ResponsesBody(RequestBody):
+    """A ``/v1/responses`` body: ``input`` (a string or message items) and ``instructions``.
+
+    ``responses_api`` checks the input and refuses the fields of features BatchGen does not run
+    (tools, stored conversation state, background mode); ``max_output_tokens`` is its output limit.
+    """
+
+    input: Any = UNSET
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    top_logprobs: int | None = None
+    text: Any = None
+    logprobs: Any = None  # not a Responses field; top_logprobs asks for them
+    store: Any = None
+    # refused by responses_api when set: features BatchGen does not run
+    tools: Any = None
+    tool_choice: Any = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    include: Any = None
+    prompt: Any = None
+    reasoning: Any = None
 
 
 class Envelope(Struct):
@@ -100,13 +147,32 @@ SAMPLING_FIELDS = (
     "seed",
     "stop",
     "n",
+    "top_logprobs",
+    "max_output_tokens",
 )
 
-_sampling_values = operator.attrgetter(*SAMPLING_FIELDS)
 _envelope_decoder = msgspec.json.Decoder(Envelope)
 _body_decoders: dict[str, msgspec.json.Decoder[Any]] = {
     CHAT_COMPLETIONS: msgspec.json.Decoder(ChatBody),
     COMPLETIONS: msgspec.json.Decoder(CompletionBody),
+    EMBEDDINGS: msgspec.json.Decoder(EmbeddingsBody),
+    RESPONSES: msgspec.json.Decoder(ResponsesBody),
+}
+
+#: What ``read_body`` returns, by endpoint.
+Body = ChatBody | CompletionBody | EmbeddingsBody | ResponsesBody
+
+
+def _sampling_getter(body_type: type[Struct]) -> tuple[tuple[str, ...], operator.attrgetter[Any]]:
+    """The sampling fields a body type has, in ``SAMPLING_FIELDS`` order, and one getter of
+    their values (a tuple: most bodies set none, which one look tells)."""
+    names = tuple(name for name in SAMPLING_FIELDS if name in body_type.__struct_fields__)
+    assert len(names) > 1  # so the getter gives a tuple
+    return names, operator.attrgetter(*names)
+
+
+_sampling_getters = {
+    body_type: _sampling_getter(body_type) for body_type in (ChatBody, CompletionBody, ResponsesBody)
 }
 _any_decoder = msgspec.json.Decoder()
 
@@ -172,10 +238,10 @@ def read_envelope(raw: bytes, *, within_bounds: bool = False) -> Envelope:
     return envelope
 
 
-def read_body(envelope: Envelope) -> ChatBody | CompletionBody:
+def read_body(envelope: Envelope) -> Body:
     """The envelope's body, decoded and checked for its endpoint; InvalidRequest naming the field."""
     try:
-        body: ChatBody | CompletionBody = _body_decoders[envelope.url].decode(envelope.body)
+        body: Body = _body_decoders[envelope.url].decode(envelope.body)
     except msgspec.ValidationError as exc:
         if str(exc).startswith("Expected `object`") and " - at `" not in str(exc):
             raise InvalidRequest("'body' must be a JSON object", param="body") from None
@@ -183,8 +249,17 @@ def read_body(envelope: Envelope) -> ChatBody | CompletionBody:
     return check_body(body)
 
 
-def check_body(body: ChatBody | CompletionBody) -> ChatBody | CompletionBody:
+def check_body(body: Body) -> Body:
     """``body`` once the checks its struct cannot state pass; InvalidRequest naming the field."""
+    if isinstance(body, EmbeddingsBody):
+        from batchgen.core.embeddings_api import check_embeddings_body
+
+        check_embeddings_body(body)
+        return body
+    if isinstance(body, ResponsesBody):
+        from batchgen.core.responses_api import check_responses_body
+
+        check_responses_body(body)
     if body.stream:
         raise InvalidRequest(
             "'body.stream' must be false or absent: batches do not stream (streaming_unsupported)",
@@ -200,7 +275,7 @@ def check_body(body: ChatBody | CompletionBody) -> ChatBody | CompletionBody:
                 "'body.prompt' belongs to /v1/completions; a /v1/chat/completions body takes 'messages'",
                 param="body.prompt",
             )
-    else:
+    elif isinstance(body, CompletionBody):
         if body.prompt is UNSET:
             raise InvalidRequest("'body.prompt' must be a string for /v1/completions", param="body.prompt")
         if body.messages is not None:
@@ -208,15 +283,26 @@ def check_body(body: ChatBody | CompletionBody) -> ChatBody | CompletionBody:
                 "'body.messages' belongs to /v1/chat/completions; a /v1/completions body takes 'prompt'",
                 param="body.messages",
             )
-    values = _sampling_values(body)
-    if values.count(None) == len(values):  # most bodies set none
-        return body
-    for name, value in zip(SAMPLING_FIELDS, values, strict=True):
-        if value is None:
-            continue
-        problem = range_problem(name, value)
+    names, sampling_values = _sampling_getters[type(body)]
+    values = sampling_values(body)
+    if values.count(None) != len(values):  # most bodies set none
+        for name, value in zip(names, values, strict=True):
+            if value is None:
+                continue
+            problem = range_problem(name, value)
+            if problem is not None:
+                raise InvalidRequest(f"'body.{name}' {problem}", param=f"body.{name}")
+    if isinstance(body, CompletionBody) and body.logprobs is not None and not 0 <= body.logprobs <= 5:
+        raise InvalidRequest(
+            f"'body.logprobs' must be an integer from 0 to 5 for /v1/completions, got {body.logprobs}",
+            param="body.logprobs",
+        )
+    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("'body.top_logprobs' needs 'body.logprobs': true", param="body.top_logprobs")
+    if body.response_format is not None:
+        problem = response_format_problem(body.response_format)
         if problem is not None:
-            raise InvalidRequest(f"'body.{name}' {problem}", param=f"body.{name}")
+            raise InvalidRequest(f"'body.response_format' {problem}", param="body.response_format")
     return body
 
 
@@ -244,12 +330,13 @@ _line_decoders: dict[str, msgspec.json.Decoder[Any]] = {
 }
 
 
-def line_decoder(url: str) -> msgspec.json.Decoder[Any]:
+def line_decoder(url: str) -> msgspec.json.Decoder[Any] | None:
     """One decoder for a whole line of endpoint ``url``, envelope and body together: the fast way
     to check many lines (``batch_file``). A line it decodes, whose envelope fields are right and
     whose body ``check_body`` accepts, is a line ``read_envelope`` and ``read_body`` accept too;
-    for any other line they say what is wrong."""
-    return _line_decoders[url]
+    for any other line they say what is wrong. None for an endpoint without one (embeddings,
+    responses: their lines are checked the exact way)."""
+    return _line_decoders.get(url)
 
 
 def message_dicts(envelope: Envelope) -> tuple[dict[str, Any], ...]:

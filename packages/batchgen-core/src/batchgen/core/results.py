@@ -1,8 +1,9 @@
 """The lines of a batch's output and error files, built from a backend's result or an error.
 
 Output lines follow the OpenAI batch output format: ``{"id", "custom_id", "response":
-{"status_code", "request_id", "body"}, "error": null}`` with a ``chat.completion`` or
-``text_completion`` body. Error lines carry ``"response": null`` and ``{"code", "message"}``.
+{"status_code", "request_id", "body"}, "error": null}`` with a ``chat.completion``,
+``text_completion``, embeddings ``list`` (``embeddings_api``) or ``response`` (``responses_api``)
+body. Error lines carry ``"response": null`` and ``{"code", "message"}``.
 
 Every line is exactly one line to any reader: JSON escapes the ASCII control characters, and the
 three other characters Python's ``str.splitlines`` breaks at (U+0085, U+2028, U+2029), which
@@ -15,8 +16,10 @@ from typing import Any
 
 import msgspec
 
+from batchgen.core.embeddings_api import embeddings_body
 from batchgen.core.ids import new_request_id
-from batchgen.core.models import CHAT_COMPLETIONS, GenerationResult
+from batchgen.core.models import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, GenerationResult
+from batchgen.core.responses_api import response_body
 
 _encode_json = msgspec.json.Encoder().encode
 #: UTF-8 of the line breaks JSON leaves raw, and their JSON escapes. In valid UTF-8 these byte
@@ -33,7 +36,14 @@ def _one_line(value: Any) -> bytes:
     return data + b"\n"
 
 
-def _response_body(endpoint: str, model: str, result: GenerationResult, created: int) -> dict[str, Any]:
+def _response_body(
+    endpoint: str, model: str, result: GenerationResult, created: int, body: Any
+) -> dict[str, Any]:
+    if endpoint == EMBEDDINGS:
+        vectors = result.embeddings or ()
+        return embeddings_body(model, vectors, result.prompt_tokens, getattr(body, "encoding_format", None))
+    if endpoint == RESPONSES:
+        return response_body(model, result, created, body)
     usage = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
@@ -48,9 +58,9 @@ def _response_body(endpoint: str, model: str, result: GenerationResult, created:
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
-            ],
+            "choices": list(result.choices)
+            if result.choices is not None
+            else [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}],
             "usage": usage,
         }
     return {
@@ -58,23 +68,31 @@ def _response_body(endpoint: str, model: str, result: GenerationResult, created:
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-        ],
+        "choices": list(result.choices)
+        if result.choices is not None
+        else [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
         "usage": usage,
     }
 
 
 def output_line(
-    custom_id: str, request_id: str, endpoint: str, model: str, result: GenerationResult, created: int
+    custom_id: str,
+    request_id: str,
+    endpoint: str,
+    model: str,
+    result: GenerationResult,
+    created: int,
+    body: Any = None,
 ) -> bytes:
+    """The output line of a finished request; ``body`` is the line's decoded body (the embeddings
+    ``encoding_format``, the Responses fields echoed back)."""
     line = {
         "id": new_request_id("batch_req_"),
         "custom_id": custom_id,
         "response": {
             "status_code": 200,
             "request_id": request_id,
-            "body": _response_body(endpoint, model, result, created),
+            "body": _response_body(endpoint, model, result, created, body),
         },
         "error": None,
     }

@@ -13,6 +13,9 @@ import attrs
 
 #: OpenAI's limit on stop sequences per request.
 MAX_STOP_SEQUENCES = 4
+#: OpenAI's limit on choices per request (``n``); whether a model gives more than one is its
+#: backend's capability (``backends.capabilities``).
+MAX_CHOICES = 128
 #: Seeds are 64-bit signed integers, as every engine takes them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -55,7 +58,12 @@ RULES: dict[str, Rule] = {
             )
         ),
     ),
-    "n": Rule("1 (a request gets one choice)", lambda v: _integer(v) and v == 1),
+    "n": Rule(
+        f"an integer from 1 to {MAX_CHOICES}",
+        lambda v: _integer(v) and 1 <= v <= MAX_CHOICES,  # type: ignore[operator]
+    ),
+    "top_logprobs": Rule("an integer from 0 to 20", lambda v: _integer(v) and 0 <= v <= 20),  # type: ignore[operator]
+    "max_output_tokens": _OUTPUT_LIMIT,
 }
 
 

@@ -13,7 +13,9 @@ The facade checks calls and delegates; the work is done by parts with one job ea
 - ``BatchTracker`` (unfinished batches; every status change goes through ``batch_lifecycle``);
 - ``BatchStarter`` (index a batch's input and queue it) and ``recovery`` (resume after a restart);
 - the intake pool, the scheduling pool and the ``Scheduler`` (``scheduling``);
-- ``RequestExecutor`` (run one request, write exactly one line);
+- ``RequestExecutor`` (run one request on the model its line names, write exactly one line);
+- the served models (``served_models``): one backend, or several models each with its own
+  backend, whose slots ``ModelShares`` shares fairly;
 - ``Maintenance`` (supervised periodic jobs: counter flushes, fsyncs, expiry), and the
   ``Supervisor`` (the scheduler loop and one-shot tasks: a crash stops the core, visibly).
 
@@ -44,6 +46,7 @@ import anyio.abc
 import attrs
 
 from batchgen.core.backends.base import Backend
+from batchgen.core.batch_file import first_line_model
 from batchgen.core.batch_log import log_created
 from batchgen.core.batch_options import (
     check_metadata,
@@ -72,6 +75,8 @@ from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
+from batchgen.core.scheduling.model_shares import ModelShares
+from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
@@ -84,8 +89,7 @@ __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_comple
 logger = logging.getLogger("batchgen.service")
 
 ERROR_FILE_MODES = ("output", "openai")
-#: What a request's ``model`` field may say to mean the server's own model.
-DEFAULT_MODEL_ALIAS = "default"
+__all__ += ["DEFAULT_MODEL_ALIAS", "ModelSet", "ServedModel"]
 
 
 def _names(values: Iterable[str]) -> tuple[str, ...]:
@@ -155,7 +159,7 @@ class _Parts:
                 functools.partial(
                     service.supervisor.run,
                     f"abort {request_id}",
-                    service.backend.abort,
+                    service.model_set.abort,
                     request_id,
                     critical=False,
                 )
@@ -170,7 +174,7 @@ class _Parts:
             max_upload_bytes=settings.max_upload_bytes,
             file_expiry_s=settings.file_expiry_s,
             in_use=service._live_user_of_file,
-            served_models=service.accepted_model_names(),
+            served_models=service.model_set,
         )
         self.starter = BatchStarter(
             self.tracker,
@@ -182,7 +186,7 @@ class _Parts:
         self.executor = RequestExecutor(
             self.tracker,
             self.files,
-            service.backend,
+            service.model_set,
             defaults=ServerDefaults(max_tokens=settings.default_max_tokens),
             max_attempts=settings.max_request_attempts,
             separate_error_file=settings.error_file == "openai",
@@ -196,21 +200,30 @@ class BatchService:
     def __init__(
         self,
         settings: ServiceSettings,
-        backend: Backend,
+        backend: Backend | ModelSet | list[ServedModel],
         *,
         open_metadata: Callable[[Path], MetadataStore] | None = None,
         blobs: BlobStore | None = None,
     ) -> None:
-        """``open_metadata(path)`` and ``blobs`` replace the SQLite store (opened at start) and the
+        """``backend`` is the one backend to serve (its model answering also to
+        ``settings.served_model_names``), or the models to serve, the first being the default.
+        ``open_metadata(path)`` and ``blobs`` replace the SQLite store (opened at start) and the
         local blob store under ``settings.storage_path``."""
         self.settings = settings
-        self.backend = backend
+        self.model_set = ModelSet.of(backend, settings.served_model_names)
+        #: The default model's backend.
+        self.backend = self.model_set.default.backend
         self._open_metadata = open_metadata or SQLiteMetadataStore
         self.blobs: BlobStore = blobs if blobs is not None else LocalBlobStore(settings.storage_path)
         self.supervisor = Supervisor()
         self.intake_pool = IntakePool(settings.max_intake_capacity)
         self.scheduling_pool = SchedulingPool(settings.max_pool_size)
-        self.scheduler = Scheduler(self.intake_pool, self.scheduling_pool, run_group=self._run_group)
+        shares = (
+            ModelShares(settings.max_pool_size, self._model_of_batch) if len(self.model_set) > 1 else None
+        )
+        self.scheduler = Scheduler(
+            self.intake_pool, self.scheduling_pool, shares=shares, run_group=self._run_group
+        )
         self.maintenance = Maintenance()
         #: Counters and latency histograms of the requests run (read by the server's /metrics).
         self.telemetry = RequestTelemetry()
@@ -234,8 +247,8 @@ class BatchService:
             metadata = self._open_metadata(self.settings.storage_path / "metadata.sqlite3")
             stack.callback(metadata.close)
             self.blobs.clear_staging()
-            await self.backend.start()
-            stack.push_async_callback(self.backend.stop)
+            await self.model_set.start()
+            stack.push_async_callback(self.model_set.stop)
             stack.callback(self._close_parts)  # runs once every task below has ended
             tasks = await stack.enter_async_context(anyio.create_task_group())
             self._parts = parts = _Parts(self, metadata, tasks)
@@ -308,6 +321,10 @@ class BatchService:
     @property
     def max_upload_bytes(self) -> int:
         return self.settings.max_upload_bytes
+
+    def _model_of_batch(self, batch_id: str) -> str:
+        active = self._parts.tracker.get(batch_id) if self._parts is not None else None
+        return active.batch.model if active is not None else ""
 
     async def _run_group(self, entries: Sequence[IntakeEntry], finished: Finished) -> None:
         await self.parts.executor.run_group(entries, finished)
@@ -474,6 +491,7 @@ class BatchService:
                     param="input_file_id",
                 )
         self._check_tenant_limits(caller, file.line_count)
+        served = self._model_of_file(file, endpoint)
         fits_ever = file.line_count <= self.intake_pool.capacity
         if fits_ever and file.line_count > self.intake_pool.free:
             raise IntakeFull(
@@ -490,7 +508,7 @@ class BatchService:
             status=BatchStatus.VALIDATING,
             created_at=created,
             expires_at=created + window_s,
-            model=self.backend.model_name,
+            model=served.public_name,
             parameters=parameters,
             metadata=metadata,
             output_expires_after_s=output_expires_after_s,
@@ -541,6 +559,28 @@ class BatchService:
                         queued + requests - limits.max_queued_requests
                     ),
                 )
+
+    def _model_of_file(self, file: FileObject, endpoint: str) -> ServedModel:
+        """The model a batch over ``file`` runs on; InvalidRequest if it cannot serve ``endpoint``
+        (the models changed since the upload), ServiceUnavailable while it is unhealthy."""
+        try:
+            served = self.model_set.route(first_line_model(file.path)).model
+        except (InvalidRequest, OSError) as exc:
+            message = exc.message if isinstance(exc, InvalidRequest) else str(exc)
+            raise InvalidRequest(f"Line 1 of file '{file.id}': {message}", param="input_file_id") from None
+        if not served.capabilities.serves(endpoint):
+            raise InvalidRequest(
+                f"Line 1 of file '{file.id}': model {served.public_name!r} does not serve {endpoint}; "
+                f"it serves {', '.join(served.capabilities.served_endpoints)}",
+                param="endpoint",
+            )
+        health = served.health()
+        if not health.healthy and len(self.model_set) > 1:
+            raise ServiceUnavailable(
+                f"Model {served.public_name!r} is unavailable and accepts no new batch: {health.reason}",
+                retry_after_s=self.settings.unhealthy_retry_after_s,
+            )
+        return served
 
     @_storage_call("read the batch")
     async def get_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:
@@ -715,26 +755,35 @@ class BatchService:
         if failing:
             problems = "; ".join(f"{name}: {error}" for name, error in failing.items())
             return Health(False, f"background job failing: {problems}")
-        return self.backend.health()
+        return self.model_set.health()
+
+    def health_report(self) -> dict[str, Any]:
+        """``GET /health``'s body: the status, and with several models each model's state.
+
+        With several models the service is healthy while at least one model is; the others are
+        listed as unavailable with the reason, and only their batches are refused.
+        """
+        report = self.health().to_dict()
+        if len(self.model_set) > 1 and self._parts is not None and not self.supervisor.crashed:
+            states = {model.public_name: model.health() for model in self.model_set}
+            if report["status"] == "healthy" and not all(state.healthy for state in states.values()):
+                report["status"] = "degraded"
+            report["models"] = {name: state.to_dict() for name, state in states.items()}
+        return report
 
     def accepted_model_names(self) -> tuple[str, ...]:
-        """What a request's ``model`` field may name: the model, its served names, and "default"."""
-        names = (self.backend.model_name, *self.settings.served_model_names, DEFAULT_MODEL_ALIAS)
-        return tuple(dict.fromkeys(names))
+        """What a request's ``model`` field may name: every model's names, and "default"."""
+        return self.model_set.accepted_names()
 
     def models(self) -> list[dict[str, Any]]:
-        """The model under each name it answers to (its own name first)."""
-        names = dict.fromkeys((self.backend.model_name, *self.settings.served_model_names))
-        return [
-            {
-                "id": name,
-                "object": "model",
-                "created": self._started_at,
-                "owned_by": "batchgen",
-                "root": self.backend.model_name,
-            }
-            for name in names
-        ]
+        """``GET /v1/models``: each served model under each name it answers to, its backend and
+        the endpoints it serves (the default model first)."""
+        entries: dict[str, dict[str, Any]] = {}
+        for model in self.model_set:
+            entry = model.describe(self._started_at)
+            for name in model.names:
+                entries.setdefault(name, {**entry, "id": name})  # a name routes to its first model
+        return list(entries.values())
 
 
 def _sync_all(writers: list[ResultWriter]) -> None:

@@ -53,7 +53,10 @@ def create_app(
 ) -> Litestar:
     """Build the app; the service (made from ``settings`` unless given) runs while the app does."""
     settings = settings or ServerSettings()
-    service = service or BatchService(settings.service_settings(), settings.build_backend())
+    unavailable: list[dict[str, object]] = []
+    if service is None:
+        served, unavailable = settings.build_models()
+        service = BatchService(settings.service_settings(), served)
     registry, http_metrics = build_registry(service)
     if service.settings.webhook_urls or service.settings.webhook_batch_urls:
         if settings.webhook_secret is None:
@@ -110,7 +113,7 @@ def create_app(
             "service": Provide(_provide_service, sync_to_thread=False),
             "caller": Provide(provide_caller, sync_to_thread=False),
         },
-        state=State({"service": service, "metrics_registry": registry}),
+        state=State({"service": service, "metrics_registry": registry, "unavailable_models": unavailable}),
         lifespan=[run_service],
         logging_config=None,  # the batchgen-server command sets up logging (log_format)
         middleware=[

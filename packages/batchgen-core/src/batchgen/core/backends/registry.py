@@ -9,6 +9,7 @@ separate package registers its own (see docs/backends-writing.md):
 | `sglang`       | `batchgen.core.backends.sglang_engine:SPEC`   | SGLang's in-process offline `Engine`  |
 | `openai`       | `batchgen.core.backends.openai_upstream:SPEC` | OpenAI-compatible HTTP servers        |
 | `simulated`    | `batchgen.core.backends.simulated:SPEC`       | nothing: deterministic stand-in text  |
+| `embeddings`   | `batchgen.core.backends.hf_embeddings:SPEC`   | a sentence-transformers model (torch) |
 
 Listing names reads package metadata only; a backend's module is imported when its spec is
 asked for. Nothing is cached: a package installed while the process runs is found next time.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import re
 from collections.abc import Iterable, Mapping
@@ -45,6 +46,7 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.capabilities import RESPONSE_FORMAT, Capabilities
 from batchgen.core.backends.option_types import key_value, positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages
@@ -74,8 +76,25 @@ def rejection_for(message: str) -> RequestRejected:
     return RequestRejected("invalid_request", message)
 
 
-def sampling_params(sampling: SamplingParameters, max_new_tokens: int) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` for a request's resolved OpenAI parameters."""
+def structured_output_params(response_format: dict[str, Any] | None) -> dict[str, Any]:
+    """SGLang's ``json_schema`` sampling parameter (a JSON string) for an OpenAI ``response_format``:
+    the schema of ``json_schema``, or any JSON object for ``json_object``; nothing for ``text``."""
+    if not response_format:
+        return {}
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema") or {}
+        return {"json_schema": json.dumps(schema)}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    return {}
+
+
+def sampling_params(
+    sampling: SamplingParameters, max_new_tokens: int, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` for a request's resolved OpenAI parameters (and its
+    ``response_format``, from ``options``)."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature,
@@ -87,6 +106,7 @@ def sampling_params(sampling: SamplingParameters, max_new_tokens: int) -> dict[s
         params["sampling_seed"] = sampling.seed
     if sampling.stop:
         params["stop"] = list(sampling.stop)
+    params.update(structured_output_params((options or {}).get("response_format")))
     return params
 
 
@@ -108,6 +128,8 @@ class _Prompt:
 
 class SGLangBackend:
     name = "sglang"
+    #: Chat and completions; ``response_format`` becomes SGLang's ``json_schema`` parameter.
+    capabilities = Capabilities(features=frozenset({RESPONSE_FORMAT}))
 
     def __init__(
         self,
@@ -236,7 +258,9 @@ class SGLangBackend:
         try:
             with flight.scope:
                 output = await engine.async_generate(
-                    **inputs, sampling_params=sampling_params(request.sampling, max_new_tokens), rid=rid
+                    **inputs,
+                    sampling_params=sampling_params(request.sampling, max_new_tokens, request.options),
+                    rid=rid,
                 )
         except Exception as exc:
             error = exc

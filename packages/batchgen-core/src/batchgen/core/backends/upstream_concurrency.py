@@ -18,7 +18,7 @@ Nothing here does I/O or reads a clock; times are passed in. The backend asks, t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
@@ -149,8 +149,14 @@ class UpstreamState:
         return not self.health.down and self.in_flight < self.limit.limit
 
 
-def choose_upstream(upstreams: Sequence[UpstreamState], tried: Mapping[int, int] | None = None) -> int | None:
+def choose_upstream(
+    upstreams: Sequence[UpstreamState],
+    tried: Mapping[int, int] | None = None,
+    eligible: Collection[int] | None = None,
+) -> int | None:
     """Index of the upstream the next attempt goes to, or None if it has to wait for a free slot.
+
+    With ``eligible``, only those upstreams are considered (the ones serving the request's model).
 
     Only up upstreams with a free slot are candidates. ``tried`` counts the attempts this request
     already made on each upstream: the one it tried least wins, then the least loaded relative to
@@ -158,7 +164,11 @@ def choose_upstream(upstreams: Sequence[UpstreamState], tried: Mapping[int, int]
     one that just failed, whenever another has room.
     """
     tried = tried or {}
-    room = [index for index, upstream in enumerate(upstreams) if upstream.has_room]
+    room = [
+        index
+        for index, upstream in enumerate(upstreams)
+        if upstream.has_room and (eligible is None or index in eligible)
+    ]
     if not room:
         return None
     return min(room, key=lambda index: (tried.get(index, 0), upstreams[index].load))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from batchgen.core.batch_file import LineIndex
@@ -206,10 +206,22 @@ class IntakePool:
         self._queued_per_tenant[tenant] += len(pending)
         return len(pending)
 
-    def pop(self) -> IntakeEntry | None:
+    def queued_batches(self) -> Iterable[str]:
+        """The batches with queued requests."""
+        return self._queues.keys()
+
+    def pop(self, admissible: Callable[[str], bool] | None = None) -> IntakeEntry | None:
         """Take the next request: tenants with queued work take turns (each as many requests as
-        its weight), and within a tenant's turn its batches take turns."""
+        its weight), and within a tenant's turn its batches take turns.
+
+        With ``admissible`` (the scheduler's fair shares between models), batches it refuses are
+        passed over: the first tenant in turn with an admissible batch takes its turn now with
+        that batch (tenants passed over had nothing they could run); None when no queued batch is
+        admissible.
+        """
         if not self._tenant_turns:
+            return None
+        if admissible is not None and not self._bring_forward(admissible):
             return None
         while True:
             tenant = self._tenant_turns[0]
@@ -236,6 +248,26 @@ class IntakePool:
         elif turns.credit < 1:
             self._tenant_turns.rotate(-1)
         return IntakeEntry(batch_id, line, queue.index.offsets[line], queue.index.lengths[line])
+
+    def _bring_forward(self, admissible: Callable[[str], bool]) -> bool:
+        """Put the first tenant (in turn order) with an admissible batch first, with that batch
+        first among its own and credit for one request; False when there is none."""
+        candidates = (
+            (position, self._tenants[tenant], batch_position)
+            for position, tenant in enumerate(self._tenant_turns)
+            for batch_position, batch in enumerate(self._tenants[tenant].batches)
+            if admissible(batch)
+        )
+        first = next(candidates, None)
+        if first is None:
+            return False
+        position, turns, found = first
+        self._tenant_turns.rotate(-position)
+        batch_id = turns.batches[found]
+        del turns.batches[found]
+        turns.batches.appendleft(batch_id)
+        turns.credit = max(turns.credit, 1.0)
+        return True
 
     def _forget_tenant(self, tenant: str) -> None:
         """A tenant whose last queued request left: out of the turns (its weight is kept)."""

@@ -13,6 +13,10 @@ The loop stays responsive under load: ``run`` admits at most ``ADMIT_PER_TURN`` 
 of the event loop, and every group's task asks the ``Pacer`` for a turn before each group, so
 thousands of requests that need no I/O cannot hold the loop for long. Each finished request is
 counted on the intake pool's drain meter (the basis of ``Retry-After`` when the pool is full).
+
+With several served models, ``shares`` (``ModelShares``) keeps any one model from holding more
+than its fair share of the slots while another model has queued work; every admission, the
+refill of a group's freed slots included, goes through ``admit`` and so through that check.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from batchgen.core.scheduling.intake_pool import IntakeEntry, IntakePool
+from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.scheduling.pacer import Pacer
 from batchgen.core.scheduling.scheduling_pool import SchedulingPool
 
@@ -92,6 +97,7 @@ class Scheduler:
         intake_pool: IntakePool,
         scheduling_pool: SchedulingPool,
         run_request: RequestRunner | None = None,
+        shares: ModelShares | None = None,
         *,
         run_group: GroupRunner | None = None,
         group_size: int = GROUP_SIZE,
@@ -104,6 +110,7 @@ class Scheduler:
             run_group, group_size = _in_groups_of_one(run_request), 1
         if group_size < 1:
             raise ValueError("group_size must be at least 1")
+        self.shares = shares
         self.intake_pool = intake_pool
         self.scheduling_pool = scheduling_pool
         self._run_group = run_group
@@ -131,15 +138,31 @@ class Scheduler:
         while not self._paused and self.scheduling_pool.free and self.intake_pool.size:
             if limit is not None and len(admitted) >= limit:
                 break
-            entry = self.intake_pool.pop()
-            assert entry is not None
-            self.scheduling_pool.acquire(entry.batch_id)
+            entry = self._pop()
+            if entry is None:
+                break
             admitted.append(entry)
         return admitted
+
+    def _pop(self) -> IntakeEntry | None:
+        """The next queued request, its slot taken; None when nothing may be admitted now."""
+        admissible = None
+        if self.shares is not None:
+            admissible = self.shares.admission_test(self.intake_pool.queued_batches())
+        entry = self.intake_pool.pop(admissible)
+        if entry is None:
+            assert admissible is not None  # without shares, a non-empty pool always gives one
+            return None
+        self.scheduling_pool.acquire(entry.batch_id)
+        if self.shares is not None:
+            self.shares.acquire(entry.batch_id)
+        return entry
 
     def finish(self, entry: IntakeEntry) -> None:
         """Give back the slot a request held, and count the request as drained."""
         self.scheduling_pool.release(entry.batch_id)
+        if self.shares is not None:
+            self.shares.release(entry.batch_id)
         self.intake_pool.drain.record()
 
     def notify(self) -> None:
@@ -155,7 +178,8 @@ class Scheduler:
             if not started:
                 break
             admitted += started
-        return not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
+        more = not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
+        return more and admitted >= ADMIT_PER_TURN  # fewer: nothing more may be admitted now
 
     def _refill(self, size: int) -> None:
         """Admit up to ``size`` requests now, into the group that the slots freed in this turn of

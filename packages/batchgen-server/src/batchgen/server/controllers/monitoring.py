@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Response, get
+from litestar.datastructures import State
 
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import EMBEDDED, Caller
@@ -22,11 +23,20 @@ async def pool_status(service: BatchService, caller: Caller) -> dict[str, Any]:
 
 @get("/health")
 async def health(service: BatchService) -> Response[dict[str, Any]]:
-    state = service.health()
-    headers = None if state.healthy else {"Retry-After": "5"}
-    return Response(state.to_dict(), status_code=200 if state.healthy else 503, headers=headers)
+    """200 while requests can run; with several models, each model's state (``degraded`` while
+    some, not all, are unavailable); 503 when none can run."""
+    report = service.health_report()
+    healthy = report["status"] != "unhealthy"
+    headers = None if healthy else {"Retry-After": "5"}
+    return Response(report, status_code=200 if healthy else 503, headers=headers)
 
 
 @get("/v1/models")
-async def models(service: BatchService) -> dict[str, Any]:
-    return {"object": "list", "data": service.models()}
+async def models(service: BatchService, state: State) -> dict[str, Any]:
+    """Every served model under each of its names, with its backend and the endpoints it serves;
+    ``unavailable`` lists default models that are not installed."""
+    listing: dict[str, Any] = {"object": "list", "data": service.models()}
+    missing = state.get("unavailable_models")
+    if missing:
+        listing["unavailable"] = list(missing)
+    return listing

@@ -1,0 +1,109 @@
+"""What a backend can serve: its endpoints and the optional request features it honours.
+
+A backend declares a ``capabilities`` attribute (a ``Capabilities``); one that declares none (an
+older third-party backend) serves chat and completions without the optional features, which is
+what every backend did before these existed. This module is the one place that decides whether a
+request line can run on a backend: upload validation asks it for every line, and the executor
+passes a backend only the options it declares.
+
+Features are body fields a backend must honour rather than ignore: ``response_format``
+(structured output), ``logprobs`` (also ``top_logprobs``), ``n`` (several choices) and
+``dimensions`` (embeddings). A line that uses one on a backend that does not declare it is
+refused at upload with a 400 naming the line, never run with the field silently dropped.
+``/v1/responses`` lines run on the chat path, so a backend serving chat serves them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
+
+RESPONSE_FORMAT = "response_format"
+LOGPROBS = "logprobs"
+CHOICES = "n"
+DIMENSIONS = "dimensions"
+FEATURES = (RESPONSE_FORMAT, LOGPROBS, CHOICES, DIMENSIONS)
+
+
+@attrs.frozen
+class Capabilities:
+    """The endpoints a backend serves and the optional features it honours."""
+
+    endpoints: frozenset[str] = frozenset({CHAT_COMPLETIONS, COMPLETIONS})
+    features: frozenset[str] = frozenset()
+
+    def serves(self, endpoint: str) -> bool:
+        if endpoint == RESPONSES:
+            return CHAT_COMPLETIONS in self.endpoints
+        return endpoint in self.endpoints
+
+    @property
+    def served_endpoints(self) -> tuple[str, ...]:
+        """Every endpoint a batch line may use on this backend, in a stable order."""
+        order = (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, EMBEDDINGS)
+        return tuple(endpoint for endpoint in order if self.serves(endpoint))
+
+
+#: What a backend that declares nothing serves.
+TEXT_ONLY = Capabilities()
+#: Chat and completions with every generation feature passed through (openai, sglang).
+TEXT_WITH_FEATURES = Capabilities(features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES}))
+
+
+def capabilities_of(backend: Any) -> Capabilities:
+    """The backend's declared capabilities, or chat and completions only."""
+    declared = getattr(backend, "capabilities", None)
+    return declared if isinstance(declared, Capabilities) else TEXT_ONLY
+
+
+def features_used(endpoint: str, body: Any) -> list[str]:
+    """The optional features a decoded line body asks for (``n: 1`` and ``logprobs: false`` do not)."""
+    used: list[str] = []
+    if endpoint == EMBEDDINGS:
+        if getattr(body, "dimensions", None) is not None:
+            used.append(DIMENSIONS)
+        return used
+    if getattr(body, "response_format", None) not in (None, {"type": "text"}):
+        used.append(RESPONSE_FORMAT)
+    logprobs = getattr(body, "logprobs", None)
+    if logprobs not in (None, False, 0) or getattr(body, "top_logprobs", None) is not None:
+        used.append(LOGPROBS)
+    if getattr(body, "n", None) not in (None, 1):
+        used.append(CHOICES)
+    return used
+
+
+def unsupported_problem(
+    model: str, backend_name: str, capabilities: Capabilities, endpoint: str, body: Any
+) -> str | None:
+    """Why a line cannot run on the model, or None when it can."""
+    if not capabilities.serves(endpoint):
+        served = ", ".join(capabilities.served_endpoints) or "none"
+        return f"model {model!r} ({backend_name} backend) does not serve {endpoint}; it serves {served}"
+    missing = [feature for feature in features_used(endpoint, body) if feature not in capabilities.features]
+    if missing:
+        fields = ", ".join(f"'body.{feature}'" for feature in missing)
+        return (
+            f"{fields}: model {model!r} ({backend_name} backend) does not support "
+            f"{' or '.join(missing)}; remove the field or use a model whose backend supports it"
+        )
+    return None
+
+
+def passed_options(capabilities: Capabilities, endpoint: str, body: Any) -> dict[str, Any]:
+    """The line's feature fields the backend declares, to hand it in ``GenerationRequest.options``."""
+    options: dict[str, Any] = {}
+    for feature in features_used(endpoint, body):
+        if feature not in capabilities.features:
+            continue
+        if feature == LOGPROBS:
+            logprobs = getattr(body, "logprobs", None)
+            options["logprobs"] = True if logprobs is None else logprobs
+            if getattr(body, "top_logprobs", None) is not None:
+                options["top_logprobs"] = body.top_logprobs
+        else:
+            options[feature] = getattr(body, feature)
+    return options

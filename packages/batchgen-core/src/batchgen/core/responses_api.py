@@ -1,0 +1,171 @@
+"""``/v1/responses`` batch lines: what BatchGen runs of the Responses API, and the answer's shape.
+
+A line's ``input`` (a string, or a list of message items) and ``instructions`` become chat
+messages (``chat_messages``) and run on the chat path of the chosen model; the answer is a
+``response`` object (``response_body``) with one ``message`` output item holding an
+``output_text`` part, the top-level ``output_text`` convenience the SDKs offer, and ``usage`` in
+input/output tokens.
+
+Refused at upload, naming the line (``check_responses_body``): tools and tool choices, hosted
+state (``previous_response_id``, ``conversation``, ``store: true``), ``background``,
+``include``, reusable ``prompt`` templates, streaming, and input items other than messages with
+text (images, files, function calls). ``text.format`` (structured output) and ``top_logprobs``
+run where the model's backend supports them, as for chat lines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import UNSET
+
+from batchgen.core.errors import InvalidRequest
+from batchgen.core.ids import new_request_id
+from batchgen.core.models import GenerationResult
+from batchgen.core.structured_output import from_responses_text, response_format_problem
+
+#: Fields whose features BatchGen does not run, and why, in the words of the 400.
+UNSUPPORTED_FIELDS = {
+    "tools": "tools are not supported in batches",
+    "tool_choice": "tools are not supported in batches",
+    "previous_response_id": "responses are not stored, so there is no previous response to continue",
+    "conversation": "conversations are not stored",
+    "background": "batch lines already run in the background",
+    "include": "no extra output (include) is available",
+    "prompt": "reusable prompt templates are not available; send 'input' and 'instructions'",
+    "reasoning": "reasoning options are not supported",
+}
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _refusal(field: str, why: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"'body.{field}' is not supported for /v1/responses in BatchGen: {why}", param=f"body.{field}"
+    )
+
+
+def check_responses_body(body: Any) -> None:
+    """Refuse what BatchGen does not run, and check ``input``; InvalidRequest naming the field."""
+    for field, why in UNSUPPORTED_FIELDS.items():
+        value = getattr(body, field, None)
+        if value in (None, [], {}, False) or (field == "tool_choice" and value == "none"):
+            continue
+        raise _refusal(field, why)
+    if body.store is True:
+        raise _refusal("store", "responses are not stored; set 'store': false or leave it out")
+    if body.logprobs is not None:
+        raise InvalidRequest(
+            "'body.logprobs' is not a /v1/responses field; use 'top_logprobs'", param="body.logprobs"
+        )
+    chat_messages(body.instructions, body.input)
+    response_format = from_responses_text(body.text)
+    if response_format is not None:
+        problem = response_format_problem(response_format)
+        if problem is not None:
+            raise InvalidRequest(f"'body.text.format' {problem}", param="body.text.format")
+        body.response_format = response_format  # the chat field the backends read
+    if body.max_output_tokens is not None:
+        body.max_completion_tokens = body.max_output_tokens  # the output limit of the chat path
+
+
+def _text_of(content: Any, position: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part_position, part in enumerate(content):
+            if (
+                isinstance(part, dict)
+                and part.get("type") in _TEXT_PARTS
+                and isinstance(part.get("text"), str)
+            ):
+                texts.append(part["text"])
+                continue
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequest(
+                f"'body.input[{position}].content[{part_position}]' is a {kind!r} part; only text parts "
+                "(input_text, output_text) are supported",
+                param=f"body.input[{position}].content",
+            )
+        return "".join(texts)
+    raise InvalidRequest(
+        f"'body.input[{position}].content' must be a string or a list of text parts",
+        param=f"body.input[{position}].content",
+    )
+
+
+def chat_messages(instructions: str | None, input_value: Any) -> tuple[dict[str, Any], ...]:
+    """The chat messages a Responses line runs as; InvalidRequest naming what cannot be mapped."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if input_value is UNSET or input_value is None:
+        raise InvalidRequest("missing 'body.input'", param="body.input")
+    if isinstance(input_value, str):
+        if not input_value:
+            raise InvalidRequest("'body.input' must not be empty", param="body.input")
+        messages.append({"role": "user", "content": input_value})
+        return tuple(messages)
+    if not isinstance(input_value, list) or not input_value:
+        raise InvalidRequest(
+            "'body.input' must be a string or a non-empty list of message items", param="body.input"
+        )
+    for position, item in enumerate(input_value):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise InvalidRequest(
+                f"'body.input[{position}]' is a {kind!r} item; only message items "
+                '({"role", "content"}) are supported',
+                param=f"body.input[{position}]",
+            )
+        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise InvalidRequest(
+                f"'body.input[{position}].role' must be user, system, developer or assistant, "
+                f"got {item.get('role')!r}",
+                param=f"body.input[{position}].role",
+            )
+        messages.append({"role": role, "content": _text_of(item.get("content"), position)})
+    return tuple(messages)
+
+
+def response_body(model: str, result: GenerationResult, created: int, body: Any) -> dict[str, Any]:
+    """The Responses API ``response`` object for one finished line."""
+    incomplete = result.finish_reason == "length"
+    text_part: dict[str, Any] = {"type": "output_text", "text": result.text, "annotations": []}
+    return {
+        "id": new_request_id("resp_"),
+        "object": "response",
+        "created_at": created,
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None,
+        "model": model,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "output": [
+            {
+                "id": new_request_id("msg_"),
+                "type": "message",
+                "role": "assistant",
+                "status": "incomplete" if incomplete else "completed",
+                "content": [text_part],
+            }
+        ],
+        "output_text": result.text,
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "store": False,
+        "metadata": {},
+        "usage": {
+            "input_tokens": result.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": result.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+        },
+    }
