@@ -50,6 +50,8 @@ logger = logging.getLogger("batchgen.backends.transformers")
 
 #: A request that was running in this many workers that died is failed (the service may retry it).
 MAX_WORKER_DEATHS = 3
+#: How long ``stop`` waits for the worker to exit before it kills it.
+STOP_WAIT_S = 15.0
 #: How long a heartbeat may be late before ``health`` says so.
 HEARTBEAT_LATE_S = 10 * HEARTBEAT_S
 
@@ -101,7 +103,8 @@ class TransformersBackend:
             raise ValueError("max_batch_size must be at least 1")
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-        self._options = WorkerOptions(
+        #: What the worker process is started with (the backend's options).
+        self.worker_options = WorkerOptions(
             model=model,
             cache_dir=str(cache_dir),
             device=device,
@@ -154,7 +157,7 @@ class TransformersBackend:
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen(
-                self._options.command(theirs.fileno()), pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
+                self.worker_options.command(theirs.fileno()), pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
             )
         finally:
             theirs.close()
@@ -211,12 +214,15 @@ class TransformersBackend:
         if worker is None or supervisor is None:
             return
         self._send(("stop",))
-        await anyio.to_thread.run_sync(supervisor.join, 15.0, abandon_on_cancel=True)
-        if supervisor.is_alive():
-            for hung in (self._worker, self._loading):
-                if hung is not None:
-                    hung.kill()
-            await anyio.to_thread.run_sync(supervisor.join, abandon_on_cancel=True)
+        # Shielded: a shutdown that is being cancelled still waits (boundedly) for the worker to
+        # exit, so that no worker outlives the server.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(supervisor.join, STOP_WAIT_S)
+            if supervisor.is_alive():
+                for hung in (self._worker, self._loading):
+                    if hung is not None:
+                        hung.kill()
+                await anyio.to_thread.run_sync(supervisor.join, STOP_WAIT_S)
         self._worker = None
 
     def health(self) -> Health:
@@ -417,10 +423,9 @@ SPEC = BackendSpec(
             "--dtype",
             _dtype,
             "auto",
-            "the floating-point type the model computes in",
+            "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
+            "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
             choices=DTYPE_CHOICES,
-            default_help="auto: bfloat16 on CUDA and on CPUs with native bfloat16 (avx512_bf16 or "
-            "amx_bf16), else float32",
         ),
     ),
     context_length_keyword="context_length",
