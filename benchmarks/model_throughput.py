@@ -154,7 +154,9 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
-    print(f"service (batchgen-server, transformers): {figures['service_tokens_per_s']} tok/s ({service_tokens} tokens)")
+    print(
+        f"service (batchgen-server, transformers): {figures['service_tokens_per_s']} tok/s ({service_tokens} tokens)"
+    )
     print(
         f"plain model.generate, float32, batches of {args.batch_size}: "
         f"{figures['plain_tokens_per_s']} tok/s ({plain_tokens} tokens)"

@@ -73,16 +73,20 @@ def poll(base_url: str, batch_id: str, pollers: int, stop: Any, answered: Any) -
 
 def run_scenario(client: httpx.Client, content: bytes, pollers: int) -> dict[str, Any]:
     """One batch with ``pollers`` tight pollers: tokens, seconds, polls answered."""
-    file_id = client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}).json()[
-        "id"
-    ]
+    file_id = client.post(
+        "/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}
+    ).json()["id"]
     context = multiprocessing.get_context("spawn")
     stop, answered = context.Event(), context.Value("q", 0)
     started = time.perf_counter()
-    batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}).json()
+    batch = client.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    ).json()
     process = None
     if pollers:
-        process = context.Process(target=poll, args=(str(client.base_url), batch["id"], pollers, stop, answered))
+        process = context.Process(
+            target=poll, args=(str(client.base_url), batch["id"], pollers, stop, answered)
+        )
         process.start()
     while batch["status"] not in TERMINAL:
         time.sleep(0.5)
@@ -100,10 +104,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1, help="repeat a, b, c this many times; report medians")
-    parser.add_argument("--model", default=None, help="a Hugging Face folder or GGUF (default: packaged SmolLM2)")
     parser.add_argument(
-        "--storage-path", default=None, help="server storage (holds the converted model cache); default: a temp dir"
+        "--rounds", type=int, default=1, help="repeat a, b, c this many times; report medians"
+    )
+    parser.add_argument(
+        "--model", default=None, help="a Hugging Face folder or GGUF (default: packaged SmolLM2)"
+    )
+    parser.add_argument(
+        "--storage-path",
+        default=None,
+        help="server storage (holds the converted model cache); default: a temp dir",
     )
     parser.add_argument("--server-flag", action="append", default=[], help="one more batchgen-server flag")
     args = parser.parse_args()

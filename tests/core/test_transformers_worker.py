@@ -32,7 +32,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _request(request_id: str, max_tokens: int, content: str = "Hello there", **sampling: object) -> GenerationRequest:
+def _request(
+    request_id: str, max_tokens: int, content: str = "Hello there", **sampling: object
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
         endpoint=CHAT_COMPLETIONS,
@@ -49,7 +51,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-async def test_the_model_runs_in_another_process_and_stop_leaves_none(tiny_model: Path, tmp_path: Path) -> None:
+async def test_the_model_runs_in_another_process_and_stop_leaves_none(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     backend = TransformersBackend(model=str(tiny_model), cache_dir=tmp_path)
     await backend.start()
     pid = backend.worker_pid
@@ -119,7 +123,9 @@ async def test_many_requests_share_the_worker_and_each_keeps_its_own_sampling(
                 request = _request(name, max_tokens=8, content="Write a word.", temperature=1.0, seed=7)
                 tasks.start_soon(run, name, request)
             tasks.start_soon(run, "top", _request("top", max_tokens=5, temperature=0.7, top_p=0.5, top_k=3))
-        alone = await backend.generate(_request("seed-c", max_tokens=8, content="Write a word.", temperature=1.0, seed=7))
+        alone = await backend.generate(
+            _request("seed-c", max_tokens=8, content="Write a word.", temperature=1.0, seed=7)
+        )
     finally:
         await backend.stop()
     assert [results[f"greedy{n}"].completion_tokens for n in range(4)] == [6, 7, 8, 9]
@@ -162,7 +168,9 @@ def test_a_finished_row_is_replaced_at_the_next_step(tiny_model: Path, tmp_path:
     assert order == ["short", "waiting", "long"]
     step_of = {request_id: index for index, step in enumerate(ended) for request_id in step}
     assert step_of["waiting"] - step_of["short"] == 3, "admitted (and its first token chosen) the step after"
-    assert {name: outcome.result.completion_tokens for name, outcome in outcomes.items() if outcome.result} == {
+    assert {
+        name: outcome.result.completion_tokens for name, outcome in outcomes.items() if outcome.result
+    } == {
         "short": 2,
         "long": 12,
         "waiting": 3,

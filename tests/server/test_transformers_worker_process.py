@@ -104,7 +104,9 @@ def test_the_api_yields_the_cpu_to_the_worker_and_leaves_no_worker_behind(
     assert _gone(worker, within_s=0), "the server waits for its worker before it exits"
 
 
-def test_a_worker_outlives_no_killed_server(server_factory: Callable[..., LiveServer], tiny_model: Path) -> None:
+def test_a_worker_outlives_no_killed_server(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
     server = _tiny_server(server_factory, tiny_model)
     [worker] = _workers_of(server.process.pid)
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
@@ -114,8 +116,8 @@ def test_a_worker_outlives_no_killed_server(server_factory: Callable[..., LiveSe
     assert _gone(worker), "the worker notices its pipe closed and exits"
 
 
-def test_api_nice_zero_keeps_the_priority(server_factory: Callable[..., LiveServer], tiny_model: Path) -> None:
-    server = server_factory(
-        "--backend", "transformers", "--model", str(tiny_model), "--api-nice", "0"
-    )
+def test_api_nice_zero_keeps_the_priority(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = server_factory("--backend", "transformers", "--model", str(tiny_model), "--api-nice", "0")
     assert _nice(server.process.pid) == _nice(os.getpid())

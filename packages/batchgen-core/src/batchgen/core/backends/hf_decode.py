@@ -161,7 +161,9 @@ class DecodeEngine:
         try:
             ids, opens_reasoning = self._prompt_ids(request)
         except RequestRejected as exc:
-            self._finished.append(Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code)))
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
+            )
             return
         except Exception as exc:
             message = f"could not tokenize the request: {exc}"
@@ -266,7 +268,9 @@ class DecodeEngine:
             logits_to_keep=1,
         )
         cache = _cache_of(output)
-        self._can_merge = self._can_merge and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+        self._can_merge = self._can_merge and all(
+            type(layer).__name__ == "DynamicLayer" for layer in cache.layers
+        )
         next_ids = self._choose(rows, output.logits[:, -1, :])
         positions = torch.tensor([len(row.prompt) for row in rows], dtype=torch.long)
         return cache, mask.to(self._device), next_ids, positions
@@ -388,7 +392,9 @@ class DecodeEngine:
     def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
         """Cut at the first stop string; count the tokens up to the one that completed it."""
         for count in range(1, len(generated) + 1):
-            text, hit = trim_at_stop(self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops)
+            text, hit = trim_at_stop(
+                self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops
+            )
             if hit:
                 return generated[:count], text, True
         return generated, self._tokenizer.decode(generated, skip_special_tokens=True), False

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -38,7 +37,12 @@ import anyio.from_thread
 import anyio.lowlevel
 import attrs
 
-from batchgen.core.backends.base import BackendUnavailable, RequestAborted, RequestRejected, TransientBackendError
+from batchgen.core.backends.base import (
+    BackendUnavailable,
+    RequestAborted,
+    RequestRejected,
+    TransientBackendError,
+)
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
 from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
 from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
@@ -157,7 +161,9 @@ class TransformersBackend:
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen(
-                self.worker_options.command(theirs.fileno()), pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
+                self.worker_options.command(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
             )
         finally:
             theirs.close()
