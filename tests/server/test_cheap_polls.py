@@ -94,12 +94,12 @@ def test_if_none_match_gets_304_until_the_batch_changes(
     tag = first.headers["etag"]
     assert first.status_code == 200 and tag.startswith('"') and first.headers["cache-control"] == "no-cache"
     # While nothing changed, the same tag (also weak, or in a list) gets an empty 304.
-    seen = first.json()
-    for header in (tag, f"W/{tag}", f'"other", {tag}', "*"):
-        again = client.get(url, headers={"If-None-Match": header})
+    seen = first.content
+    for form in ("{}", "W/{}", '"other", {}', "*"):
+        again = client.get(url, headers={"If-None-Match": form.format(tag)})
         if again.status_code == 200:  # the batch moved on between the two calls
-            assert again.json() != seen and again.headers["etag"] != tag
-            seen, tag = again.json(), again.headers["etag"]
+            assert again.content != seen and again.headers["etag"] != tag
+            seen, tag = again.content, again.headers["etag"]
             continue
         assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == tag
     # A tag that is not the current one gets the body.
