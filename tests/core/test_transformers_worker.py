@@ -218,3 +218,71 @@ def test_stop_strings_abort_and_context_end_rows_early(tiny_model: Path, tmp_pat
     _, outcomes = _run_until_done(engine)
     failure = outcomes["huge"].failure
     assert failure is not None and failure.code == "context_length_exceeded"
+
+
+def test_long_prompts_join_over_several_steps(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.core.backends import hf_decode
+
+    engine = _engine(tiny_model, tmp_path, max_batch_size=8)
+    prompt_tokens = len(engine._prompt_ids(_request("probe", max_tokens=1))[0])
+    monkeypatch.setattr(hf_decode, "PREFILL_TOKENS", 2 * prompt_tokens)  # two such prompts per step
+    for n in range(5):
+        engine.add(_request(f"r{n}", max_tokens=6))
+    running = []
+    while engine.busy:
+        engine.step()
+        running.append(engine.running)
+    assert running[:3] == [2, 4, 5]
+    assert running[-1] == 0
+
+
+def test_the_worker_protocol_through_a_pipe(tiny_model: Path, tmp_path: Path) -> None:
+    """``hf_worker.serve`` on a thread here, spoken to through a socket pair as the backend does."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from batchgen.core.backends import hf_worker
+
+    ours, theirs = socket.socketpair()
+    server_end, worker_end = Connection(ours.detach()), Connection(theirs.detach())
+    options = hf_worker.WorkerOptions(
+        model=str(tiny_model),
+        cache_dir=str(tmp_path),
+        device="cpu",
+        dtype="auto",
+        max_batch_size=2,
+        context_length=None,
+    )
+    assert options.command(7)[1:5] == ["-m", "batchgen.core.backends.hf_worker", "--fd", "7"]
+    assert hf_worker._parse(options.command(7)[3:]) == (7, options)
+    worker = threading.Thread(target=hf_worker.serve, args=(worker_end, options))
+    worker.start()
+    try:
+        kind, info = server_end.recv()
+        assert kind == "ready" and info.model_name == tiny_model.name and info.context_length == 4096
+        server_end.send(("submit", _request("a", max_tokens=3)))
+        server_end.send(("submit", _request("b", max_tokens=500)))
+        server_end.send(("submit", _request("c", max_tokens=500)))  # waits: two places
+        server_end.send(("abort", "c"))
+        ended: dict[str, Outcome] = {}
+        while "a" not in ended or "c" not in ended:
+            message = server_end.recv()
+            if message[0] == "done":
+                ended.update({outcome.request_id: outcome for outcome in message[1]})
+        assert ended["a"].result is not None and ended["a"].result.completion_tokens == 3
+        failure = ended["c"].failure
+        assert failure is not None and failure.kind == "aborted"
+        server_end.send(("stop",))  # "b" is still running: it ends as the worker stops
+        while "b" not in ended:
+            message = server_end.recv()
+            if message[0] == "done":
+                ended.update({outcome.request_id: outcome for outcome in message[1]})
+        stopped = ended["b"].failure
+        assert stopped is not None and stopped.kind == "transient"
+    finally:
+        server_end.close()  # a worker whose server is gone stops too
+        worker.join(timeout=60)
+    assert not worker.is_alive()

@@ -38,6 +38,8 @@ logger = logging.getLogger("batchgen.backends.transformers")
 #: How a request ended without a result: "rejected" (never retry; with a code), "aborted",
 #: or "transient" (this attempt failed).
 REJECTED, ABORTED, TRANSIENT = "rejected", "aborted", "transient"
+#: Most padded prompt tokens prefilled in one step (one long prompt alone may exceed it).
+PREFILL_TOKENS = 16384
 
 
 @attrs.frozen
@@ -241,7 +243,14 @@ class DecodeEngine:
         free = self.max_batch_size - len(self._running)
         if not self._waiting or free <= 0 or (self._running and not self._can_merge):
             return False
-        rows = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        rows = [self._waiting.popleft()]
+        width = len(rows[0].prompt)
+        while self._waiting and len(rows) < free:
+            # Bound one prefill's padded size, so that many long prompts join over several steps.
+            width = max(width, len(self._waiting[0].prompt))
+            if width * (len(rows) + 1) > PREFILL_TOKENS:
+                break
+            rows.append(self._waiting.popleft())
         cache, mask, next_ids, positions = self._prefill(rows)
         if self._running:
             self._merge(cache, mask, next_ids, positions)
