@@ -90,6 +90,7 @@ BENCHMARKS = (
     "intake_memory",
     "model_throughput",
     "embedding_throughput",
+    "polling",
     "responsiveness",
 )  # gpu.py: by name, on a GPU machine
 

@@ -114,7 +114,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], di
         "simulated",
         "sglang",
         pytest.param("echo", marks=pytest.mark.live),  # pip-installs the example package
-        pytest.param("transformers", marks=pytest.mark.model),
+        pytest.param("transformers", marks=[pytest.mark.model, pytest.mark.live]),  # a worker process
         pytest.param("openai", marks=[pytest.mark.model, pytest.mark.live]),  # transformers serve
     ]
 )

@@ -18,7 +18,7 @@ from batchgen.core.backends import RequestAborted, RequestRejected
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, SamplingParameters
 
-pytestmark = [pytest.mark.anyio, pytest.mark.model]
+pytestmark = [pytest.mark.anyio, pytest.mark.model, pytest.mark.live]
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 
 from batchgen.core.backends import BackendOption, BackendSpec
 from batchgen.core.backends.hf_transformers import TransformersBackend
+from batchgen.core.backends.hf_worker import WorkerOptions
 from batchgen.core.backends.openai_upstream import OpenAIUpstreamBackend
 from batchgen.core.backends.sglang_engine import SGLangBackend
 from batchgen.core.backends.simulated import SimulatedBackend
@@ -41,20 +42,36 @@ def test_transformers_flags(model_flag: str, tmp_path: Path) -> None:
         "4",
         "--max-context-length",
         "100",
+        "--dtype",
+        "bfloat16",
     )
     assert isinstance(backend, TransformersBackend)
-    assert (backend._model_arg, backend._device_arg) == ("/models/tiny", "cpu")
+    assert backend.worker_options == WorkerOptions(
+        model="/models/tiny",
+        cache_dir=str(tmp_path / "models"),
+        device="cpu",
+        dtype="bfloat16",
+        max_batch_size=4,
+        context_length=100,
+    )
     assert (backend.max_batch_size, backend.context_length) == (4, 100)
-    assert backend._cache_dir == tmp_path / "models"
+
+
+def test_transformers_dtype_is_one_of_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        settings_from_args(["--dtype", "float8"])
+    assert "--dtype" in capsys.readouterr().err
 
 
 def test_the_default_backend_and_its_defaults() -> None:
     settings = settings_from_args([])
     assert settings.backend == "transformers"
-    assert settings.backend_options == {"model": None, "device": None, "max_batch_size": 16}
+    assert settings.backend_options == {"model": None, "device": None, "max_batch_size": 64, "dtype": "auto"}
+    assert settings.api_nice == 10
     backend = settings.build_backend()
     assert isinstance(backend, TransformersBackend)
-    assert backend._cache_dir == Path("batchgen-data") / "models"
+    assert backend.worker_options.cache_dir == str(Path("batchgen-data") / "models")
+    assert backend.worker_options.dtype == "auto"
 
 
 @pytest.mark.parametrize("model_flag", ["--model", "--model-path"])

@@ -63,6 +63,17 @@ def _positive_seconds(text: str) -> float:
 _POSITIVE_FLOAT = command_line_type(_positive_seconds)
 
 
+def _niceness(text: str) -> int:
+    """A nice increment from 0 to 19."""
+    value = int(text)
+    if not 0 <= value <= 19:
+        raise ValueError(f"must be from 0 to 19, got {value}")
+    return value
+
+
+_NICENESS = command_line_type(_niceness)
+
+
 def build_parser(
     specs: Sequence[BackendSpec] | None = None, problems: dict[str, str] | None = None
 ) -> argparse.ArgumentParser:
@@ -235,6 +246,14 @@ def build_parser(
         metavar="FILE",
         help="a TOML file of [[models]] tables (name, backend, aliases, and the backend's options "
         "by keyword), instead of or after the --model NAME=SPEC flags",
+    )
+    add(
+        "--api-nice",
+        type=_NICENESS,
+        default=_DEFAULTS.api_nice,
+        help="once the backend has started, the server raises its own nice value by this much, so "
+        "that on a busy CPU the model's work comes first and polling clients cannot slow it; 0 "
+        "keeps the priority it was started with",
     )
     add(
         "--log-level",

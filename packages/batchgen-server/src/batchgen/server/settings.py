@@ -52,6 +52,8 @@ class ServerSettings:
     error_file: str = "output"
     served_model_name: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     log_level: str = "info"
+    #: How much the API lowers its own priority once the service (and any model worker) started.
+    api_nice: int = 10
     #: The HTTP edge (``connection_limits``, ``body_timeout``, ``log_limits``).
     max_connections: int = 1000
     keep_alive_timeout_s: float = 5.0

@@ -1,31 +1,39 @@
-"""TransformersBackend: a real model run with torch + transformers in this process.
+"""TransformersBackend: a real model run with torch + transformers in a worker process of its own.
 
 The default backend, and the one for a machine without SGLang: with no ``model`` it serves
-SmolLM2-135M-Instruct on the CPU (CUDA when present). One worker thread owns the model. Requests
-wait in a queue and are generated together in left-padded batches of up to ``max_batch_size``
-(dynamic batching): whatever is waiting when the model becomes free goes into the next batch,
-grouped so that every request of a batch shares its sampling settings (a request with a ``seed``
-runs alone, so that its seed decides its text). Each row stops at its own
-output limit, and a row whose request is aborted stops at the next token.
+SmolLM2-135M-Instruct on the CPU (CUDA when present). The model loop runs in a separate process
+(``hf_worker``), as SGLang and vLLM run theirs apart from their API servers, so the HTTP side
+(event loop, JSON, polling clients) never holds the GIL the model loop needs; this process never
+imports torch. Requests go to the worker through a pipe; results and token counts come back.
 
-Chat requests go through the tokenizer's chat template; completions use the raw prompt. Usage is
-exact: prompt tokens are the request's own (no padding), completion tokens are the tokens
-generated, including the end-of-sequence token when the model emitted one. A ``<think>…</think>``
-block at the start of an answer (or ended by ``</think>`` when the chat template opened it) is
-returned as ``reasoning_content``; a block the output limit cut off is all reasoning.
+The worker generates with continuous batching (``hf_decode``): up to ``max_batch_size`` requests
+run together, each with its own sampling settings and output limit, and a finished row's place is
+taken by a waiting request at the next step. The model computes in ``dtype`` (``auto``: bfloat16 on
+CUDA and on CPUs with native bfloat16 instructions, float32 on other CPUs; see ``hf_dtype``).
+
+Health comes from the worker's heartbeat. A worker that dies (a crash, the OOM killer, SIGKILL)
+is restarted, and the requests it was running are sent to the new one, so every ``generate``
+call still returns once: the service writes each request's line once. A request that was running
+in ``MAX_WORKER_DEATHS`` workers that died fails with ``TransientBackendError``; a worker that
+cannot be started again makes the backend unhealthy. A worker whose heartbeat stops for
+``heartbeat_timeout_s`` is killed and restarted the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
+import signal
+import socket
+import subprocess
 import threading
-from collections import deque
+import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import attrs
 
@@ -34,39 +42,50 @@ from batchgen.core.backends.base import (
     RequestAborted,
     RequestRejected,
     TransientBackendError,
-    context_length_exceeded,
 )
+from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
+from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
+from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
-from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages, trim_at_stop
-from batchgen.core.models import COMPLETIONS, GenerationRequest, GenerationResult, Health
+from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
 logger = logging.getLogger("batchgen.backends.transformers")
 
-_STOP = object()
+#: A request that was running in this many workers that died is failed (the service may retry it).
+MAX_WORKER_DEATHS = 3
+#: How long ``stop`` waits for the worker to exit before it kills it.
+STOP_WAIT_S = 15.0
+#: How long a heartbeat may be late before ``health`` says so.
+HEARTBEAT_LATE_S = 10 * HEARTBEAT_S
 
 
 @attrs.define(eq=False)
 class _Pending:
-    """One request waiting for, or inside, a generate batch."""
+    """One request sent to the worker, until its outcome comes back."""
 
     request: GenerationRequest
     done: anyio.Event
     result: GenerationResult | None = None
     error: BaseException | None = None
     aborted: bool = False
-    opens_reasoning: bool = False
+    worker_deaths: int = 0
+
+
+@attrs.define(eq=False)
+class _Worker:
+    """A started worker process and the server's end of its pipe."""
+
+    process: subprocess.Popen[bytes]
+    connection: Connection
 
     @property
-    def group(self) -> tuple[Any, ...]:
-        sampling = self.request.sampling
-        if sampling.greedy:
-            return ("greedy",)
-        if sampling.seed is not None:
-            # Rows of one batch draw from one random stream, so a seeded request runs alone:
-            # the same seed and prompt then give the same text.
-            return ("seeded", self.request.request_id)
-        return (sampling.temperature, sampling.top_p, sampling.top_k)
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGKILL)
 
 
 class TransformersBackend:
@@ -78,89 +97,167 @@ class TransformersBackend:
         model: str | None = None,
         cache_dir: Path | str = Path("batchgen-data") / "models",
         device: str | None = None,
-        max_batch_size: int = 16,
+        max_batch_size: int = 64,
         context_length: int | None = None,
-        batch_wait_s: float = 0.005,
+        dtype: str = "auto",
+        start_timeout_s: float = 900.0,
+        heartbeat_timeout_s: float = 60.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        self._model_arg = model
-        self._cache_dir = Path(cache_dir)
-        self._device_arg = device
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+        #: What the worker process is started with (the backend's options).
+        self.worker_options = WorkerOptions(
+            model=model,
+            cache_dir=str(cache_dir),
+            device=device,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            context_length=context_length,
+        )
         self.max_batch_size = max_batch_size
-        self._context_arg = context_length
-        self._batch_wait_s = batch_wait_s
+        self._start_timeout_s = start_timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
         self.model_name = "SmolLM2-135M-Instruct" if model is None else Path(model).stem
         self.context_length = context_length or 0
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self.info: EngineInfo | None = None
+        self.worker_restarts = 0
         self._pending: dict[str, _Pending] = {}
-        self._thread: threading.Thread | None = None
+        self._worker: _Worker | None = None
+        self._send_lock = threading.Lock()
+        self._supervisor: threading.Thread | None = None
         self._token: Any = None
         self._failure: str | None = None
-        self._model: Any = None
-        self._tokenizer: Any = None
+        self._restarting = False
+        self._stopping = False
+        self._last_heard = 0.0
+        self._loading: _Worker | None = None  # a worker still loading its model
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The worker process's id (None while there is none)."""
+        return None if self._worker is None else self._worker.pid
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._thread is not None:
+        if self._supervisor is not None or self._stopping:
             return
-        await anyio.to_thread.run_sync(self._load)
         self._token = anyio.lowlevel.current_token()
-        self._thread = threading.Thread(target=self._work, name="batchgen-transformers", daemon=True)
-        self._thread.start()
+        try:
+            worker = await anyio.to_thread.run_sync(self._launch, abandon_on_cancel=True)
+        except BackendUnavailable as exc:
+            self._failure = str(exc)
+            raise
+        self._worker = worker
+        # The supervisor thread reads the worker's messages and starts any later worker. It is made
+        # here, before the server lowers its own priority (``batchgen.server.priority``), so a
+        # restarted worker keeps the priority the first one had.
+        self._supervisor = threading.Thread(target=self._supervise, name="batchgen-transformers", daemon=True)
+        self._supervisor.start()
 
-    def _load(self) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def _launch(self) -> _Worker:
+        """Start a worker process and wait until its model is loaded."""
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                self.worker_options.command(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        worker = _Worker(process, Connection(ours.detach()))
+        self._loading = worker
+        deadline = time.monotonic() + self._start_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if not worker.connection.poll(0.5):
+                    if process.poll() is not None:
+                        raise BackendUnavailable(
+                            f"the transformers worker exited with status {process.returncode} while "
+                            "loading the model (its log is above)"
+                        )
+                    continue
+                message = worker.connection.recv()
+                if message[0] == "ready":
+                    self._ready(message[1], process.pid)
+                    return worker
+                if message[0] == "failed":
+                    raise BackendUnavailable(f"the transformers model could not be loaded: {message[1]}")
+            raise BackendUnavailable(
+                f"the transformers worker did not load its model within {self._start_timeout_s:.0f} s"
+            )
+        except BaseException:
+            worker.kill()
+            process.wait()
+            worker.connection.close()
+            raise
+        finally:
+            self._loading = None
 
-        from batchgen.core.backends.hf_model_files import resolve_model_folder
-
-        folder, self.model_name = resolve_model_folder(self._model_arg, self._cache_dir)
-        device = self._device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        self._tokenizer = AutoTokenizer.from_pretrained(folder)
-        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        self._model = model.to(device).eval()
-        self._device = device
-        model_context = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
-        limits = [limit for limit in (self._context_arg, model_context) if limit]
-        self.context_length = min(limits) if limits else 2048
-        eos = self._model.generation_config.eos_token_id
-        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self._pad_id = self._tokenizer.pad_token_id
-        if self._pad_id is None:
-            self._pad_id = next(iter(self._eos_ids), 0)
-        logger.info("serving %s on %s (context %d)", self.model_name, device, self.context_length)
+    def _ready(self, info: EngineInfo, pid: int) -> None:
+        self.info = info
+        self.model_name = info.model_name
+        self.context_length = info.context_length
+        self._last_heard = time.monotonic()
+        logger.info(
+            "serving %s on %s in %s (context %d, batches of up to %d) in worker process %d",
+            info.model_name,
+            info.device,
+            info.dtype,
+            info.context_length,
+            self.max_batch_size,
+            pid,
+        )
 
     async def stop(self) -> None:
-        """Abort what is running (its rows stop at the next token), then end the worker thread."""
+        """Abort what is running, ask the worker to exit, and wait for it (killing it if it hangs)."""
+        self._stopping = True
         for pending in self._pending.values():
             pending.aborted = True
-        if self._thread is not None:
-            self._queue.put(_STOP)
-            await anyio.to_thread.run_sync(self._thread.join)
-            self._thread = None
+        worker, supervisor = self._worker, self._supervisor
+        if worker is None or supervisor is None:
+            return
+        self._send(("stop",))
+        # Shielded: a shutdown that is being cancelled still waits (boundedly) for the worker to
+        # exit, so that no worker outlives the server.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(supervisor.join, STOP_WAIT_S)
+            if supervisor.is_alive():
+                for hung in (self._worker, self._loading):
+                    if hung is not None:
+                        hung.kill()
+                await anyio.to_thread.run_sync(supervisor.join, STOP_WAIT_S)
+        self._worker = None
 
     def health(self) -> Health:
         if self._failure is not None:
             return Health(False, self._failure)
-        if self._thread is None or not self._thread.is_alive():
+        if self._worker is None or self._stopping:
             return Health(False, "the transformers model is not loaded")
+        if self._restarting:
+            return Health(False, "the transformers worker died; a new one is loading the model")
+        silent_s = time.monotonic() - self._last_heard
+        if silent_s > HEARTBEAT_LATE_S:
+            return Health(False, f"no heartbeat from the transformers worker for {silent_s:.0f} s")
         return Health(True)
 
     # --- requests -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if self._failure is not None:
             raise BackendUnavailable(self._failure)
-        if self._thread is None:
+        if self._worker is None or self._stopping:
             raise BackendUnavailable("the transformers model is not loaded; start the backend first")
         pending = _Pending(request, anyio.Event())
-        self._pending[request.request_id] = pending
-        self._queue.put(pending)
+        with self._send_lock:  # a restart resends what is pending: never both, never neither
+            self._pending[request.request_id] = pending
+            self._send_locked(("submit", request))
         try:
             await pending.done.wait()
         except BaseException:
             pending.aborted = True  # the caller went away (shutdown): stop generating for it
+            self._send(("abort", request.request_id))
             raise
         finally:
             self._pending.pop(request.request_id, None)
@@ -173,221 +270,142 @@ class TransformersBackend:
         pending = self._pending.get(request_id)
         if pending is not None:
             pending.aborted = True
+            self._send(("abort", request_id))
 
-    # --- the worker thread ----------------------------------------------------------------
-    def _work(self) -> None:
-        backlog: deque[_Pending] = deque()
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message: tuple[Any, ...]) -> None:
+        """Send to the worker; a worker that is gone is noticed (and replaced) by the supervisor."""
+        if self._worker is not None:
+            with contextlib.suppress(OSError):
+                self._worker.connection.send(message)
+
+    # --- the supervisor thread ------------------------------------------------------------
+    def _supervise(self) -> None:
+        while True:
+            worker = self._worker
+            assert worker is not None
+            if self._stopping:  # stop() may have written to the worker this one replaced
+                self._send(("stop",))
+            self._read_until_gone(worker)
+            worker.kill()
+            status = worker.process.wait()
+            worker.connection.close()
+            if self._stopping:
+                self._finish_all(lambda pending: RequestAborted(pending.request.request_id))
+                return
+            logger.warning(
+                "the transformers worker (pid %d) ended with status %s; starting a new one and "
+                "sending it the %d requests it was running",
+                worker.pid,
+                status,
+                len(self._pending),
+            )
+            if not self._restart():
+                return
+
+    def _read_until_gone(self, worker: _Worker) -> None:
+        """Handle the worker's messages until its pipe closes; kill it if its heartbeat stops."""
         try:
             while True:
-                if not backlog:
-                    first = self._queue.get()
-                    if first is _STOP:
+                if not worker.connection.poll(HEARTBEAT_S):
+                    if time.monotonic() - self._last_heard > self._heartbeat_timeout_s:
+                        logger.warning(
+                            "no heartbeat from the transformers worker for %.0f s; killing it",
+                            self._heartbeat_timeout_s,
+                        )
                         return
-                    backlog.append(first)
-                if self._collect(backlog):
-                    return
-                batch = self._take_batch(backlog)
-                self._run_batch(batch)
-        except Exception as exc:  # the engine is gone: fail everything, report unhealthy
-            logger.exception("the transformers worker died")
-            self._failure = f"the transformers worker died: {exc!r}"
-            for pending in [*backlog, *self._drain_queue()]:
-                pending.error = BackendUnavailable(self._failure)
-                self._deliver([pending])
-
-    def _collect(self, backlog: deque[_Pending]) -> bool:
-        """Move waiting requests into the backlog, waiting briefly for a fuller batch."""
-        waited = False
-        while len(backlog) < self.max_batch_size:
-            try:
-                item = self._queue.get(timeout=self._batch_wait_s) if not waited else self._queue.get_nowait()
-            except queue.Empty:
-                if waited:
-                    break
-                waited = True
-                continue
-            if item is _STOP:
-                for pending in backlog:
-                    pending.error = RequestAborted(pending.request.request_id)
-                self._deliver(list(backlog))
-                return True
-            backlog.append(item)
-        return False
-
-    def _drain_queue(self) -> list[_Pending]:
-        drained: list[_Pending] = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return drained
-            if item is not _STOP:
-                drained.append(item)
-
-    def _take_batch(self, backlog: deque[_Pending]) -> list[_Pending]:
-        """Up to max_batch_size live requests sharing the first one's sampling settings."""
-        batch: list[_Pending] = []
-        aborted: list[_Pending] = []
-        key = backlog[0].group
-        keep: deque[_Pending] = deque()
-        while backlog:
-            pending = backlog.popleft()
-            if pending.aborted:
-                pending.error = RequestAborted(pending.request.request_id)
-                aborted.append(pending)
-            elif pending.group == key and len(batch) < self.max_batch_size:
-                batch.append(pending)
-            else:
-                keep.append(pending)
-        backlog.extend(keep)
-        self._deliver(aborted)
-        return batch
-
-    def _prompt_ids(self, request: GenerationRequest) -> tuple[list[int], bool]:
-        """The prompt's token ids, and whether the chat template opened a ``<think>`` block."""
-        if request.endpoint == COMPLETIONS or request.messages is None:
-            return list(self._tokenizer(request.prompt or "")["input_ids"]), False
-        text = self._tokenizer.apply_chat_template(
-            text_messages(request.messages, backend="transformers"),
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        ids = list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
-        return ids, prompt_opens_reasoning(text)
-
-    def _run_batch(self, batch: list[_Pending]) -> None:
-        if not batch:
+                    continue
+                message = worker.connection.recv()
+                self._last_heard = time.monotonic()
+                if message[0] == "done":
+                    self._deliver(message[1])
+        except (EOFError, OSError):
             return
-        rows: list[tuple[_Pending, list[int], int]] = []
-        for pending in batch:
-            try:
-                ids, pending.opens_reasoning = self._prompt_ids(pending.request)
-            except RequestRejected as exc:
-                pending.error = exc
-                self._deliver([pending])
-                continue
-            except Exception as exc:
-                pending.error = TransientBackendError(f"could not tokenize the request: {exc}")
-                self._deliver([pending])
-                continue
-            if len(ids) >= self.context_length:
-                pending.error = context_length_exceeded(len(ids), self.context_length)
-                self._deliver([pending])
-                continue
-            limit = min(pending.request.sampling.max_tokens, self.context_length - len(ids))
-            rows.append((pending, ids, limit))
-        if not rows:
-            return
+
+    def _restart(self) -> bool:
+        """Start a new worker and resend the pending requests to it; False when none could start."""
+        self._restarting = True
+        self.worker_restarts += 1
         try:
-            outputs = self._generate(rows)
-        except Exception as exc:  # e.g. out of memory: this attempt failed; the service retries
-            logger.warning("generate failed for a batch of %d: %r", len(rows), exc)
-            for pending, _, _ in rows:
-                pending.error = TransientBackendError(f"generate failed: {exc}")
-            self._deliver([pending for pending, _, _ in rows])
-            return
+            worker = self._launch()
+        except BackendUnavailable as exc:
+            self._failure = f"the transformers worker died and could not be started again: {exc}"
+            logger.error("%s", self._failure)
+            self._finish_all(lambda _: BackendUnavailable(self._failure))
+            return False
+        finished: list[_Pending] = []
+        with self._send_lock:
+            self._worker = worker
+            for pending in list(self._pending.values()):
+                pending.worker_deaths += 1
+                if pending.aborted:
+                    pending.error = RequestAborted(pending.request.request_id)
+                elif pending.worker_deaths >= MAX_WORKER_DEATHS:
+                    pending.error = TransientBackendError(
+                        f"the transformers worker died {pending.worker_deaths} times while running this request"
+                    )
+                else:
+                    self._send_locked(("submit", pending.request))
+                    continue
+                finished.append(pending)
+        self._restarting = False
+        self._wake(finished)
+        return True
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
         finished = []
-        for (pending, ids, _), generated in zip(rows, outputs, strict=True):
-            if pending.aborted:
-                pending.error = RequestAborted(pending.request.request_id)
+        for outcome in outcomes:
+            pending = self._pending.get(outcome.request_id)
+            if pending is None or pending.done.is_set():
+                continue  # its caller went away
+            if outcome.result is not None:
+                pending.result = outcome.result
             else:
-                pending.result = self._result(pending, len(ids), generated)
+                pending.error = self._error(pending, outcome)
             finished.append(pending)
-        self._deliver(finished)
+        self._wake(finished)
 
-    def _generate(self, rows: list[tuple[_Pending, list[int], int]]) -> list[list[int]]:
-        """One left-padded ``model.generate`` over the rows; each row's new tokens, unpadded."""
-        import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+    def _error(self, pending: _Pending, outcome: Outcome) -> BaseException:
+        failure = outcome.failure
+        assert failure is not None
+        if failure.kind == REJECTED:
+            return RequestRejected(failure.code, failure.message)
+        if failure.kind == ABORTED or pending.aborted or self._stopping:
+            return RequestAborted(pending.request.request_id)
+        return TransientBackendError(failure.message)
 
-        width = max(len(ids) for _, ids, _ in rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, (_, ids, _) in enumerate(rows):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention[row, width - len(ids) :] = 1
-        limits = torch.tensor([limit for _, _, limit in rows])
-        pendings = [pending for pending, _, _ in rows]
+    def _finish_all(self, error: Any) -> None:
+        finished = list(self._pending.values())
+        for pending in finished:
+            pending.error = error(pending)
+        self._wake(finished)
 
-        class _RowDone(StoppingCriteria):
-            """A row is done at its own output limit, or when its request was aborted."""
-
-            def __call__(self, sequence: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-                generated = sequence.shape[1] - width
-                done = generated >= limits.to(sequence.device)
-                aborted = torch.tensor([p.aborted for p in pendings], device=sequence.device)
-                return done | aborted
-
-        sampling = rows[0][0].request.sampling
-        options: dict[str, Any] = {"max_new_tokens": int(limits.max()), "pad_token_id": self._pad_id}
-        if sampling.greedy:
-            options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
-            options["top_k"] = sampling.top_k if sampling.top_k > 0 else None
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
-        with torch.inference_mode():
-            output = self._model.generate(
-                input_ids=input_ids.to(self._device),
-                attention_mask=attention.to(self._device),
-                stopping_criteria=StoppingCriteriaList([_RowDone()]),
-                **options,
-            )
-        new_tokens = output[:, width:].tolist()
-        return [self._trim(tokens, limit) for tokens, (_, _, limit) in zip(new_tokens, rows, strict=True)]
-
-    def _trim(self, tokens: list[int], limit: int) -> list[int]:
-        """Cut a row at its first end-of-sequence token (kept) and at its own limit."""
-        for position, token in enumerate(tokens[:limit]):
-            if token in self._eos_ids:
-                return tokens[: position + 1]
-        return tokens[:limit]
-
-    def _result(self, pending: _Pending, prompt_tokens: int, generated: list[int]) -> GenerationResult:
-        ended = bool(generated) and generated[-1] in self._eos_ids
-        finish_reason = "stop" if ended else "length"
-        text = self._tokenizer.decode(generated, skip_special_tokens=True)
-        if pending.request.sampling.stop:
-            generated, text, hit = self._apply_stop(generated, pending.request.sampling.stop)
-            if hit:
-                finish_reason = "stop"
-        answer, reasoning = split_reasoning(text, opened_by_prompt=pending.opens_reasoning)
-        return GenerationResult(
-            text=answer,
-            finish_reason=finish_reason,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(generated),
-            reasoning_content=reasoning,
-        )
-
-    def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
-        """Cut at the first stop string; count the tokens up to the one that completed it."""
-        for count in range(1, len(generated) + 1):
-            text, hit = trim_at_stop(
-                self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops
-            )
-            if hit:
-                return generated[:count], text, True
-        return generated, self._tokenizer.decode(generated, skip_special_tokens=True), False
-
-    def _deliver(self, done: list[_Pending]) -> None:
-        """Wake the waiting coroutines, from the worker thread, on the event loop."""
-        if not done:
+    def _wake(self, finished: list[_Pending]) -> None:
+        """Wake the waiting coroutines, from this thread, on the event loop."""
+        if not finished:
             return
 
         def wake() -> None:
-            for pending in done:
+            for pending in finished:
                 pending.done.set()
 
         with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown): nobody waits
             anyio.from_thread.run_sync(wake, token=self._token)
 
 
+def _dtype(text: str) -> str:
+    if text not in DTYPE_CHOICES:
+        raise ValueError(f"must be one of {', '.join(DTYPE_CHOICES)}, got {text!r}")
+    return text
+
+
 SPEC = BackendSpec(
     name="transformers",
     factory=TransformersBackend,
-    summary="runs a model in this process with torch + transformers (CPU, or CUDA when present)",
+    summary="runs a model with torch + transformers in a worker process (CPU, or CUDA when present)",
     options=(
         BackendOption(
             "model",
@@ -402,8 +420,18 @@ SPEC = BackendSpec(
             "max_batch_size",
             "--max-batch-size",
             positive_int,
-            16,
-            "most requests generated together in one padded batch",
+            64,
+            "most requests generated together (continuous batching: a finished request's place is "
+            "taken by a waiting one at the next token)",
+        ),
+        BackendOption(
+            "dtype",
+            "--dtype",
+            _dtype,
+            "auto",
+            "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
+            "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
+            choices=DTYPE_CHOICES,
         ),
     ),
     context_length_keyword="context_length",

@@ -5,7 +5,7 @@ separate package registers its own (see docs/backends-writing.md):
 
 | name           | spec                                        | what it drives                          |
 |----------------|---------------------------------------------|-----------------------------------------|
-| `transformers` | `batchgen.core.backends.hf_transformers:SPEC` | torch + transformers in this process  |
+| `transformers` | `batchgen.core.backends.hf_transformers:SPEC` | torch + transformers in a worker process |
 | `sglang`       | `batchgen.core.backends.sglang_engine:SPEC`   | SGLang's in-process offline `Engine`  |
 | `openai`       | `batchgen.core.backends.openai_upstream:SPEC` | OpenAI-compatible HTTP servers        |
 | `simulated`    | `batchgen.core.backends.simulated:SPEC`       | nothing: deterministic stand-in text  |

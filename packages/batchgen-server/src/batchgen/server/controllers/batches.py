@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, get, post
+from litestar import Controller, Request, Response, get, post
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import bounds_problem
 from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
+from batchgen.server.etags import json_with_etag
 from batchgen.server.pagination import list_page
 
 #: What OpenAI's create call takes (every field the ``openai`` SDK sends), then BatchGen's
@@ -97,8 +98,11 @@ class BatchesController(Controller):
         return list_page([batch.to_dict() for batch in batches], has_more)
 
     @get("/{batch_id:str}")
-    async def retrieve(self, batch_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
-        return (await service.get_batch(batch_id, caller=caller)).to_dict()
+    async def retrieve(
+        self, request: Request[Any, Any, Any], batch_id: str, service: BatchService, caller: Caller
+    ) -> Response[dict[str, Any]]:
+        """The batch (from memory while it runs), with an ETag; 304 when If-None-Match matches."""
+        return json_with_etag(request, (await service.get_batch(batch_id, caller=caller)).to_dict())
 
     @post("/{batch_id:str}/cancel", status_code=200)
     async def cancel(self, batch_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Response, get
+from litestar import Request, Response, get
 from litestar.datastructures import State
 
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import EMBEDDED, Caller
+from batchgen.server.etags import json_with_etag
 
 
 @get("/v1/pool/status")
-async def pool_status(service: BatchService, caller: Caller) -> dict[str, Any]:
+async def pool_status(
+    request: Request[Any, Any, Any], service: BatchService, caller: Caller
+) -> Response[dict[str, Any]]:
     """The pools' figures; once API keys exist, also per tenant (every tenant for an admin key,
-    else the caller's own)."""
+    else the caller's own). From memory, with an ETag; 304 when If-None-Match matches."""
     figures = service.pool_status().to_dict()
     if caller is not EMBEDDED:  # a server with keys
         figures["tenants"] = service.tenant_status(caller)
-    return figures
+    return json_with_etag(request, figures)
 
 
 @get("/health")

@@ -1,0 +1,434 @@
+"""The transformers decode loop: continuous batching over one KV cache, one token per step.
+
+``DecodeEngine`` owns a loaded model and tokenizer and the rows being generated. Each ``step``:
+
+1. admits waiting requests into free places of the running batch (up to ``max_batch_size``):
+   their prompts are prefilled together, left-padded, and their key/value cache is merged into
+   the running batch's cache (both left-padded to the same length, with an attention mask);
+2. decodes one token for every running row, each row with its own sampling settings (greedy,
+   or temperature / top-k / top-p with its own random generator when it has a ``seed``);
+3. ends the rows that are done (end of sequence, their own output limit, a stop string, an abort)
+   and drops them from the batch at once, so their places are free for the next step.
+
+A finished row's place is refilled at the next step rather than when the whole batch is done, and
+no row pays for another's length: this is why the service beats a plain padded ``generate``.
+
+Nothing here knows about processes or the event loop: ``hf_worker`` runs an engine in its own
+process and feeds it. Usage is exact: prompt tokens are the request's own (no padding),
+completion tokens are the tokens generated, including the end-of-sequence token when the model
+emitted one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from batchgen.core.backends.base import RequestRejected, context_length_exceeded
+from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages, trim_at_stop
+from batchgen.core.models import COMPLETIONS, GenerationRequest, GenerationResult
+
+logger = logging.getLogger("batchgen.backends.transformers")
+
+#: How a request ended without a result: "rejected" (never retry; with a code), "aborted",
+#: or "transient" (this attempt failed).
+REJECTED, ABORTED, TRANSIENT = "rejected", "aborted", "transient"
+#: Most padded prompt tokens prefilled in one step (one long prompt alone may exceed it).
+PREFILL_TOKENS = 16384
+
+
+@attrs.frozen
+class Failure:
+    kind: str
+    message: str
+    code: str = ""
+
+
+@attrs.frozen
+class Outcome:
+    """A request's end: its result, or why it has none."""
+
+    request_id: str
+    result: GenerationResult | None = None
+    failure: Failure | None = None
+
+
+@attrs.frozen
+class EngineInfo:
+    model_name: str
+    context_length: int
+    device: str
+    dtype: str
+
+
+@attrs.define(eq=False)
+class _Row:
+    """One request: waiting for a place, or in the running batch."""
+
+    request: GenerationRequest
+    prompt: list[int]
+    limit: int
+    opens_reasoning: bool
+    generator: Any = None  # a torch.Generator for a seeded sampling row
+    generated: list[int] = attrs.Factory(list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class DecodeEngine:
+    """A model, its tokenizer, and the batch being generated (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: str | None,
+        cache_dir: Path,
+        device: str | None,
+        dtype: str,
+        max_batch_size: int,
+        context_length: int | None,
+    ) -> None:
+        self._model_arg = model
+        self._cache_dir = cache_dir
+        self._device_arg = device
+        self._dtype_arg = dtype
+        self.max_batch_size = max_batch_size
+        self._context_arg = context_length
+        self._waiting: deque[_Row] = deque()
+        self._running: list[_Row] = []
+        self._aborted: set[str] = set()
+        self._finished: list[Outcome] = []
+        # The running batch: its cache, attention mask, next input token and position per row.
+        self._cache: Any = None
+        self._mask: Any = None
+        self._next_ids: Any = None
+        self._positions: Any = None
+        self._can_merge = True
+
+    # --- loading --------------------------------------------------------------------------
+    def load(self) -> EngineInfo:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from batchgen.core.backends.hf_dtype import resolve_dtype
+        from batchgen.core.backends.hf_model_files import resolve_model_folder
+
+        folder, model_name = resolve_model_folder(self._model_arg, self._cache_dir)
+        device = self._device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(self._dtype_arg, device)
+        self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+        self._model = model.to(device).eval()
+        self._device = device
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; take either.
+        parameters = inspect.signature(self._model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        model_context = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
+        limits = [limit for limit in (self._context_arg, model_context) if limit]
+        self.context_length = min(limits) if limits else 2048
+        eos = self._model.generation_config.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self._pad_id = self._tokenizer.pad_token_id
+        if self._pad_id is None:
+            self._pad_id = next(iter(self._eos_ids), 0)
+        logger.info(
+            "serving %s on %s in %s (context %d, batches of up to %d)",
+            model_name,
+            device,
+            dtype,
+            self.context_length,
+            self.max_batch_size,
+        )
+        return EngineInfo(model_name, self.context_length, device, dtype)
+
+    # --- requests -------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether a step would do anything."""
+        return bool(self._waiting or self._running or self._finished)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request; one that can never run ends at the next ``step`` with its reason."""
+        try:
+            ids, opens_reasoning = self._prompt_ids(request)
+        except RequestRejected as exc:
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
+            )
+            return
+        except Exception as exc:
+            message = f"could not tokenize the request: {exc}"
+            self._finished.append(Outcome(request.request_id, failure=Failure(TRANSIENT, message)))
+            return
+        if len(ids) >= self.context_length:
+            rejection = context_length_exceeded(len(ids), self.context_length)
+            failure = Failure(REJECTED, rejection.message, rejection.code)
+            self._finished.append(Outcome(request.request_id, failure=failure))
+            return
+        limit = min(request.sampling.max_tokens, self.context_length - len(ids))
+        generator = None
+        if not request.sampling.greedy and request.sampling.seed is not None:
+            import torch
+
+            generator = torch.Generator(device=self._device).manual_seed(request.sampling.seed)
+        self._waiting.append(_Row(request, ids, limit, opens_reasoning, generator))
+
+    def abort(self, request_id: str) -> None:
+        """End the request at the next step (harmless for an unknown or finished one)."""
+        if any(row.request_id == request_id for row in (*self._waiting, *self._running)):
+            self._aborted.add(request_id)
+
+    def fail_all(self, message: str) -> list[Outcome]:
+        """End every request with a transient failure (the engine broke); the batch is dropped."""
+        outcomes = self._finished + [
+            Outcome(row.request_id, failure=Failure(TRANSIENT, message))
+            for row in (*self._waiting, *self._running)
+        ]
+        self._finished, self._running, self._aborted = [], [], set()
+        self._waiting.clear()
+        self._cache = self._mask = self._next_ids = self._positions = None
+        return outcomes
+
+    def _prompt_ids(self, request: GenerationRequest) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the chat template opened a ``<think>`` block."""
+        if request.endpoint == COMPLETIONS or request.messages is None:
+            return list(self._tokenizer(request.prompt or "")["input_ids"]), False
+        text = self._tokenizer.apply_chat_template(
+            text_messages(request.messages, backend="transformers"),
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ids, prompt_opens_reasoning(text)
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self) -> list[Outcome]:
+        """Admit, decode one token, end finished rows; the requests that ended."""
+        import torch
+
+        with torch.inference_mode():
+            self._drop_aborted_waiting()
+            admitted = self._admit()
+            if self._running and not admitted:
+                self._decode()
+            self._end_finished_rows()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _drop_aborted_waiting(self) -> None:
+        if not self._aborted:
+            return
+        keep: deque[_Row] = deque()
+        for row in self._waiting:
+            if row.request_id in self._aborted:
+                self._aborted.discard(row.request_id)
+                self._finished.append(Outcome(row.request_id, failure=Failure(ABORTED, "aborted")))
+            else:
+                keep.append(row)
+        self._waiting = keep
+
+    def _admit(self) -> bool:
+        """Prefill waiting rows into free places; whether any were admitted this step."""
+        free = self.max_batch_size - len(self._running)
+        if not self._waiting or free <= 0 or (self._running and not self._can_merge):
+            return False
+        rows = [self._waiting.popleft()]
+        width = len(rows[0].prompt)
+        while self._waiting and len(rows) < free:
+            # Bound one prefill's padded size, so that many long prompts join over several steps.
+            width = max(width, len(self._waiting[0].prompt))
+            if width * (len(rows) + 1) > PREFILL_TOKENS:
+                break
+            rows.append(self._waiting.popleft())
+        cache, mask, next_ids, positions = self._prefill(rows)
+        if self._running:
+            self._merge(cache, mask, next_ids, positions)
+        else:
+            self._cache, self._mask, self._next_ids, self._positions = cache, mask, next_ids, positions
+        self._running.extend(rows)
+        return True
+
+    def _prefill(self, rows: list[_Row]) -> tuple[Any, Any, Any, Any]:
+        import torch
+
+        width = max(len(row.prompt) for row in rows)
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            input_ids[index, width - len(row.prompt) :] = torch.tensor(row.prompt)
+            mask[index, width - len(row.prompt) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        output = self._model(
+            input_ids=input_ids.to(self._device),
+            attention_mask=mask.to(self._device),
+            position_ids=position_ids.to(self._device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = _cache_of(output)
+        self._can_merge = self._can_merge and all(
+            type(layer).__name__ == "DynamicLayer" for layer in cache.layers
+        )
+        next_ids = self._choose(rows, output.logits[:, -1, :])
+        positions = torch.tensor([len(row.prompt) for row in rows], dtype=torch.long)
+        return cache, mask.to(self._device), next_ids, positions
+
+    def _merge(self, cache: Any, mask: Any, next_ids: Any, positions: Any) -> None:
+        """Append prefilled rows to the running batch, left-padding the shorter of the two caches."""
+        import torch
+
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def pad(tensor: Any, dim: int) -> Any:
+            missing = width - tensor.shape[dim]
+            if missing == 0:
+                return tensor
+            shape = list(tensor.shape)
+            shape[dim] = missing
+            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+        for running, new in zip(self._cache.layers, cache.layers, strict=True):
+            running.keys = torch.cat([pad(running.keys, 2), pad(new.keys, 2)], dim=0)
+            running.values = torch.cat([pad(running.values, 2), pad(new.values, 2)], dim=0)
+        self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)], dim=0)
+        self._next_ids = torch.cat([self._next_ids, next_ids])
+        self._positions = torch.cat([self._positions, positions])
+
+    def _decode(self) -> None:
+        import torch
+
+        batch = len(self._running)
+        self._mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
+        output = self._model(
+            input_ids=self._next_ids[:, None],
+            attention_mask=self._mask,
+            position_ids=self._positions[:, None].to(self._device),
+            use_cache=True,
+            **{self._cache_keyword: self._cache},
+        )
+        self._cache = _cache_of(output)
+        self._positions += 1
+        self._next_ids = self._choose(self._running, output.logits[:, -1, :])
+
+    def _choose(self, rows: list[_Row], logits: Any) -> Any:
+        """The next token of every row (recorded in its ``generated``), as a tensor on the device."""
+        import torch
+
+        chosen = logits.argmax(dim=-1)
+        sampled = [index for index, row in enumerate(rows) if not row.request.sampling.greedy]
+        if sampled:
+            scores = logits.float()
+            for index in sampled:
+                chosen[index] = _sample(scores[index], rows[index])
+        tokens = chosen.tolist()
+        for row, token in zip(rows, tokens, strict=True):
+            row.generated.append(token)
+        return chosen.to(torch.long)
+
+    def _end_finished_rows(self) -> None:
+        if not self._running:
+            return
+        keep: list[int] = []
+        for index, row in enumerate(self._running):
+            if row.request_id in self._aborted:
+                self._aborted.discard(row.request_id)
+                self._finished.append(Outcome(row.request_id, failure=Failure(ABORTED, "aborted")))
+            elif self._row_done(row):
+                self._finished.append(Outcome(row.request_id, result=self._result(row)))
+            else:
+                keep.append(index)
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[index] for index in keep]
+        if not self._running:
+            self._cache = self._mask = self._next_ids = self._positions = None
+            return
+        self._select(keep)
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the rows at ``keep``, and cut mask columns no remaining row attends to."""
+        import torch
+
+        indices = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
+        mask = self._mask.index_select(0, indices)
+        first = int(mask.any(dim=0).nonzero()[0])
+        self._mask = mask[:, first:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, indices)[:, :, first:]
+            layer.values = layer.values.index_select(0, indices)[:, :, first:]
+        self._next_ids = self._next_ids.index_select(0, indices)
+        self._positions = self._positions.index_select(0, indices.to(self._positions.device))
+
+    def _row_done(self, row: _Row) -> bool:
+        if row.generated[-1] in self._eos_ids or len(row.generated) >= row.limit:
+            return True
+        stops = row.request.sampling.stop
+        if stops:
+            _, hit = trim_at_stop(self._tokenizer.decode(row.generated, skip_special_tokens=True), stops)
+            return hit
+        return False
+
+    # --- results --------------------------------------------------------------------------
+    def _result(self, row: _Row) -> GenerationResult:
+        generated = row.generated
+        ended = bool(generated) and generated[-1] in self._eos_ids
+        finish_reason = "stop" if ended else "length"
+        text = self._tokenizer.decode(generated, skip_special_tokens=True)
+        if row.request.sampling.stop:
+            generated, text, hit = self._apply_stop(generated, row.request.sampling.stop)
+            if hit:
+                finish_reason = "stop"
+        answer, reasoning = split_reasoning(text, opened_by_prompt=row.opens_reasoning)
+        return GenerationResult(
+            text=answer,
+            finish_reason=finish_reason,
+            prompt_tokens=len(row.prompt),
+            completion_tokens=len(generated),
+            reasoning_content=reasoning,
+        )
+
+    def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
+        """Cut at the first stop string; count the tokens up to the one that completed it."""
+        for count in range(1, len(generated) + 1):
+            text, hit = trim_at_stop(
+                self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops
+            )
+            if hit:
+                return generated[:count], text, True
+        return generated, self._tokenizer.decode(generated, skip_special_tokens=True), False
+
+
+def _cache_of(output: Any) -> Any:
+    """The key/value cache a forward pass returned (``cache``, or ``past_key_values`` before 5.24)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def _sample(scores: Any, row: _Row) -> Any:
+    """One token drawn from a row's scores as ``generate`` would: temperature, top-k, then top-p."""
+    import torch
+
+    sampling = row.request.sampling
+    scores = scores / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(scores, min(sampling.top_k, scores.shape[-1])).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - sampling.top_p)
+        drop[-1] = False  # always keep the most likely token
+        scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    probabilities = scores.softmax(dim=-1)
+    return torch.multinomial(probabilities, 1, generator=row.generator)[0]

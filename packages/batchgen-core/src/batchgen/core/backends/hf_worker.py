@@ -1,0 +1,181 @@
+"""The transformers worker process: a ``DecodeEngine`` fed through a pipe, apart from the HTTP side.
+
+The server starts it as ``python -m batchgen.core.backends.hf_worker --fd N`` (``WorkerProcess``),
+with one end of a socket pair as file descriptor N, and talks to it with pickled tuples:
+
+    server -> worker   ("submit", GenerationRequest)   queue a request
+                       ("abort", request_id)           end it at the next step
+                       ("stop",)                       finish: end everything and exit
+    worker -> server   ("ready", EngineInfo)           the model is loaded; requests may come
+                       ("failed", message)             the model could not be loaded; it exits
+                       ("done", [Outcome, ...])        requests that ended in one step
+                       ("heartbeat",)                  alive (every HEARTBEAT_S, busy or not)
+
+The model loop runs on the worker's main thread; a reader thread moves messages into a queue that
+the loop drains between steps, and a heartbeat thread says it is alive. When the server's end of
+the pipe closes (the server stopped or died, even by SIGKILL), the worker exits at its next step,
+so no worker outlives its server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from batchgen.core.backends.hf_decode import DecodeEngine
+
+logger = logging.getLogger("batchgen.backends.transformers")
+
+#: Seconds between two heartbeats of a worker.
+HEARTBEAT_S = 1.0
+#: How long an idle worker waits for more requests after the first, to start with a fuller batch.
+GATHER_S = 0.005
+
+
+@attrs.frozen
+class WorkerOptions:
+    """What the worker builds its engine from (the backend's options)."""
+
+    model: str | None
+    cache_dir: str
+    device: str | None
+    dtype: str
+    max_batch_size: int
+    context_length: int | None
+    threads: int | None = None
+
+    def command(self, fd: int) -> list[str]:
+        """The worker's command line, handing it the pipe as ``fd``."""
+        command = [sys.executable, "-m", "batchgen.core.backends.hf_worker", "--fd", str(fd)]
+        for name, value in attrs.asdict(self).items():
+            if value is not None:
+                command += [f"--{name.replace('_', '-')}", str(value)]
+        return command
+
+
+def _parse(argv: list[str]) -> tuple[int, WorkerOptions]:
+    parser = argparse.ArgumentParser(prog="hf_worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--model")
+    parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--device")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-batch-size", type=int, required=True)
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--threads", type=int)
+    args = vars(parser.parse_args(argv))
+    fd = args.pop("fd")
+    return fd, WorkerOptions(**args)
+
+
+class _Link:
+    """The worker's end of the pipe: a reader thread filling ``inbox``, and locked sends."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._send_lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            try:
+                self.connection.send(message)
+            except OSError:  # the server is gone; the loop notices through the inbox
+                self.closed.set()
+
+    def read_forever(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.connection.recv())
+        except (EOFError, OSError):
+            self.closed.set()
+            self.inbox.put(("stop",))
+
+    def beat_forever(self) -> None:
+        while not self.closed.wait(HEARTBEAT_S):
+            self.send(("heartbeat",))
+
+
+def serve(connection: Connection, options: WorkerOptions) -> None:
+    """Load the engine, then run requests from ``connection`` until told to stop or the pipe closes."""
+    link = _Link(connection)
+    threading.Thread(target=link.read_forever, name="batchgen-worker-reader", daemon=True).start()
+    threading.Thread(target=link.beat_forever, name="batchgen-worker-heartbeat", daemon=True).start()
+    if options.threads:
+        import torch
+
+        torch.set_num_threads(options.threads)
+    engine = DecodeEngine(
+        model=options.model,
+        cache_dir=Path(options.cache_dir),
+        device=options.device,
+        dtype=options.dtype,
+        max_batch_size=options.max_batch_size,
+        context_length=options.context_length,
+    )
+    try:
+        info = engine.load()
+    except Exception as exc:
+        logger.exception("the transformers worker could not load its model")
+        link.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    link.send(("ready", info))
+    while True:
+        if not _take_messages(link, engine):
+            link.send(("done", engine.fail_all("the transformers worker stopped")))
+            return
+        try:
+            finished = engine.step()
+        except Exception as exc:  # e.g. out of memory: this attempt failed; the service retries
+            logger.exception("a decode step failed")
+            finished = engine.fail_all(f"generate failed: {exc!r}")
+        if finished:
+            link.send(("done", finished))
+
+
+def _take_messages(link: _Link, engine: DecodeEngine) -> bool:
+    """Apply every waiting message (waiting for one when idle); False once told to stop."""
+    idle = not engine.busy
+    while True:
+        try:
+            message = link.inbox.get() if idle else link.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        kind = message[0]
+        if kind == "stop":
+            return False
+        if kind == "submit":
+            engine.add(message[1])
+            if idle:  # the first request after a pause: give its companions a moment to arrive
+                idle = False
+                time.sleep(GATHER_S)
+        elif kind == "abort":
+            engine.abort(message[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    fd, options = _parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    connection = Connection(fd)
+    try:
+        serve(connection, options)
+    finally:
+        connection.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # do not wait for the reader thread blocked in recv
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""A ``batchgen-server`` with the transformers backend: its model worker process, seen from outside.
+
+The server (a real process on 127.0.0.1, with the tiny random-weight model) runs the model in a
+child process. Killing that child mid-batch loses no request and writes none twice; stopping the
+server, or killing it, leaves no worker behind; and the API runs at a lower priority than the
+model's worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import chat_line, file_lines, submit, wait_for_status
+from tests.live import LiveServer
+
+pytestmark = [pytest.mark.model, pytest.mark.live]
+
+WORKER_MODULE = "batchgen.core.backends.hf_worker"
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The transformers worker processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])
+        if parent == pid and WORKER_MODULE in command:
+            found.append(int(entry.name))
+    return found
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
+
+
+def _gone(pid: int, within_s: float = 60.0) -> bool:
+    """Whether process ``pid`` has ended (is gone, or a zombie nobody waits for) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _tiny_server(server_factory: Callable[..., LiveServer], tiny_model: Path) -> LiveServer:
+    return server_factory("--backend", "transformers", "--model", str(tiny_model), "--max-batch-size", "4")
+
+
+def test_a_killed_worker_is_replaced_and_each_request_has_one_line(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = _tiny_server(server_factory, tiny_model)
+    [worker] = _workers_of(server.process.pid)
+    lines = [chat_line(f"q{n}", f"Question {n}", max_tokens=120) for n in range(12)]
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        batch = submit(client, lines)
+        deadline = time.monotonic() + 120
+        while client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 0:
+            assert time.monotonic() < deadline, "no request finished"
+            time.sleep(0.02)
+        os.kill(worker, signal.SIGKILL)  # mid-batch: some requests done, some running, some queued
+        done = wait_for_status(client, batch["id"], {"completed", "failed"}, timeout_s=300)
+        assert done["status"] == "completed", done
+        assert done["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
+        output = file_lines(client, done["output_file_id"])
+        assert client.get("/health").status_code == 200
+    assert Counter(line["custom_id"] for line in output) == Counter(f"q{n}" for n in range(12))
+    assert all(line["error"] is None for line in output)
+    assert {line["response"]["body"]["usage"]["completion_tokens"] for line in output} == {120}
+    assert _gone(worker)
+    [replacement] = _workers_of(server.process.pid)
+    assert replacement != worker
+
+
+def test_the_api_yields_the_cpu_to_the_worker_and_leaves_no_worker_behind(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = _tiny_server(server_factory, tiny_model)
+    [worker] = _workers_of(server.process.pid)
+    # The event loop's thread (the process's main thread) runs at nice +10; the model does not.
+    assert _nice(server.process.pid) == _nice(os.getpid()) + 10
+    assert _nice(worker) == _nice(os.getpid())
+    server.stop()
+    assert _gone(worker, within_s=0), "the server waits for its worker before it exits"
+
+
+def test_a_worker_outlives_no_killed_server(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = _tiny_server(server_factory, tiny_model)
+    [worker] = _workers_of(server.process.pid)
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        submit(client, [chat_line(f"q{n}", max_tokens=2000) for n in range(8)])
+    server.process.kill()
+    server.process.wait()
+    assert _gone(worker), "the worker notices its pipe closed and exits"
+
+
+def test_api_nice_zero_keeps_the_priority(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = server_factory("--backend", "transformers", "--model", str(tiny_model), "--api-nice", "0")
+    assert _nice(server.process.pid) == _nice(os.getpid())
