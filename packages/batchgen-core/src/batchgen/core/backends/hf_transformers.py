@@ -43,6 +43,7 @@ from batchgen.core.backends.base import (
     RequestRejected,
     TransientBackendError,
 )
+from batchgen.core.backends.capabilities import CHOICES, LOGPROBS, RESPONSE_FORMAT, Capabilities
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
 from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
 from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
@@ -58,6 +59,8 @@ MAX_WORKER_DEATHS = 3
 STOP_WAIT_S = 15.0
 #: How long a heartbeat may be late before ``health`` says so.
 HEARTBEAT_LATE_S = 10 * HEARTBEAT_S
+#: The most choices (``n``) one line may ask for: each choice is a row of the decode batch.
+MAX_CHOICES = 8
 
 
 @attrs.define(eq=False)
@@ -90,6 +93,10 @@ class _Worker:
 
 class TransformersBackend:
     name = "transformers"
+    #: Structured output (``hf_grammar``), logprobs and several choices (``hf_choices``).
+    capabilities = Capabilities(
+        features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES}), max_choices=MAX_CHOICES
+    )
 
     def __init__(
         self,
