@@ -219,7 +219,7 @@ class DecodeEngine:
     def _matchers(self, request: GenerationRequest, choices: int) -> list[Any]:
         """One grammar matcher per choice for a structured-output request, else Nones."""
         response_format = request.options.get("response_format")
-        if response_format is None or request.endpoint == COMPLETIONS:
+        if response_format is None:
             return [None] * choices
         if self._grammars is None:
             from batchgen.core.backends.hf_grammar import Grammars
