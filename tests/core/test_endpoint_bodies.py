@@ -199,4 +199,7 @@ def test_a_backends_choice_limit_refuses_more_choices_and_names_the_field(choice
     if choices <= limit:
         assert problem is None
     else:
-        assert problem == f"'body.n': model 'm' (transformers backend) gives at most {limit} choices per line, got {choices}"
+        assert (
+            problem
+            == f"'body.n': model 'm' (transformers backend) gives at most {limit} choices per line, got {choices}"
+        )

@@ -58,7 +58,9 @@ def _chat(request_id: str, max_tokens: int, options: dict[str, Any], **sampling:
     )
 
 
-def _completion(request_id: str, max_tokens: int, options: dict[str, Any], **sampling: Any) -> GenerationRequest:
+def _completion(
+    request_id: str, max_tokens: int, options: dict[str, Any], **sampling: Any
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
         endpoint=COMPLETIONS,
@@ -155,7 +157,16 @@ def test_structured_output_follows_the_schema_and_a_bad_schema_fails_alone(engin
         _chat("schema", 40, {"response_format": schema_format, "n": 2}, temperature=1.0, seed=3),
         _chat("object", 40, {"response_format": {"type": "json_object"}}),
         _chat("cut", 3, {"response_format": schema_format}),
-        _chat("bad", 40, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+        _chat(
+            "bad",
+            40,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+        ),
         _chat("plain", 3, {}),
     )
     schema = outcomes["schema"].result

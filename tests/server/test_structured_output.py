@@ -66,7 +66,10 @@ SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
                 "city": {"type": "string", "maxLength": 30},
                 "location": {
                     "type": "object",
-                    "properties": {"country": {"type": "string", "maxLength": 30}, "coastal": {"type": "boolean"}},
+                    "properties": {
+                        "country": {"type": "string", "maxLength": 30},
+                        "coastal": {"type": "boolean"},
+                    },
                     "required": ["country", "coastal"],
                 },
             },
@@ -105,21 +108,42 @@ def test_a_json_schema_batch_validates_against_its_schemas(server: LiveServer) -
         for name, (question, schema) in SCHEMAS.items()
     ]
     lines += [
-        chat_line(f"sampled-{name}", question, max_tokens=160, temperature=0.8, seed=4, n=2,
-                  response_format=_schema_format(name, schema))
+        chat_line(
+            f"sampled-{name}",
+            question,
+            max_tokens=160,
+            temperature=0.8,
+            seed=4,
+            n=2,
+            response_format=_schema_format(name, schema),
+        )
         for name, (question, schema) in SCHEMAS.items()
     ]
     lines += [
-        chat_line(f"object-{index}", f"Return a JSON object with the keys {keys} for {thing}.", max_tokens=200,
-                  response_format={"type": "json_object"})
+        chat_line(
+            f"object-{index}",
+            f"Return a JSON object with the keys {keys} for {thing}.",
+            max_tokens=200,
+            response_format={"type": "json_object"},
+        )
         for index, (keys, thing) in enumerate(
-            [('"name" and "colour"', "a cat"), ('"make" and "year"', "a car"), ('"city" and "sunny"', "today")]
+            [
+                ('"name" and "colour"', "a cat"),
+                ('"make" and "year"', "a car"),
+                ('"city" and "sunny"', "today"),
+            ]
         )
     ]
     bad_schema = {"type": "object", "properties": {"x": {"type": "no-such-type"}}}
     lines.append(chat_line("bad", "Hello", max_tokens=20, response_format=_schema_format("bad", bad_schema)))
-    lines.append(chat_line("cut", "Describe a famous scientist.", max_tokens=4,
-                           response_format=_schema_format("person", SCHEMAS["person"][1])))
+    lines.append(
+        chat_line(
+            "cut",
+            "Describe a famous scientist.",
+            max_tokens=4,
+            response_format=_schema_format("person", SCHEMAS["person"][1]),
+        )
+    )
     results = _run(server, lines)
     assert len(results) == len(lines)
 
@@ -152,7 +176,9 @@ def test_n_and_logprobs_in_openai_shapes(server: LiveServer) -> None:
             chat_line("logprobs", "What is 2+2?", max_tokens=10, logprobs=True, top_logprobs=4),
         ],
     )
-    results.update(_run(server, [completion_line("legacy", "The capital of France is", max_tokens=5, logprobs=2, n=2)]))
+    results.update(
+        _run(server, [completion_line("legacy", "The capital of France is", max_tokens=5, logprobs=2, n=2)])
+    )
     three = results["three"]["response"]["body"]
     assert [choice["index"] for choice in three["choices"]] == [0, 1, 2]
     texts = [choice["message"]["content"] for choice in three["choices"]]
@@ -160,7 +186,10 @@ def test_n_and_logprobs_in_openai_shapes(server: LiveServer) -> None:
     one = results["one"]["response"]["body"]
     assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"], "the prompt is counted once"
     assert three["usage"]["completion_tokens"] <= 3 * 12
-    assert three["usage"]["total_tokens"] == three["usage"]["prompt_tokens"] + three["usage"]["completion_tokens"]
+    assert (
+        three["usage"]["total_tokens"]
+        == three["usage"]["prompt_tokens"] + three["usage"]["completion_tokens"]
+    )
 
     choice = results["logprobs"]["response"]["body"]["choices"][0]
     content = choice["logprobs"]["content"]
@@ -179,4 +208,7 @@ def test_n_and_logprobs_in_openai_shapes(server: LiveServer) -> None:
     assert logprobs["text_offset"][0] == len("The capital of France is")
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
     # The end-of-sequence token, when one ended the answer, is counted but not listed.
-    assert legacy["usage"]["completion_tokens"] in (2 * len(logprobs["tokens"]), 2 * len(logprobs["tokens"]) + 2)
+    assert legacy["usage"]["completion_tokens"] in (
+        2 * len(logprobs["tokens"]),
+        2 * len(logprobs["tokens"]) + 2,
+    )

@@ -93,7 +93,11 @@ def unsupported_problem(
             f"{' or '.join(missing)}; remove the field or use a model whose backend supports it"
         )
     choices = getattr(body, "n", None)
-    if capabilities.max_choices is not None and isinstance(choices, int) and choices > capabilities.max_choices:
+    if (
+        capabilities.max_choices is not None
+        and isinstance(choices, int)
+        and choices > capabilities.max_choices
+    ):
         return (
             f"'body.n': model {model!r} ({backend_name} backend) gives at most "
             f"{capabilities.max_choices} choices per line, got {choices}"

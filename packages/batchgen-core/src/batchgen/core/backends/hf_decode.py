@@ -6,12 +6,17 @@
    their prompts are prefilled together, left-padded, and their key/value cache is merged into
    the running batch's cache (both left-padded to the same length, with an attention mask);
 2. decodes one token for every running row, each row with its own sampling settings (greedy,
-   or temperature / top-k / top-p with its own random generator when it has a ``seed``);
+   or temperature / top-k / top-p with its own random generator when it has a ``seed``), its
+   logits first masked by its structured-output grammar when it has one (``hf_grammar``), and
+   its token's log-probabilities recorded when the line asked for them;
 3. ends the rows that are done (end of sequence, their own output limit, a stop string, an abort)
    and drops them from the batch at once, so their places are free for the next step.
 
 A finished row's place is refilled at the next step rather than when the whole batch is done, and
 no row pays for another's length: this is why the service beats a plain padded ``generate``.
+
+A request with ``n`` choices is ``n`` rows (choice ``i`` seeded with ``seed + i``); its outcome
+comes when the last of them ends, shaped by ``hf_choices``.
 
 Nothing here knows about processes or the event loop: ``hf_worker`` runs an engine in its own
 process and feeds it. Usage is exact: prompt tokens are the request's own (no padding),
@@ -201,6 +206,12 @@ class DecodeEngine:
         except RequestRejected as exc:
             self._finished.append(
                 Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
+            )
+            return
+        except Exception as exc:  # e.g. xgrammar missing: this line fails, the worker goes on
+            message = f"structured output is not available here: {type(exc).__name__}: {exc}"
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, message, "invalid_request"))
             )
             return
         top_logprobs = logprobs_asked(request.endpoint, request.options)
@@ -420,11 +431,11 @@ class DecodeEngine:
         """Each row's chosen token's log-probability and its step's most likely tokens (raw logits)."""
         logprobs = logits.float().log_softmax(dim=-1)
         most = max(row.top_logprobs or 0 for row in rows)
-        top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
+        top_values, top_ids = logprobs.topk(max(most, 1), dim=-1)
         for index, row in enumerate(rows):
             token = row.generated[-1]
             top: tuple[tuple[int, float], ...] = ()
-            if row.top_logprobs and top_ids is not None:
+            if row.top_logprobs:
                 ids = top_ids[index, : row.top_logprobs].tolist()
                 values = top_values[index, : row.top_logprobs].tolist()
                 top = tuple(zip(ids, values, strict=True))

@@ -8,7 +8,8 @@ imports torch. Requests go to the worker through a pipe; results and token count
 
 The worker generates with continuous batching (``hf_decode``): up to ``max_batch_size`` requests
 run together, each with its own sampling settings and output limit, and a finished row's place is
-taken by a waiting request at the next step. The model computes in ``dtype`` (``auto``: bfloat16 on
+taken by a waiting request at the next step. It honours ``response_format`` (a grammar per row,
+``hf_grammar``), ``logprobs``/``top_logprobs`` and ``n`` up to ``MAX_CHOICES`` (``hf_choices``). The model computes in ``dtype`` (``auto``: bfloat16 on
 CUDA and on CPUs with native bfloat16 instructions, float32 on other CPUs; see ``hf_dtype``).
 
 Health comes from the worker's heartbeat. A worker that dies (a crash, the OOM killer, SIGKILL)
