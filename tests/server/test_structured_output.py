@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 import pytest
 
 from tests.helpers import chat_line, completion_line, file_lines, submit, wait_for_status
@@ -98,6 +97,12 @@ def _run(server: LiveServer, lines: list[dict[str, Any]]) -> dict[str, dict[str,
     return {line["custom_id"]: line for line in output}
 
 
+def _validate(value: Any, schema: dict[str, Any]) -> None:
+    import jsonschema  # a tests-session dependency (the unit session collects this module without it)
+
+    jsonschema.validate(value, schema)
+
+
 def _schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
@@ -153,7 +158,7 @@ def test_a_json_schema_batch_validates_against_its_schemas(server: LiveServer) -
             assert len(body["choices"]) == (1 if custom_id == name else 2)
             for choice in body["choices"]:
                 assert choice["finish_reason"] == "stop", choice
-                jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+                _validate(json.loads(choice["message"]["content"]), schema)
     for index in range(3):
         choice = results[f"object-{index}"]["response"]["body"]["choices"][0]
         assert choice["finish_reason"] == "stop", choice
@@ -212,3 +217,21 @@ def test_n_and_logprobs_in_openai_shapes(server: LiveServer) -> None:
         2 * len(logprobs["tokens"]),
         2 * len(logprobs["tokens"]) + 2,
     )
+
+
+def test_a_responses_line_with_a_json_schema_text_format(server: LiveServer) -> None:
+    question, schema = SCHEMAS["distance"]
+    line = {
+        "custom_id": "resp",
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {
+            "model": "default",
+            "input": question,
+            "max_output_tokens": 120,
+            "text": {"format": {"type": "json_schema", "name": "distance", "schema": schema, "strict": True}},
+        },
+    }
+    body = _run(server, [line])["resp"]["response"]["body"]
+    assert body["status"] == "completed", body
+    _validate(json.loads(body["output_text"]), schema)
