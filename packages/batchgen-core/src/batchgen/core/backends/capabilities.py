@@ -34,6 +34,8 @@ class Capabilities:
 
     endpoints: frozenset[str] = frozenset({CHAT_COMPLETIONS, COMPLETIONS})
     features: frozenset[str] = frozenset()
+    #: The most choices (``n``) one line may ask for; None: no limit of the backend's own.
+    max_choices: int | None = None
 
     def serves(self, endpoint: str) -> bool:
         if endpoint == RESPONSES:
@@ -89,6 +91,16 @@ def unsupported_problem(
         return (
             f"{fields}: model {model!r} ({backend_name} backend) does not support "
             f"{' or '.join(missing)}; remove the field or use a model whose backend supports it"
+        )
+    choices = getattr(body, "n", None)
+    if (
+        capabilities.max_choices is not None
+        and isinstance(choices, int)
+        and choices > capabilities.max_choices
+    ):
+        return (
+            f"'body.n': model {model!r} ({backend_name} backend) gives at most "
+            f"{capabilities.max_choices} choices per line, got {choices}"
         )
     return None
 

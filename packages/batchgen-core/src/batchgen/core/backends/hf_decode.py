@@ -6,12 +6,17 @@
    their prompts are prefilled together, left-padded, and their key/value cache is merged into
    the running batch's cache (both left-padded to the same length, with an attention mask);
 2. decodes one token for every running row, each row with its own sampling settings (greedy,
-   or temperature / top-k / top-p with its own random generator when it has a ``seed``);
+   or temperature / top-k / top-p with its own random generator when it has a ``seed``), its
+   logits first masked by its structured-output grammar when it has one (``hf_grammar``), and
+   its token's log-probabilities recorded when the line asked for them;
 3. ends the rows that are done (end of sequence, their own output limit, a stop string, an abort)
    and drops them from the batch at once, so their places are free for the next step.
 
 A finished row's place is refilled at the next step rather than when the whole batch is done, and
 no row pays for another's length: this is why the service beats a plain padded ``generate``.
+
+A request with ``n`` choices is ``n`` rows (choice ``i`` seeded with ``seed + i``); its outcome
+comes when the last of them ends, shaped by ``hf_choices``.
 
 Nothing here knows about processes or the event loop: ``hf_worker`` runs an engine in its own
 process and feeds it. Usage is exact: prompt tokens are the request's own (no padding),
@@ -30,6 +35,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends.base import RequestRejected, context_length_exceeded
+from batchgen.core.backends.hf_choices import Choice, TokenLogprob, combined_result, logprobs_asked
 from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages, trim_at_stop
 from batchgen.core.models import COMPLETIONS, GenerationRequest, GenerationResult
 
@@ -68,18 +74,32 @@ class EngineInfo:
 
 @attrs.define(eq=False)
 class _Row:
-    """One request: waiting for a place, or in the running batch."""
+    """One choice of a request: waiting for a place, or in the running batch."""
 
     request: GenerationRequest
     prompt: list[int]
     limit: int
     opens_reasoning: bool
     generator: Any = None  # a torch.Generator for a seeded sampling row
+    choice: int = 0
+    top_logprobs: int | None = None  # None: no logprobs asked for
+    matcher: Any = None  # the structured-output grammar's matcher (``hf_grammar``), if any
     generated: list[int] = attrs.Factory(list)
+    logprobs: list[TokenLogprob] = attrs.Factory(list)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+@attrs.define(eq=False)
+class _Group:
+    """A request's rows (one per choice, ``n``) until the last of them ends."""
+
+    request: GenerationRequest
+    remaining: int
+    choices: dict[int, Choice] = attrs.Factory(dict)
+    failure: Failure | None = None
 
 
 class DecodeEngine:
@@ -105,6 +125,8 @@ class DecodeEngine:
         self._running: list[_Row] = []
         self._aborted: set[str] = set()
         self._finished: list[Outcome] = []
+        self._groups: dict[str, _Group] = {}
+        self._grammars: Any = None  # hf_grammar.Grammars, made at the first structured-output line
         # The running batch: its cache, attention mask, next input token and position per row.
         self._cache: Any = None
         self._mask: Any = None
@@ -133,6 +155,7 @@ class DecodeEngine:
         model_context = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
         limits = [limit for limit in (self._context_arg, model_context) if limit]
         self.context_length = min(limits) if limits else 2048
+        self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
         eos = self._model.generation_config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self._pad_id = self._tokenizer.pad_token_id
@@ -177,25 +200,56 @@ class DecodeEngine:
             self._finished.append(Outcome(request.request_id, failure=failure))
             return
         limit = min(request.sampling.max_tokens, self.context_length - len(ids))
-        generator = None
-        if not request.sampling.greedy and request.sampling.seed is not None:
-            import torch
+        choices = int(request.options.get("n") or 1)
+        try:
+            matchers = self._matchers(request, choices)
+        except RequestRejected as exc:
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
+            )
+            return
+        except Exception as exc:  # e.g. xgrammar missing: this line fails, the worker goes on
+            message = f"structured output is not available here: {type(exc).__name__}: {exc}"
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, message, "invalid_request"))
+            )
+            return
+        top_logprobs = logprobs_asked(request.endpoint, request.options)
+        self._groups[request.request_id] = _Group(request, choices)
+        for choice in range(choices):
+            generator = None
+            if not request.sampling.greedy and request.sampling.seed is not None:
+                import torch
 
-            generator = torch.Generator(device=self._device).manual_seed(request.sampling.seed)
-        self._waiting.append(_Row(request, ids, limit, opens_reasoning, generator))
+                # Each choice its own stream: the same seed gives the same n answers, not n copies.
+                generator = torch.Generator(device=self._device).manual_seed(request.sampling.seed + choice)
+            self._waiting.append(
+                _Row(request, ids, limit, opens_reasoning, generator, choice, top_logprobs, matchers[choice])
+            )
+
+    def _matchers(self, request: GenerationRequest, choices: int) -> list[Any]:
+        """One grammar matcher per choice for a structured-output request, else Nones."""
+        response_format = request.options.get("response_format")
+        if response_format is None:
+            return [None] * choices
+        if self._grammars is None:
+            from batchgen.core.backends.hf_grammar import Grammars
+
+            self._grammars = Grammars(self._tokenizer, self._vocab_size, sorted(self._eos_ids))
+        return [self._grammars.matcher(response_format) for _ in range(choices)]
 
     def abort(self, request_id: str) -> None:
         """End the request at the next step (harmless for an unknown or finished one)."""
-        if any(row.request_id == request_id for row in (*self._waiting, *self._running)):
+        if request_id in self._groups:
             self._aborted.add(request_id)
 
     def fail_all(self, message: str) -> list[Outcome]:
         """End every request with a transient failure (the engine broke); the batch is dropped."""
         outcomes = self._finished + [
-            Outcome(row.request_id, failure=Failure(TRANSIENT, message))
-            for row in (*self._waiting, *self._running)
+            Outcome(request_id, failure=Failure(TRANSIENT, message)) for request_id in self._groups
         ]
         self._finished, self._running, self._aborted = [], [], set()
+        self._groups = {}
         self._waiting.clear()
         self._cache = self._mask = self._next_ids = self._positions = None
         return outcomes
@@ -232,11 +286,36 @@ class DecodeEngine:
         keep: deque[_Row] = deque()
         for row in self._waiting:
             if row.request_id in self._aborted:
-                self._aborted.discard(row.request_id)
-                self._finished.append(Outcome(row.request_id, failure=Failure(ABORTED, "aborted")))
+                self._row_ended(row, failure=Failure(ABORTED, "aborted"))
             else:
                 keep.append(row)
         self._waiting = keep
+
+    def _row_ended(self, row: _Row, *, choice: Choice | None = None, failure: Failure | None = None) -> None:
+        """Record one row's end; the request's outcome comes when its last row has ended."""
+        group = self._groups[row.request_id]
+        if choice is not None:
+            group.choices[row.choice] = choice
+        elif group.failure is None:
+            group.failure = failure
+        group.remaining -= 1
+        if group.remaining > 0:
+            return
+        del self._groups[row.request_id]
+        self._aborted.discard(row.request_id)
+        if group.failure is not None:
+            self._finished.append(Outcome(row.request_id, failure=group.failure))
+            return
+        request = group.request
+        choices = [group.choices[index] for index in sorted(group.choices)]
+        keep_choices = len(choices) > 1 or choices[0].logprobs is not None
+        result = combined_result(
+            request.endpoint, request.prompt or "", len(row.prompt), choices, self._token_text, keep_choices
+        )
+        self._finished.append(Outcome(row.request_id, result=result))
+
+    def _token_text(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
 
     def _admit(self) -> bool:
         """Prefill waiting rows into free places; whether any were admitted this step."""
@@ -325,6 +404,12 @@ class DecodeEngine:
         """The next token of every row (recorded in its ``generated``), as a tensor on the device."""
         import torch
 
+        raw = logits
+        constrained = [index for index, row in enumerate(rows) if row.matcher is not None]
+        if constrained:
+            logits = logits.to(torch.float32, copy=True)
+            for index in constrained:
+                rows[index].matcher.mask(logits[index])
         chosen = logits.argmax(dim=-1)
         sampled = [index for index, row in enumerate(rows) if not row.request.sampling.greedy]
         if sampled:
@@ -334,7 +419,27 @@ class DecodeEngine:
         tokens = chosen.tolist()
         for row, token in zip(rows, tokens, strict=True):
             row.generated.append(token)
+            if row.matcher is not None:
+                row.matcher.accept(token)
+        wanted = [index for index, row in enumerate(rows) if row.top_logprobs is not None]
+        if wanted:
+            self._record_logprobs([rows[index] for index in wanted], raw[wanted])
         return chosen.to(torch.long)
+
+    @staticmethod
+    def _record_logprobs(rows: list[_Row], logits: Any) -> None:
+        """Each row's chosen token's log-probability and its step's most likely tokens (raw logits)."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        most = max(row.top_logprobs or 0 for row in rows)
+        top_values, top_ids = logprobs.topk(max(most, 1), dim=-1)
+        for index, row in enumerate(rows):
+            token = row.generated[-1]
+            top: tuple[tuple[int, float], ...] = ()
+            if row.top_logprobs:
+                ids = top_ids[index, : row.top_logprobs].tolist()
+                values = top_values[index, : row.top_logprobs].tolist()
+                top = tuple(zip(ids, values, strict=True))
+            row.logprobs.append(TokenLogprob(token, float(logprobs[index, token]), top))
 
     def _end_finished_rows(self) -> None:
         if not self._running:
@@ -342,10 +447,9 @@ class DecodeEngine:
         keep: list[int] = []
         for index, row in enumerate(self._running):
             if row.request_id in self._aborted:
-                self._aborted.discard(row.request_id)
-                self._finished.append(Outcome(row.request_id, failure=Failure(ABORTED, "aborted")))
+                self._row_ended(row, failure=Failure(ABORTED, "aborted"))
             elif self._row_done(row):
-                self._finished.append(Outcome(row.request_id, result=self._result(row)))
+                self._row_ended(row, choice=self._choice(row))
             else:
                 keep.append(index)
         if len(keep) == len(self._running):
@@ -373,6 +477,8 @@ class DecodeEngine:
     def _row_done(self, row: _Row) -> bool:
         if row.generated[-1] in self._eos_ids or len(row.generated) >= row.limit:
             return True
+        if row.matcher is not None and row.matcher.finished:
+            return True
         stops = row.request.sampling.stop
         if stops:
             _, hit = trim_at_stop(self._tokenizer.decode(row.generated, skip_special_tokens=True), stops)
@@ -380,23 +486,21 @@ class DecodeEngine:
         return False
 
     # --- results --------------------------------------------------------------------------
-    def _result(self, row: _Row) -> GenerationResult:
+    def _choice(self, row: _Row) -> Choice:
         generated = row.generated
         ended = bool(generated) and generated[-1] in self._eos_ids
-        finish_reason = "stop" if ended else "length"
+        finish_reason = "stop" if ended or (row.matcher is not None and row.matcher.finished) else "length"
         text = self._tokenizer.decode(generated, skip_special_tokens=True)
         if row.request.sampling.stop:
             generated, text, hit = self._apply_stop(generated, row.request.sampling.stop)
             if hit:
                 finish_reason = "stop"
         answer, reasoning = split_reasoning(text, opened_by_prompt=row.opens_reasoning)
-        return GenerationResult(
-            text=answer,
-            finish_reason=finish_reason,
-            prompt_tokens=len(row.prompt),
-            completion_tokens=len(generated),
-            reasoning_content=reasoning,
-        )
+        logprobs = None
+        if row.top_logprobs is not None:
+            listed = len(generated) - (1 if generated and generated[-1] in self._eos_ids else 0)
+            logprobs = tuple(row.logprobs[:listed])
+        return Choice(answer, finish_reason, len(generated), reasoning, logprobs)
 
     def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
         """Cut at the first stop string; count the tokens up to the one that completed it."""

@@ -8,7 +8,8 @@ imports torch. Requests go to the worker through a pipe; results and token count
 
 The worker generates with continuous batching (``hf_decode``): up to ``max_batch_size`` requests
 run together, each with its own sampling settings and output limit, and a finished row's place is
-taken by a waiting request at the next step. The model computes in ``dtype`` (``auto``: bfloat16 on
+taken by a waiting request at the next step. It honours ``response_format`` (a grammar per row,
+``hf_grammar``), ``logprobs``/``top_logprobs`` and ``n`` up to ``MAX_CHOICES`` (``hf_choices``). The model computes in ``dtype`` (``auto``: bfloat16 on
 CUDA and on CPUs with native bfloat16 instructions, float32 on other CPUs; see ``hf_dtype``).
 
 Health comes from the worker's heartbeat. A worker that dies (a crash, the OOM killer, SIGKILL)
@@ -43,6 +44,7 @@ from batchgen.core.backends.base import (
     RequestRejected,
     TransientBackendError,
 )
+from batchgen.core.backends.capabilities import CHOICES, LOGPROBS, RESPONSE_FORMAT, Capabilities
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
 from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
 from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
@@ -58,6 +60,8 @@ MAX_WORKER_DEATHS = 3
 STOP_WAIT_S = 15.0
 #: How long a heartbeat may be late before ``health`` says so.
 HEARTBEAT_LATE_S = 10 * HEARTBEAT_S
+#: The most choices (``n``) one line may ask for: each choice is a row of the decode batch.
+MAX_CHOICES = 8
 
 
 @attrs.define(eq=False)
@@ -90,6 +94,10 @@ class _Worker:
 
 class TransformersBackend:
     name = "transformers"
+    #: Structured output (``hf_grammar``), logprobs and several choices (``hf_choices``).
+    capabilities = Capabilities(
+        features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES}), max_choices=MAX_CHOICES
+    )
 
     def __init__(
         self,
