@@ -82,6 +82,40 @@ def service_run(storage: Path, lines: int, per_line: int, batch_size: int) -> fl
     return run_s
 
 
+def measure(storage: Path, lines: int, per_line: int, batch_size: int) -> dict[str, object]:
+    """The service's and the direct calls' rates for the same texts, and their ratio."""
+    count = lines * per_line
+    # direct, service, direct: the mean of the two direct runs cancels a steady drift in the
+    # machine's load over the run
+    before_s = direct_run(storage, texts(count), batch_size)
+    service_s = service_run(storage, lines, per_line, batch_size)
+    after_s = direct_run(storage, texts(count), batch_size)
+    direct_s = (before_s + after_s) / 2
+    return {
+        "model": "all-MiniLM-L6-v2",
+        "lines": lines,
+        "inputs_per_line": per_line,
+        "embeddings": count,
+        "batch_size": batch_size,
+        "service_s": round(service_s, 2),
+        "service_embeddings_per_s": round(count / service_s, 1),
+        "direct_s": round(direct_s, 2),
+        "direct_before_after_s": [round(before_s, 2), round(after_s, 2)],
+        "direct_embeddings_per_s": round(count / direct_s, 1),
+        "ratio": round(direct_s / service_s, 3),
+    }
+
+
+def report(figures: dict[str, object]) -> None:
+    """The figures as readable lines (the caller prints the JSON line)."""
+    print(f"service (batchgen-server, embeddings): {figures['service_embeddings_per_s']} embeddings/s")
+    print(
+        f"direct model calls, batches of {figures['batch_size']}:  "
+        f"{figures['direct_embeddings_per_s']} embeddings/s"
+    )
+    print(f"ratio service / direct: {figures['ratio']} (target >= 0.9)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=512)
@@ -89,35 +123,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="direct batch size, and the service's")
     parser.add_argument("--storage-path", default=None, help="server storage (holds the extracted model)")
     args = parser.parse_args()
-    count = args.lines * args.inputs_per_line
     with tempfile.TemporaryDirectory() as scratch:
         storage = Path(args.storage_path or scratch)
-        # direct, service, direct: the mean of the two direct runs cancels a steady drift in the
-        # machine's load over the run
-        before_s = direct_run(storage, texts(count), args.batch_size)
-        service_s = service_run(storage, args.lines, args.inputs_per_line, args.batch_size)
-        after_s = direct_run(storage, texts(count), args.batch_size)
-        direct_s = (before_s + after_s) / 2
-    figures = {
-        "model": "all-MiniLM-L6-v2",
-        "lines": args.lines,
-        "inputs_per_line": args.inputs_per_line,
-        "embeddings": count,
-        "batch_size": args.batch_size,
-        "service_s": round(service_s, 2),
-        "service_embeddings_per_s": round(count / service_s, 1),
-        "direct_s": round(direct_s, 2),
-        "direct_before_after_s": [round(before_s, 2), round(after_s, 2)],
-        "direct_embeddings_per_s": round(count / direct_s, 1),
-        "ratio": round(direct_s / service_s, 3),
-        "cpus": os.cpu_count(),
-        "load_1min": round(os.getloadavg()[0], 2),
-    }
-    print(f"service (batchgen-server, embeddings): {figures['service_embeddings_per_s']} embeddings/s")
-    print(
-        f"direct model calls, batches of {args.batch_size}:  {figures['direct_embeddings_per_s']} embeddings/s"
-    )
-    print(f"ratio service / direct: {figures['ratio']} (target >= 0.9)")
+        figures = measure(storage, args.lines, args.inputs_per_line, args.batch_size)
+    figures |= {"cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2)}
+    report(figures)
     print(json.dumps(figures))
 
 

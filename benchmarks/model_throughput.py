@@ -12,6 +12,9 @@ requests as one batch, and in the same run generates the same prompts with plain
 All count the tokens each request generated (up to and including its end-of-sequence token) over
 the wall time of the generation. Prints the rates and the ratios service / plain, then one JSON
 line. ``--service-flag`` passes more flags to the server (``--service-flag=--dtype=float32``).
+It then runs the embeddings figure of ``embedding_throughput.py`` (``--embedding-lines`` texts
+through the service's all-MiniLM-L6-v2 against the same model called directly; 0 skips it), whose
+figures are the JSON line's ``embeddings`` entry.
 
     python benchmarks/model_throughput.py [--requests 64] [--max-tokens 64] [--model PATH]
 """
@@ -25,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import embedding_throughput
 from running_server import run_batch, running_server
 
 from batchgen.core.backends.hf_model_files import resolve_model_folder
@@ -115,6 +119,9 @@ def main() -> None:
         "--model", default=None, help="a Hugging Face folder or GGUF (default: packaged SmolLM2)"
     )
     parser.add_argument(
+        "--embedding-lines", type=int, default=512, help="texts for the embeddings figure (0: skip it)"
+    )
+    parser.add_argument(
         "--storage-path",
         default=None,
         help="server storage (holds the converted model cache); default: a temp dir",
@@ -130,6 +137,11 @@ def main() -> None:
         plain_tokens, plain_s = plain_generate(folder, args.requests, args.max_tokens, args.batch_size)
         best_tokens, best_s = plain_generate(
             folder, args.requests, args.max_tokens, args.requests, dtype=best_dtype
+        )
+        embeddings = (
+            embedding_throughput.measure(storage, args.embedding_lines, 1, 64)
+            if args.embedding_lines
+            else None
         )
     service_rate = service_tokens / service_s
     figures = {
@@ -151,6 +163,7 @@ def main() -> None:
         "best_plain_s": round(best_s, 2),
         "best_plain_tokens_per_s": round(best_tokens / best_s, 1),
         "ratio_to_best_plain": round(service_rate / (best_tokens / best_s), 3),
+        "embeddings": embeddings,
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
@@ -167,6 +180,8 @@ def main() -> None:
     )
     print(f"ratio service / plain float32 batches of {args.batch_size}: {figures['ratio']}")
     print(f"ratio service / best plain: {figures['ratio_to_best_plain']}")
+    if embeddings is not None:
+        embedding_throughput.report(embeddings)
     print(json.dumps(figures))
 
 
