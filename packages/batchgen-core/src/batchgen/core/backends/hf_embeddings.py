@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,10 @@ class EmbeddingsBackend:
         if self._model is not None:
             return
         try:
-            await anyio.to_thread.run_sync(self.load)
+            # On the model thread, so that the thread and torch's compute threads (made at the
+            # warm-up pass) exist before the server lowers its own priority (``--api-nice``):
+            # they keep the priority the process started with, as a worker process would.
+            await self._on_model_thread(self._load_and_warm_up)
         except BackendUnavailable:
             raise
         except Exception as exc:
@@ -268,8 +272,16 @@ class EmbeddingsBackend:
             for pending in taken:
                 pending.done.set()
 
+    def _load_and_warm_up(self) -> None:
+        self.load()
+        self.embed_texts(["warm-up"])
+
     async def _in_model_thread(self, taken: list[_Pending]) -> None:
-        """Run ``_embed_requests`` on the one model thread and wait for it.
+        """Run ``_embed_requests`` on the one model thread and wait for it."""
+        await self._on_model_thread(lambda: self._embed_requests(taken))
+
+    async def _on_model_thread(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the one model thread and wait for it.
 
         Always the same thread: torch keeps a pool of compute threads per calling thread, and
         pools left behind by other threads would compete with the current one for the CPUs.
@@ -282,7 +294,7 @@ class EmbeddingsBackend:
 
         def work() -> None:
             try:
-                self._embed_requests(taken)
+                call()
                 outcome.append(None)
             except BaseException as exc:  # handed to the waiting task
                 outcome.append(exc)
