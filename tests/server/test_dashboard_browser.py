@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # imported when a test runs: `nox -s unit` (no playwright) on
     from playwright.sync_api import Browser, Page, Route
 
 from tests.helpers import chat_line, submit, wait_for_status
+from tests.keys import authorized, create_key
 from tests.live import LiveServer
 
 pytestmark = [pytest.mark.live, pytest.mark.browser]
@@ -187,6 +188,32 @@ def test_the_page_asks_for_an_api_key_and_sends_it_on_every_call(live_server: Li
     assert seen and all(call["authorization"] == "Bearer sk-right" for call in seen)
     assert {"/v1/pool/status", "/v1/batches"} <= {call["url"].split("?")[0].removeprefix(live_server.base_url)
                                                    for call in seen}  # fmt: skip
+
+
+def test_the_page_works_with_a_server_that_has_real_api_keys(
+    tmp_path: Path, server_factory: Callable[..., LiveServer], page: Page
+) -> None:
+    """Against a server with keys made by ``batchgen-server keys create``: the page itself opens
+    without a key, asks for one, refuses a wrong one, and with a tenant's key shows that tenant's
+    batch and not another tenant's."""
+    storage = tmp_path / "keyed"
+    storage.mkdir()
+    _, own_key = create_key(storage, "alice")
+    _, other_key = create_key(storage, "bob")
+    server = server_factory(storage="keyed")
+    with authorized(server.base_url, own_key) as alice, authorized(server.base_url, other_key) as bob:
+        own = submit(alice, [chat_line("alice-line")])
+        other = submit(bob, [chat_line("bob-line")])
+    page.goto(server.base_url + "/")
+    page.wait_for_selector("#key-prompt[open]")
+    page.fill("#key-input", "bg-000000000000-" + "0" * 64)
+    page.click("#key-submit")
+    page.wait_for_function("() => document.getElementById('key-message').textContent.includes('refused')")
+    page.fill("#key-input", own_key)
+    page.click("#key-submit")
+    page.wait_for_selector(f'tr[data-batch-id="{own["id"]}"]')
+    assert not page.is_visible("#key-prompt")
+    assert page.locator(f'tr[data-batch-id="{other["id"]}"]').count() == 0
 
 
 def test_the_batch_table_pages_newest_first(server_factory: Callable[..., LiveServer], page: Page) -> None:
