@@ -8,6 +8,7 @@ real app (the ``api`` fixtures in ``tests/conftest.py``), which is an ``httpx.Cl
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -145,3 +146,19 @@ def api_error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 #: The ``api_factory`` fixture (tests/conftest.py): in-process servers made from command-line flags.
 ApiFactory = Callable[..., httpx.Client]
+
+
+def read_terminal(controller: int) -> bytes:
+    """Everything a child process writes to a pseudo-terminal, read from its ``controller`` end
+    until the child closes its side; the controller is closed after."""
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process has closed its end
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    return shown

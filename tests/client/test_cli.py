@@ -29,6 +29,7 @@ from batchgen.client.cli import (
     _batch_options,
     build_parser,
 )
+from tests.helpers import read_terminal
 from tests.live import LiveServer, chat_line, free_port, start_server, write_jsonl
 
 LONG_PROMPT = "word " * 200  # over --max-context-length 50: an error line
@@ -132,16 +133,7 @@ def test_submit_draws_a_progress_line_on_a_terminal(server: LiveServer, tmp_path
         command(*args, "--base-url", server.base_url), stdout=subprocess.PIPE, stderr=terminal
     )
     os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the process has closed its end
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(controller)
+    shown = read_terminal(controller)
     stdout, _ = process.communicate(timeout=30)
     assert process.returncode == EXIT_OK
     assert json.loads(stdout)["status"] == "completed"

@@ -19,7 +19,7 @@ from batchgen.client import BatchGenHttpClient, RetryPolicy
 from batchgen.client._watch import BatchBoard, active_batch_ids, watch_batches
 from batchgen.client.cli import EXIT_BATCH_FAILED, EXIT_OK, EXIT_SERVER_ERROR
 from tests.client.scripted_api import error_body
-from tests.helpers import chat_line, submit
+from tests.helpers import chat_line, read_terminal, submit
 from tests.live import LiveServer
 
 BASE = "http://batchgen.test"
@@ -244,16 +244,7 @@ def test_watch_draws_bars_in_place_on_a_terminal(server_factory: Any, tmp_path: 
         stdout=subprocess.PIPE, stderr=terminal,
     )  # fmt: skip
     os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the process has closed its end
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(controller)
+    shown = read_terminal(controller)
     assert process.wait(timeout=60) == EXIT_OK
     text = shown.decode()
     assert "\x1b[1A" in text  # the line was redrawn

@@ -23,21 +23,16 @@ from tests.live import LiveServer, free_port, start_server
 pytestmark = pytest.mark.live
 
 
+def _server_command(storage: Path, port: int, *flags: str) -> list[str]:
+    """``batchgen-server`` on the simulated backend with ``storage`` on ``port``, and ``flags``."""
+    command = [sys.executable, "-m", "batchgen.server.cli", "--backend", "simulated"]
+    return [*command, "--storage-path", str(storage), "--port", str(port), *flags]
+
+
 def _serve(storage: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     """Run the server command expecting it to refuse to start (it must exit by itself)."""
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchgen.server.cli",
-            "--backend",
-            "simulated",
-            "--storage-path",
-            str(storage),
-            "--port",
-            str(free_port()),
-            *flags,
-        ],
+        _server_command(storage, free_port(), *flags),
         capture_output=True,
         text=True,
         timeout=60,
@@ -96,21 +91,7 @@ def test_https_with_a_certificate_serves_the_openai_sdk(tmp_path: Path) -> None:
     port = free_port()
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - handed to the child process
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchgen.server.cli",
-            "--backend",
-            "simulated",
-            "--storage-path",
-            str(storage),
-            "--port",
-            str(port),
-            "--ssl-certfile",
-            str(cert_path),
-            "--ssl-keyfile",
-            str(key_path),
-        ],
+        _server_command(storage, port, "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(key_path)),
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
