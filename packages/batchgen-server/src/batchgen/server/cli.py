@@ -40,6 +40,7 @@ from batchgen.server.model_specs import (
     load_models_config,
     parse_model_spec,
 )
+from batchgen.server.priority import parse_api_nice
 from batchgen.server.settings import EMBEDDINGS_BACKEND, ServerSettings
 
 _DEFAULTS = ServerSettings()
@@ -63,15 +64,7 @@ def _positive_seconds(text: str) -> float:
 _POSITIVE_FLOAT = command_line_type(_positive_seconds)
 
 
-def _niceness(text: str) -> int:
-    """A nice increment from 0 to 19."""
-    value = int(text)
-    if not 0 <= value <= 19:
-        raise ValueError(f"must be from 0 to 19, got {value}")
-    return value
-
-
-_NICENESS = command_line_type(_niceness)
+_API_NICE = command_line_type(parse_api_nice)
 
 
 def build_parser(
@@ -249,11 +242,14 @@ def build_parser(
     )
     add(
         "--api-nice",
-        type=_NICENESS,
+        type=_API_NICE,
         default=_DEFAULTS.api_nice,
-        help="once the backend has started, the server raises its own nice value by this much, so "
-        "that on a busy CPU the model's work comes first and polling clients cannot slow it; 0 "
-        "keeps the priority it was started with",
+        metavar="{0-19,idle}",
+        help="once the backend has started, the server lowers its own priority so that on a busy "
+        "CPU the model's work comes first and polling clients cannot slow it: raise its nice "
+        "value by this much (with a short scheduler slice, so polls are still answered "
+        "promptly), or idle (Linux SCHED_IDLE: the API runs only on CPU time the model leaves; "
+        "polls may wait for the model's next pause); 0 keeps the priority it was started with",
     )
     add(
         "--log-level",

@@ -1,34 +1,116 @@
-"""The API side yields the CPU to the model: ``lower_api_priority`` raises the server's nice value.
+"""The API side yields the CPU to the model: ``lower_api_priority`` lowers the server's priority.
 
 When cores are scarce (two, say), the HTTP side (the event loop answering polls, JSON, logging)
 competes with the model for them. The model's work comes first: once the service has started
-(and with it any model worker process), the server raises its own nice value by ``--api-nice``
-(10 by default), so that the scheduler gives the model the cores whenever both want them, and the
-API still answers at once when the model does not need them all.
+(and with it any model worker process), the server lowers its own priority as ``--api-nice``
+says.
 
-On Linux the nice value belongs to each thread, and a new thread or process inherits its
-creator's: the raise applies to the thread running the app (the event loop) and to everything it
-starts from then on, not to threads started before it, such as the transformers backend's
-supervisor thread, which starts its worker processes (so a restarted worker keeps the priority
-the first one had). Nothing can lower the value again without privileges, so it is raised once.
+- A number from 1 to 19 (default 10) raises the nice value by that much: with the model wanting
+  every core, the scheduler gives the API a small share of the CPU (about a tenth of one torch
+  thread's at +10), so a client polling in a tight loop waits for its answers instead of taking
+  a core. Along with it the API asks for a short scheduler slice (``API_SLICE_NS``; Linux 6.12
+  and later honour it through ``sched_setattr``, older kernels ignore it): a woken API thread is
+  then picked soon, so an occasional poll is answered quickly even though the API's share is
+  small.
+- ``idle`` takes Linux's ``SCHED_IDLE`` policy instead, below even nice 19: the API runs only on
+  CPU time the model leaves, so polls may wait for a busy model's next pause (hundreds of
+  milliseconds on a CPU-bound model). Where ``SCHED_IDLE`` does not exist, it means +19.
+- 0 leaves the priority alone.
+
+On Linux the policy, nice value and slice belong to each thread, and a new thread or process
+inherits its creator's: the change applies to the thread running the app (the event loop) and to
+everything it starts from then on, not to threads started before it, such as the transformers
+backend's supervisor thread, which reads the worker's results and heartbeats and starts its
+worker processes (so a restarted worker keeps the priority the first one had). Nothing can undo
+the change without privileges, so it is made once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
+from typing import Literal
 
 logger = logging.getLogger("batchgen.server")
 
+#: ``--api-nice idle``: the API runs only on CPU time the model leaves (``SCHED_IDLE``).
+IDLE: Literal["idle"] = "idle"
+ApiNice = int | Literal["idle"]
 
-def lower_api_priority(increment: int) -> int | None:
-    """Raise the calling thread's nice value by ``increment`` (0: leave it); the new value, or None."""
-    if increment <= 0:
-        return None
-    try:
-        value = os.nice(increment)
-    except OSError as exc:  # a platform or sandbox without it: serve anyway, at the same priority
-        logger.warning("could not lower the API's priority (nice +%d): %s", increment, exc)
-        return None
-    logger.info("the API runs at nice %d so that the model's work comes first on a busy CPU", value)
+#: The scheduler slice the API asks for with its lower priority: short, so that a woken API
+#: thread runs soon; its share of a busy CPU stays what the nice value gives it.
+API_SLICE_NS = 100_000
+
+#: ``sched_setattr``'s system call number where it is known.
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(platform.machine())
+
+
+class _SchedAttr(ctypes.Structure):
+    """``struct sched_attr`` (linux/sched/types.h)."""
+
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("sched_policy", ctypes.c_uint32),
+        ("sched_flags", ctypes.c_uint64),
+        ("sched_nice", ctypes.c_int32),
+        ("sched_priority", ctypes.c_uint32),
+        ("sched_runtime", ctypes.c_uint64),
+        ("sched_deadline", ctypes.c_uint64),
+        ("sched_period", ctypes.c_uint64),
+        ("sched_util_min", ctypes.c_uint32),
+        ("sched_util_max", ctypes.c_uint32),
+    ]
+
+
+def parse_api_nice(text: str) -> ApiNice:
+    """``idle`` or a nice increment from 0 to 19."""
+    if text.strip().lower() == IDLE:
+        return IDLE
+    value = int(text)
+    if not 0 <= value <= 19:
+        raise ValueError(f"must be 'idle' or a number from 0 to 19, got {value}")
     return value
+
+
+def lower_api_priority(setting: ApiNice) -> str | None:
+    """Lower the calling thread's priority as ``setting`` says (0: leave it); what it now runs
+    at ("SCHED_IDLE", "nice 10"), or None when nothing changed."""
+    if setting == IDLE:
+        if hasattr(os, "SCHED_IDLE"):
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            except OSError as exc:
+                logger.warning("could not move the API to SCHED_IDLE (%s); raising its nice value", exc)
+            else:
+                logger.info("the API runs at SCHED_IDLE so that the model's work comes first on a busy CPU")
+                return "SCHED_IDLE"
+        setting = 19
+    assert isinstance(setting, int)
+    if setting <= 0:
+        return None
+    target = min(os.nice(0) + setting, 19)
+    if not _set_nice_and_slice(target, API_SLICE_NS):
+        try:
+            target = os.nice(setting)
+        except OSError as exc:  # a platform or sandbox without it: serve anyway, at the same priority
+            logger.warning("could not lower the API's priority (nice +%d): %s", setting, exc)
+            return None
+    logger.info("the API runs at nice %d so that the model's work comes first on a busy CPU", target)
+    return f"nice {target}"
+
+
+def _set_nice_and_slice(nice: int, slice_ns: int) -> bool:
+    """Give the calling thread the normal policy at ``nice`` with a ``slice_ns`` scheduler slice
+    (``sched_setattr``); False where that call is not available or refused."""
+    if _SCHED_SETATTR is None or not hasattr(os, "SCHED_OTHER"):
+        return False
+    attributes = _SchedAttr(
+        size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_OTHER, sched_nice=nice, sched_runtime=slice_ns
+    )
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SCHED_SETATTR, 0, ctypes.byref(attributes), 0) == 0
+    except (OSError, AttributeError):
+        return False
