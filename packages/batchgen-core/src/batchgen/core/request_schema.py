@@ -18,6 +18,9 @@ completion bodies may carry ``response_format`` (checked by ``structured_output`
 ``top_logprobs`` and ``n``; whether the chosen model honours them is ``backends.capabilities``'s
 decision, made at upload for every line.
 
+To check many lines fast, ``block_reader`` decodes whole lines with the envelope's rules in the
+types, and groups them by the body fields other than the input, whose verdict they share.
+
 Problems are ``InvalidRequest`` whose message names the field (``'body.top_p' must be ...``) and
 whose ``param`` is that field's path.
 """
@@ -26,10 +29,12 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
 
+import attrs
 import msgspec
-from msgspec import UNSET, Raw, Struct, UnsetType
+from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import bounds_problem
@@ -337,6 +342,86 @@ def line_decoder(url: str) -> msgspec.json.Decoder[Any] | None:
     for any other line they say what is wrong. None for an endpoint without one (embeddings,
     responses: their lines are checked the exact way)."""
     return _line_decoders.get(url)
+
+
+# The structs ``block_reader`` decodes into hold no reference cycles, so the garbage collector
+# need not track them (gc=False): validation makes hundreds of them at once.
+
+
+class _BlockContentPart(ContentPart, gc=False):
+    pass
+
+
+class _BlockMessage(Message, gc=False, kw_only=True):
+    # the same type with untracked parts (nothing stores into it: list invariance does not bite)
+    content: str | list[_BlockContentPart] | None = None  # type: ignore[assignment]
+
+
+class _ChatBlockBody(ChatBody, gc=False, kw_only=True):
+    """A chat body as ``block_reader`` reads it: ``messages`` required and non-empty, and last."""
+
+    messages: Annotated[list[_BlockMessage], Meta(min_length=1)]  # type: ignore[assignment]
+
+
+class _ChatBlockLine(Struct, gc=False):
+    custom_id: Annotated[str, Meta(min_length=1)]
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions"]
+    body: _ChatBlockBody
+
+
+class _CompletionBlockBody(CompletionBody, gc=False, kw_only=True):
+    """A completion body as ``block_reader`` reads it: ``prompt`` a required string, and last."""
+
+    prompt: str
+
+
+class _CompletionBlockLine(Struct, gc=False):
+    custom_id: Annotated[str, Meta(min_length=1)]
+    method: Literal["POST"]
+    url: Literal["/v1/completions"]
+    body: _CompletionBlockBody
+
+
+@attrs.frozen
+class BlockReader:
+    """Reads the lines of one endpoint many at a time (``block_reader``).
+
+    ``decoder`` decodes a whole line and refuses more than ``line_decoder``'s: an empty
+    ``custom_id``, a ``method`` other than POST, another endpoint's ``url``, and a body without the
+    field that holds its input (chat ``messages``, non-empty; completion ``prompt``, a string). A
+    line it refuses may still be acceptable (or not): ask the exact way.
+
+    ``shapes(lines)`` maps decoded lines to their shapes: every body field but the input field,
+    as a tuple. Whether ``check_body`` and a model (``ModelSet.check_line``) accept a body the
+    decoder decoded depends on its shape alone, so one line's verdict holds for every line of an
+    equal shape: the decoder gives each typed field values of one type (a float field holds
+    floats), and the untyped fields (``response_format``, a chat body's ``prompt``) are accepted
+    only as null or an object. A shape holding a list or an object (a ``stop`` list, a
+    ``response_format``) cannot be hashed. A rule that looks at the input field beyond what the
+    decoder checks belongs in the decoder, or it would hold for one line of a shape only.
+    """
+
+    decoder: msgspec.json.Decoder[Any]
+
+    def shapes(self, lines: list[Any]) -> Iterator[tuple[Any, ...]]:
+        return map(_ALL_BUT_LAST, map(msgspec.structs.astuple, map(_BODY, lines)))
+
+
+_BODY = operator.attrgetter("body")
+_ALL_BUT_LAST = operator.itemgetter(slice(None, -1))
+_block_readers = {
+    CHAT_COMPLETIONS: BlockReader(msgspec.json.Decoder(_ChatBlockLine)),
+    COMPLETIONS: BlockReader(msgspec.json.Decoder(_CompletionBlockLine)),
+}
+assert _ChatBlockBody.__struct_fields__[-1] == "messages"
+assert _CompletionBlockBody.__struct_fields__[-1] == "prompt"
+
+
+def block_reader(url: str) -> BlockReader | None:
+    """The way to read many lines of endpoint ``url`` at once (``batch_file``), or None for an
+    endpoint without one (embeddings, responses)."""
+    return _block_readers.get(url)
 
 
 def message_dicts(envelope: Envelope) -> tuple[dict[str, Any], ...]:
