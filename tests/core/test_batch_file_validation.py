@@ -8,7 +8,9 @@ nesting, huge integers, blank and CRLF lines, a last line without a newline) and
 result, accepted or the problems reported, is the one the exact way alone gives, whatever the
 block size, with served model names or with the service's models (a ``ModelSet``, whose
 ``check_line`` and one-model-per-file rule the fast way must apply too; embeddings and responses
-lines, which have no whole-line decoder, go the exact way). It also checks the block-wide first
+lines, which have no whole-line decoder, go the exact way). Files of one endpoint's lines in a
+few shapes, mostly acceptable, check the way that accepts many lines at once (by shape, and
+``custom_id`` sets), and a spy checks that it does take them. It also checks the block-wide first
 look of the JSON bounds against the per-line one.
 """
 
@@ -149,6 +151,200 @@ def test_the_fast_way_decides_as_the_exact_way(
         patch.setattr(batch_file, "lines_within_bounds", lambda block: False)  # every line the exact way
         exact = _outcome(path, served)
     assert fast == exact
+
+
+#: Body fields a line may add to its endpoint's input: each makes another shape (see
+#: ``request_schema.BlockReader``), some of them accepted, some refused by the schema or by a
+#: model (the default model has none of the features), some with values equal across types.
+_SHAPE_EXTRAS: list[dict[str, Any]] = [
+    # accepted on either endpoint by the default model
+    {},
+    {"max_tokens": 5},
+    {"temperature": 1},
+    {"temperature": 1.0},
+    {"top_p": 0.5, "seed": 7},
+    {"stop": "x"},
+    {"stream": False},
+    {"n": 1},
+    {"response_format": None},
+    {"metadata": {"x": [1, 2]}},
+    {"logprobs": 0},  # a chat line's logprobs is a boolean
+    {"logprobs": False},  # a completion line's is an integer
+    # refused somewhere: by the schema, by the default model, or by the fast ways
+    {"max_tokens": 0},
+    {"temperature": 3},
+    {"stop": ["x", "y"]},
+    {"stream": True},
+    {"n": 2},
+    {"n": True},
+    {"logprobs": 2},
+    {"logprobs": 6},
+    {"logprobs": True, "top_logprobs": 2},
+    {"top_logprobs": 2},
+    {"response_format": {"type": "text"}},
+    {"response_format": {"type": "json_object"}},
+    {"response_format": 1},
+    {"response_format": True},
+    {"prompt": None},
+    {"prompt": 0},
+    {"prompt": False},
+    {"messages": None},
+]
+_MODELS = [None, "default", "simulated", "other-model", "not-served"]
+#: What a line may be: mostly unchanged, or broken in one way.
+_LINE_KINDS = ["ok"] * 60 + [
+    *["duplicate"] * 4,
+    "empty custom_id",
+    "GET",
+    "other endpoint",
+    "no input",
+    "bad input",
+    "text part without text",
+    "embeddings",
+    "blank",
+    "cut short",
+    "not UTF-8",
+    "CRLF",
+]
+
+
+@st.composite
+def shaped_files(draw: st.DrawFn) -> tuple[bytes, str]:
+    """A file of one endpoint's lines drawn from a few shapes, mostly acceptable, with now and
+    then a duplicate ``custom_id``, a blank or CRLF line, bad UTF-8, a broken line, another
+    endpoint's line, a line without its input, and its endpoint."""
+    endpoint = draw(st.sampled_from([CHAT, COMPLETIONS]))
+    # a base shape, mostly acceptable, and shapes that differ from it in the model or in a field
+    model = draw(st.sampled_from(_MODELS[:3]))
+    base = draw(st.sampled_from(_SHAPE_EXTRAS[:12]))
+    variants = st.one_of(
+        st.tuples(st.sampled_from(_MODELS), st.just(base), st.just({})),
+        st.tuples(st.just(model), st.just(base), st.sampled_from(_SHAPE_EXTRAS)),
+    )
+    shapes = [(model, base, {})] * 3 + draw(st.lists(variants, max_size=3))
+    ids: list[str] = []
+    data = b""
+    for number in range(draw(st.integers(1, 80))):
+        line_model, extra, more = draw(st.sampled_from(shapes))
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": f"q{number}"}]}
+        if endpoint == COMPLETIONS:
+            body = {"prompt": f"q{number}"}
+        if line_model is not None:
+            body["model"] = line_model
+        body.update(extra)
+        body.update(more)
+        custom_id = f"id-{number}"
+        line: dict[str, Any] = {"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body}
+        kind = draw(st.sampled_from(_LINE_KINDS))
+        if kind == "duplicate" and ids:
+            line["custom_id"] = draw(st.sampled_from(ids))
+        elif kind == "empty custom_id":
+            line["custom_id"] = ""
+        elif kind == "GET":
+            line["method"] = "GET"
+        elif kind == "other endpoint":
+            line["url"] = COMPLETIONS if endpoint == CHAT else CHAT
+        elif kind == "no input":
+            body.pop("messages" if endpoint == CHAT else "prompt")
+        elif kind == "bad input":
+            body["messages" if endpoint == CHAT else "prompt"] = [] if endpoint == CHAT else 5
+        elif kind == "text part without text":
+            body["messages"] = [{"role": "user", "content": [{"type": "text"}]}]
+        elif kind == "embeddings":
+            line["url"] = "/v1/embeddings"
+            line["body"] = {"input": "hi", "model": "other-model"}
+        ids.append(line["custom_id"])
+        raw = json.dumps(line, ensure_ascii=draw(st.booleans())).encode()
+        if kind == "blank":
+            raw = b""
+        elif kind == "cut short":
+            raw = raw[:-2]
+        elif kind == "not UTF-8":
+            raw = raw.replace(b"POST", b"P\xffST")
+        data += raw + (b"\r\n" if kind == "CRLF" else b"\n")
+    return data, endpoint
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    file=shaped_files(),
+    block_bytes=st.sampled_from([300, 3000, 1 << 20]),
+    at_once_lines=st.sampled_from([1, 7, 256]),
+    with_models=st.booleans(),
+)
+def test_accepting_lines_at_once_decides_as_the_exact_way(
+    tmp_path_factory: pytest.TempPathFactory,
+    file: tuple[bytes, str],
+    block_bytes: int,
+    at_once_lines: int,
+    with_models: bool,
+) -> None:
+    path = tmp_path_factory.mktemp("validation") / "input.jsonl"
+    path.write_bytes(file[0])
+    served = _model_set() if with_models else SERVED
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_file, "VALIDATION_BLOCK_BYTES", block_bytes)
+        patch.setattr(batch_file, "AT_ONCE_LINES", at_once_lines)
+        fast = _outcome(path, served)
+        patch.setattr(batch_file, "lines_within_bounds", lambda block: False)  # every line the exact way
+        exact = _outcome(path, served)
+    assert fast == exact
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_lines_of_a_known_shape_are_accepted_without_the_per_line_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    """Of 3,000 lines in two shapes, only the first is checked the exact way, and each shape's
+    rules are checked once (the per-line way, on one of its lines)."""
+    lines = []
+    for number in range(3000):
+        body: dict[str, Any] = {"model": "default", "max_tokens": 4 + number % 2}
+        body.update(
+            {"messages": [{"role": "user", "content": f"q{number}"}]} if endpoint == CHAT else {"prompt": "q"}
+        )
+        lines.append(json.dumps({"custom_id": f"r{number}", "method": "POST", "url": endpoint, "body": body}))
+    path = tmp_path / "input.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    exact_checks: list[int] = []
+    rule_checks: list[object] = []
+    exact_check, rule_check = batch_file._Validation.check_line, batch_file._Validation.accepts
+
+    def counted_exact_check(self: Any, line_number: int, raw: bytes) -> None:
+        exact_checks.append(line_number)
+        exact_check(self, line_number, raw)
+
+    def counted_rule_check(self: Any, line: Any, *rest: Any) -> bool:
+        rule_checks.append(line)
+        return rule_check(self, line, *rest)
+
+    monkeypatch.setattr(batch_file._Validation, "check_line", counted_exact_check)
+    monkeypatch.setattr(batch_file._Validation, "accepts", counted_rule_check)
+    summary = validate_batch_file(str(path), _model_set())
+    assert (summary.line_count, summary.url) == (3000, endpoint)
+    assert exact_checks == [1]
+    assert len(rule_checks) == 2
+
+
+@pytest.mark.parametrize("copied", [7, 19_990], ids=["nearby", "in an earlier block"])
+def test_a_duplicate_custom_id_among_many_lines_is_reported_at_its_line(tmp_path: Path, copied: int) -> None:
+    line = json.dumps(
+        {
+            "custom_id": "{}",
+            "method": "POST",
+            "url": CHAT,
+            "body": {"messages": [{"role": "user", "content": "hi"}]},
+        }
+    )
+    ids = [f"r{number}" for number in range(20_000)]
+    ids.insert(copied + 3, ids[copied])
+    path = tmp_path / "input.jsonl"
+    path.write_text("".join(line.replace("{}", custom_id) + "\n" for custom_id in ids))
+    with pytest.raises(InvalidBatchFile) as raised:
+        validate_batch_file(str(path), _model_set())
+    assert [(problem.line, problem.message) for problem in raised.value.problems] == [
+        (copied + 4, f"duplicate custom_id 'r{copied}'")
+    ]
 
 
 def _first_look_passes(line: bytes) -> bool:

@@ -2,28 +2,43 @@
 
 Validation reads the file once, in blocks of whole lines, checks each line against the request
 schema (``request_schema``, the same code that reads a line when it runs) and the server's models,
-and reports the first problems by 1-based line number. Indexing records where each request line starts and how long it is, so the intake pool can
+and reports the first problems by 1-based line number. Lines are accepted a few hundred at a time
+where they can be (``_Validation``): each line's rules are judged once per shape of body, since a
+line then costs about a microsecond. Indexing records where each request line starts and how long it is, so the intake pool can
 queue requests as (offset, length) pairs and read a body only when its request is admitted.
 Blank lines are ignored by both.
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Collection, Iterator
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import attrs
 import msgspec
 
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest, LineProblem
 from batchgen.core.json_bounds import lines_within_bounds
-from batchgen.core.request_schema import Body, Envelope, check_body, line_decoder, read_body, read_envelope
+from batchgen.core.request_schema import (
+    Body,
+    Envelope,
+    block_reader,
+    check_body,
+    line_decoder,
+    read_body,
+    read_envelope,
+)
 
 #: How many problems a validation error lists before summarising the rest.
 MAX_REPORTED_PROBLEMS = 10
 #: Bytes of the file validation reads and checks at a time.
 VALIDATION_BLOCK_BYTES = 1 << 20
+#: Lines validation tries to accept at once (``_Validation.accept_at_once``): few enough that the
+#: objects decoding them makes are freed before they set off a garbage collection (the first
+#: generation's threshold is 700 container objects), many enough to share the per-group work.
+AT_ONCE_LINES = 256
 
 
 @attrs.frozen
@@ -82,8 +97,9 @@ def validate_batch_file(
     """
     validation = _Validation(served_models)
     with open(path, "rb") as stream:
-        for first_line_number, block in _blocks(stream, VALIDATION_BLOCK_BYTES):
-            validation.check_block(first_line_number, block)
+        line_number = 1
+        for block in _blocks(stream, VALIDATION_BLOCK_BYTES):
+            line_number += validation.check_block(line_number, block)
     if validation.count == 0:
         raise InvalidBatchFile([LineProblem(1, "the file contains no requests")])
     if validation.problems:
@@ -92,10 +108,9 @@ def validate_batch_file(
     return BatchFileSummary(line_count=validation.count, url=validation.file_url)
 
 
-def _blocks(stream: BinaryIO, size: int) -> Iterator[tuple[int, bytes]]:
-    """The file in blocks of whole lines (about ``size`` bytes, or one longer line), each with the
-    1-based number of its first line; only the last block may end without a newline."""
-    line_number = 1
+def _blocks(stream: BinaryIO, size: int) -> Iterator[bytes]:
+    """The file in blocks of whole lines (about ``size`` bytes, or one longer line); only the last
+    block may end without a newline."""
     carry = b""
     while chunk := stream.read(size):
         data = carry + chunk if carry else chunk
@@ -104,21 +119,26 @@ def _blocks(stream: BinaryIO, size: int) -> Iterator[tuple[int, bytes]]:
             carry = data
             continue
         block, carry = data[:cut], data[cut:]
-        yield line_number, block
-        line_number += block.count(b"\n")
+        yield block
     if carry:
-        yield line_number, carry
+        yield carry
 
 
 class _Validation:
-    """What validation has found so far, line by line.
+    """What validation has found so far, block by block.
 
     A block whose bytes are valid UTF-8 and within the JSON bounds (``lines_within_bounds``) is
-    checked the fast way: each line decoded whole with one decoder (``line_decoder``) and its
-    remaining rules checked on the result (with a ``LineRouter``, its ``check_line`` too, and the
-    model it gives must be the file's). A line that fails any of that, every line of an endpoint
-    with no whole-line decoder, and every line of any other block, is checked the exact way
-    (``check_line``), which says what is wrong.
+    first checked at once, once the first request line has set the file's endpoint: every line
+    decoded by the endpoint's ``BlockReader``, the lines grouped by shape, each shape judged once
+    per file (one of its lines checked the per-line way, below), and the block's ``custom_id``
+    values checked for duplicates as one set. The whole block is accepted that way or not at all.
+
+    Otherwise each line is checked the per-line way: decoded whole with one decoder
+    (``line_decoder``) and its remaining rules checked on the result (with a ``LineRouter``, its
+    ``check_line`` too, and the model it gives must be the file's). A line that fails any of that,
+    every line of an endpoint with no whole-line decoder, and every line of a block that is not
+    valid UTF-8 or within the bounds, is checked the exact way (``check_line``), which says what
+    is wrong. Each way accepts exactly the lines the exact way accepts.
     """
 
     def __init__(self, served_models: Collection[str] | LineRouter | None) -> None:
@@ -135,34 +155,48 @@ class _Validation:
         self.file_url: str | None = None
         self.file_model: object = None
         self.count = 0
+        #: Whether a line of each body shape is accepted (``BlockReader``), for this file's url.
+        self.shape_verdicts: dict[tuple[object, ...], bool] = {}
 
     def report(self, line_number: int, message: str) -> None:
         self.total_problems += 1
         if len(self.problems) < MAX_REPORTED_PROBLEMS:
             self.problems.append(LineProblem(line_number, message))
 
-    def check_block(self, first_line_number: int, block: bytes) -> None:
+    def check_block(self, first_line_number: int, block: bytes) -> int:
+        """Check the lines of ``block``, the first numbered ``first_line_number``; how many lines
+        it holds (the next block's first line number is that much later)."""
         lines = block.split(b"\n")
         if not lines[-1]:
             lines.pop()  # the block ends with a newline
-        fast = _valid_utf8(block) and lines_within_bounds(block)
+        if not (_valid_utf8(block) and lines_within_bounds(block)):
+            for line_number, raw in enumerate(lines, start=first_line_number):
+                self.check_line(line_number, raw)
+            return len(lines)
+        start = 0
+        while start < len(lines) and self.file_url is None:  # the first request line sets it
+            self.check_line(first_line_number + start, lines[start])
+            start += 1
+        for offset in range(start, len(lines), AT_ONCE_LINES):
+            group = lines[offset : offset + AT_ONCE_LINES]
+            if not self.accept_at_once(group):
+                self.check_each(first_line_number + offset, group)
+        return len(lines)
+
+    def check_each(self, first_line_number: int, lines: list[bytes]) -> None:
+        """Check lines (valid UTF-8, within the bounds, after the file's first request line) the
+        per-line way, and those it does not accept the exact way."""
+        url = self.file_url
+        assert url is not None
+        decoder = line_decoder(url)
         served, router, seen = self.served_names, self.router, self.seen_ids
         for line_number, raw in enumerate(lines, start=first_line_number):
-            url = self.file_url
-            if not fast or url is None or (decoder := line_decoder(url)) is None:
+            if decoder is None:
                 self.check_line(line_number, raw)
                 continue
             try:
                 line = decoder.decode(raw)
-                accepted = (
-                    bool(line.custom_id)
-                    and line.method == "POST"
-                    and line.url == url
-                    and line.custom_id not in seen
-                    and check_body(line.body) is not None
-                    and (served is None or line.body.model is None or line.body.model in served)
-                    and (router is None or router.check_line(url, line.body) is self.file_model)
-                )
+                accepted = line.custom_id not in seen and self.accepts(line, url, served, router)
             except (msgspec.MsgspecError, InvalidRequest):
                 accepted = False
             if accepted:
@@ -170,6 +204,55 @@ class _Validation:
                 seen.add(line.custom_id)
             else:  # blank, or wrong somewhere: the exact way says which
                 self.check_line(line_number, raw)
+
+    def accepts(self, line: Any, url: str, served: Collection[str] | None, router: LineRouter | None) -> bool:
+        """Whether a line ``line_decoder(url)`` decoded passes every rule but the duplicate
+        ``custom_id`` one; InvalidRequest (from ``check_body`` or the router) also means no."""
+        return (
+            bool(line.custom_id)
+            and line.method == "POST"
+            and line.url == url
+            and check_body(line.body) is not None
+            and (served is None or line.body.model is None or line.body.model in served)
+            and (router is None or router.check_line(url, line.body) is self.file_model)
+        )
+
+    def accept_at_once(self, lines: list[bytes]) -> bool:
+        """Accept every line of ``lines`` (valid UTF-8, within the bounds, after the file's first
+        request line) and return True, or change nothing and return False when any line may not
+        be acceptable."""
+        url = self.file_url
+        assert url is not None
+        reader = block_reader(url)
+        if reader is None:
+            return False
+        try:
+            decoded = list(map(reader.decoder.decode, lines))
+            one_per_shape = dict(zip(reader.shapes(decoded), lines, strict=True))
+        except (msgspec.MsgspecError, TypeError):  # TypeError: a shape holds a list or an object
+            return False
+        for shape, raw in one_per_shape.items():
+            verdict = self.shape_verdicts.get(shape)
+            if verdict is None:
+                verdict = self.shape_verdicts[shape] = self.shape_accepted(url, raw)
+            if not verdict:
+                return False
+        ids = set(map(_CUSTOM_ID, decoded))
+        if len(ids) != len(decoded) or not self.seen_ids.isdisjoint(ids):
+            return False
+        self.seen_ids |= ids
+        self.count += len(decoded)
+        return True
+
+    def shape_accepted(self, url: str, raw: bytes) -> bool:
+        """Whether the line ``raw`` (which the block reader decoded), and so every line of its
+        shape, passes the per-line way's rules."""
+        decoder = line_decoder(url)
+        assert decoder is not None  # an endpoint with a block reader has a line decoder
+        try:
+            return self.accepts(decoder.decode(raw), url, self.served_names, self.router)
+        except (msgspec.MsgspecError, InvalidRequest):
+            return False
 
     def check_line(self, line_number: int, raw: bytes) -> None:
         """Check one line the exact way, reporting what is wrong with it."""
@@ -207,6 +290,9 @@ class _Validation:
                 line_number,
                 f"'url' {envelope.url!r} differs from {self.file_url!r}; a file must use one url",
             )
+
+
+_CUSTOM_ID = operator.attrgetter("custom_id")
 
 
 def _valid_utf8(data: bytes) -> bool:
