@@ -155,8 +155,9 @@ class _Validation:
         self.file_url: str | None = None
         self.file_model: object = None
         self.count = 0
-        #: Whether a line of each body shape is accepted (``BlockReader``), for this file's url.
-        self.shape_verdicts: dict[tuple[object, ...], bool] = {}
+        #: Whether a line of each body shape (``BlockReader``; or its JSON) is accepted, for this
+        #: file's url.
+        self.shape_verdicts: dict[object, bool] = {}
 
     def report(self, line_number: int, message: str) -> None:
         self.total_problems += 1
@@ -228,9 +229,12 @@ class _Validation:
             return False
         try:
             decoded = list(map(reader.decoder.decode, lines))
-            one_per_shape = dict(zip(reader.shapes(decoded), lines, strict=True))
-        except (msgspec.MsgspecError, TypeError):  # TypeError: a shape holds a list or an object
+        except msgspec.MsgspecError:
             return False
+        try:
+            one_per_shape: dict[object, bytes] = dict(zip(reader.shapes(decoded), lines, strict=True))
+        except TypeError:  # a shape holds a list or an object: tell shapes apart by their JSON
+            one_per_shape = dict(zip(map(_JSON, reader.shapes(decoded)), lines, strict=True))
         for shape, raw in one_per_shape.items():
             verdict = self.shape_verdicts.get(shape)
             if verdict is None:
@@ -293,6 +297,9 @@ class _Validation:
 
 
 _CUSTOM_ID = operator.attrgetter("custom_id")
+#: A shape's JSON: equal only for shapes of equal values of the same JSON types (1, 1.0 and true
+#: differ), so equally acceptable.
+_JSON = msgspec.json.Encoder().encode
 
 
 def _valid_utf8(data: bytes) -> bool:

@@ -398,7 +398,7 @@ class BlockReader:
     equal shape: the decoder gives each typed field values of one type (a float field holds
     floats), and the untyped fields (``response_format``, a chat body's ``prompt``) are accepted
     only as null or an object. A shape holding a list or an object (a ``stop`` list, a
-    ``response_format``) cannot be hashed. A rule that looks at the input field beyond what the
+    ``response_format``) cannot be hashed (``batch_file`` compares those by their JSON). A rule that looks at the input field beyond what the
     decoder checks belongs in the decoder, or it would hold for one line of a shape only.
     """
 
