@@ -274,6 +274,7 @@ def shaped_files(draw: st.DrawFn) -> tuple[bytes, str]:
     file=shaped_files(),
     block_bytes=st.sampled_from([300, 3000, 1 << 20]),
     at_once_lines=st.sampled_from([1, 7, 256]),
+    max_new_shapes=st.sampled_from([0, 1, 16]),
     with_models=st.booleans(),
 )
 def test_accepting_lines_at_once_decides_as_the_exact_way(
@@ -281,6 +282,7 @@ def test_accepting_lines_at_once_decides_as_the_exact_way(
     file: tuple[bytes, str],
     block_bytes: int,
     at_once_lines: int,
+    max_new_shapes: int,
     with_models: bool,
 ) -> None:
     path = tmp_path_factory.mktemp("validation") / "input.jsonl"
@@ -289,30 +291,25 @@ def test_accepting_lines_at_once_decides_as_the_exact_way(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(batch_file, "VALIDATION_BLOCK_BYTES", block_bytes)
         patch.setattr(batch_file, "AT_ONCE_LINES", at_once_lines)
+        patch.setattr(batch_file, "MAX_NEW_SHAPES", max_new_shapes)
         fast = _outcome(path, served)
         patch.setattr(batch_file, "lines_within_bounds", lambda block: False)  # every line the exact way
         exact = _outcome(path, served)
     assert fast == exact
 
 
-@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
-def test_lines_of_a_known_shape_are_accepted_without_the_per_line_checks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, endpoint: str
-) -> None:
-    """Of 3,000 lines in two shapes, only the first is checked the exact way, and each shape's
-    rules are checked once (the per-line way, on one of its lines)."""
-    lines = []
-    for number in range(3000):
-        body: dict[str, Any] = {"model": "default", "max_tokens": 4 + number % 2}
-        body.update(
-            {"messages": [{"role": "user", "content": f"q{number}"}]} if endpoint == CHAT else {"prompt": "q"}
-        )
-        lines.append(json.dumps({"custom_id": f"r{number}", "method": "POST", "url": endpoint, "body": body}))
-    path = tmp_path / "input.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+def _spied_validation(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], int, int]:
+    """Validate ``path``: the line numbers checked the exact way, how many lines had their rules
+    checked the per-line way, and how many of those were judged for their shape."""
     exact_checks: list[int] = []
     rule_checks: list[object] = []
-    exact_check, rule_check = batch_file._Validation.check_line, batch_file._Validation.accepts
+    shape_checks: list[bytes] = []
+    validation = batch_file._Validation
+    exact_check, rule_check, shape_check = (
+        validation.check_line,
+        validation.accepts,
+        validation.shape_accepted,
+    )
 
     def counted_exact_check(self: Any, line_number: int, raw: bytes) -> None:
         exact_checks.append(line_number)
@@ -322,12 +319,46 @@ def test_lines_of_a_known_shape_are_accepted_without_the_per_line_checks(
         rule_checks.append(line)
         return rule_check(self, line, *rest)
 
-    monkeypatch.setattr(batch_file._Validation, "check_line", counted_exact_check)
-    monkeypatch.setattr(batch_file._Validation, "accepts", counted_rule_check)
+    def counted_shape_check(self: Any, url: str, raw: bytes) -> bool:
+        shape_checks.append(raw)
+        return shape_check(self, url, raw)
+
+    monkeypatch.setattr(validation, "check_line", counted_exact_check)
+    monkeypatch.setattr(validation, "accepts", counted_rule_check)
+    monkeypatch.setattr(validation, "shape_accepted", counted_shape_check)
     summary = validate_batch_file(str(path), _model_set())
-    assert (summary.line_count, summary.url) == (3000, endpoint)
-    assert exact_checks == [1]
-    assert len(rule_checks) == 2
+    assert summary.line_count == 3000
+    return exact_checks, len(rule_checks), len(shape_checks)
+
+
+def _write_lines(path: Path, endpoint: str, extra: Any) -> None:
+    lines = []
+    for number in range(3000):
+        body: dict[str, Any] = {"model": "default", **extra(number)}
+        body.update(
+            {"messages": [{"role": "user", "content": f"q{number}"}]} if endpoint == CHAT else {"prompt": "q"}
+        )
+        lines.append(json.dumps({"custom_id": f"r{number}", "method": "POST", "url": endpoint, "body": body}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_lines_of_a_known_shape_are_accepted_without_the_per_line_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    """Of 3,000 lines in two shapes, only the first is checked the exact way, and each shape's
+    rules are checked once (the per-line way, on one of its lines)."""
+    path = tmp_path / "input.jsonl"
+    _write_lines(path, endpoint, lambda number: {"max_tokens": 4 + number % 2})
+    assert _spied_validation(path, monkeypatch) == ([1], 2, 2)
+
+
+def test_lines_of_many_shapes_are_checked_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines that each have a shape of their own (their own ``seed``) are not judged by shape
+    (nor is each shape remembered): each line's rules are checked once, the per-line way."""
+    path = tmp_path / "input.jsonl"
+    _write_lines(path, CHAT, lambda number: {"seed": number})
+    assert _spied_validation(path, monkeypatch) == ([1], 2999, 0)
 
 
 @pytest.mark.parametrize("copied", [7, 19_990], ids=["nearby", "in an earlier block"])

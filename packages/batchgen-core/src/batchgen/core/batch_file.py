@@ -39,6 +39,10 @@ VALIDATION_BLOCK_BYTES = 1 << 20
 #: objects decoding them makes are freed before they set off a garbage collection (the first
 #: generation's threshold is 700 container objects), many enough to share the per-group work.
 AT_ONCE_LINES = 256
+#: The most shapes of a group judged for the first time: past it the rest of the block is checked
+#: line by line. And the most shapes one validation remembers.
+MAX_NEW_SHAPES = 16
+MAX_SHAPES = 4096
 
 
 @attrs.frozen
@@ -178,10 +182,15 @@ class _Validation:
         while start < len(lines) and self.file_url is None:  # the first request line sets it
             self.check_line(first_line_number + start, lines[start])
             start += 1
+        at_once = True
         for offset in range(start, len(lines), AT_ONCE_LINES):
             group = lines[offset : offset + AT_ONCE_LINES]
-            if not self.accept_at_once(group):
-                self.check_each(first_line_number + offset, group)
+            if at_once:
+                accepted = self.accept_at_once(group)
+                if accepted:
+                    continue
+                at_once = accepted is not None  # None: the rest of the block goes line by line
+            self.check_each(first_line_number + offset, group)
         return len(lines)
 
     def check_each(self, first_line_number: int, lines: list[bytes]) -> None:
@@ -218,10 +227,11 @@ class _Validation:
             and (router is None or router.check_line(url, line.body) is self.file_model)
         )
 
-    def accept_at_once(self, lines: list[bytes]) -> bool:
+    def accept_at_once(self, lines: list[bytes]) -> bool | None:
         """Accept every line of ``lines`` (valid UTF-8, within the bounds, after the file's first
         request line) and return True, or change nothing and return False when any line may not
-        be acceptable."""
+        be acceptable, or None when more than ``MAX_NEW_SHAPES`` of their shapes are new (lines
+        that differ in a field such as ``seed`` are checked faster one by one)."""
         url = self.file_url
         assert url is not None
         reader = block_reader(url)
@@ -235,10 +245,14 @@ class _Validation:
             one_per_shape: dict[object, bytes] = dict(zip(reader.shapes(decoded), lines, strict=True))
         except TypeError:  # a shape holds a list or an object: tell shapes apart by their JSON
             one_per_shape = dict(zip(map(_JSON, reader.shapes(decoded)), lines, strict=True))
+        verdicts = self.shape_verdicts
+        new = sum(shape not in verdicts for shape in one_per_shape)
+        if new > MAX_NEW_SHAPES or len(verdicts) + new > MAX_SHAPES:
+            return None
         for shape, raw in one_per_shape.items():
-            verdict = self.shape_verdicts.get(shape)
+            verdict = verdicts.get(shape)
             if verdict is None:
-                verdict = self.shape_verdicts[shape] = self.shape_accepted(url, raw)
+                verdict = verdicts[shape] = self.shape_accepted(url, raw)
             if not verdict:
                 return False
         ids = set(map(_CUSTOM_ID, decoded))
