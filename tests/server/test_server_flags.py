@@ -25,6 +25,7 @@ from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.server import ServerSettings
 from batchgen.server.backend_flags import backend_options
 from batchgen.server.cli import build_parser, main, settings_from_args
+from batchgen.server.priority import ApiNice, resolve_api_nice
 
 
 def _built(*argv: str) -> Any:
@@ -69,7 +70,7 @@ def test_the_default_backend_and_its_defaults() -> None:
     settings = settings_from_args([])
     assert settings.backend == "transformers"
     assert settings.backend_options == {"model": None, "device": None, "max_batch_size": 64, "dtype": "auto"}
-    assert settings.api_nice == 10
+    assert settings.api_nice == "auto"
     backend = settings.build_backend()
     assert isinstance(backend, TransformersBackend)
     assert backend.worker_options.cache_dir == str(Path("batchgen-data") / "models")
@@ -283,8 +284,15 @@ def test_api_nice_takes_an_increment_from_0_to_19(value: int) -> None:
             settings_from_args(["--api-nice", str(value)])
 
 
-@pytest.mark.parametrize("text", ["idle", "IDLE", " Idle "])
-def test_api_nice_idle_is_the_sched_idle_policy(text: str) -> None:
-    assert settings_from_args(["--api-nice", text]).api_nice == "idle"
+@pytest.mark.parametrize("text", ["idle", "IDLE", " Idle ", "auto", "Auto"])
+def test_api_nice_takes_idle_and_auto(text: str) -> None:
+    assert settings_from_args(["--api-nice", text]).api_nice == text.strip().lower()
     with pytest.raises(SystemExit):
-        settings_from_args(["--api-nice", "idler"])
+        settings_from_args(["--api-nice", text + "r"])
+
+
+@pytest.mark.parametrize("setting", ["auto", "idle", 0, 5, 19])
+@pytest.mark.parametrize("model_on_cpu", [True, False])
+def test_auto_is_idle_only_where_a_model_computes_on_the_cpu(setting: ApiNice, model_on_cpu: bool) -> None:
+    expected = ("idle" if model_on_cpu else 10) if setting == "auto" else setting
+    assert resolve_api_nice(setting, model_on_cpu) == expected

@@ -33,7 +33,7 @@ from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.controllers.usage import usage
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
-from batchgen.server.priority import lower_api_priority
+from batchgen.server.priority import lower_api_priority, resolve_api_nice
 from batchgen.server.settings import ServerSettings
 from batchgen.server.webhooks import WebhookDeliverer
 
@@ -90,7 +90,11 @@ def create_app(
             async with service:
                 started = True
                 service.on_stop(stopped)
-                lower_api_priority(settings.api_nice)  # after the backend started its workers
+                # after the backends started their workers and model threads
+                model_on_cpu = any(
+                    getattr(model.backend, "runs_on_cpu", False) for model in service.model_set
+                )
+                lower_api_priority(resolve_api_nice(settings.api_nice, model_on_cpu))
                 yield
         except BaseException as exc:
             if started:  # the core died under the app (its task group was cancelled by a crash)

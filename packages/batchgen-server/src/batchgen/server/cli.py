@@ -244,12 +244,13 @@ def build_parser(
         "--api-nice",
         type=_API_NICE,
         default=_DEFAULTS.api_nice,
-        metavar="{0-19,idle}",
+        metavar="{auto,idle,0-19}",
         help="once the backend has started, the server lowers its own priority so that on a busy "
-        "CPU the model's work comes first and polling clients cannot slow it: raise its nice "
-        "value by this much (with a short scheduler slice, so polls are still answered "
-        "promptly), or idle (Linux SCHED_IDLE: the API runs only on CPU time the model leaves; "
-        "polls may wait for the model's next pause); 0 keeps the priority it was started with",
+        "CPU the model's work comes first and polling clients cannot slow it: idle (Linux "
+        "SCHED_IDLE: the API runs only on CPU time the model leaves, so polls may wait up to a "
+        "second or two for the model's pauses), or raise its nice value by 1 to 19 (with a short "
+        "scheduler slice, so polls are answered within milliseconds); auto is idle when a model "
+        "computes on this machine's CPU and 10 otherwise; 0 keeps the priority it was started with",
     )
     add(
         "--log-level",

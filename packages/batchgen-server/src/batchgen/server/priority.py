@@ -5,7 +5,10 @@ competes with the model for them. The model's work comes first: once the service
 (and with it any model worker process), the server lowers its own priority as ``--api-nice``
 says.
 
-- A number from 1 to 19 (default 10) raises the nice value by that much: with the model wanting
+- ``auto`` (the default) is ``idle`` when a served model computes on this machine's CPU (the
+  transformers or embeddings backend without a GPU), where the model and the API compete for the
+  same cores, and 10 otherwise (a GPU model, an upstream server, the simulated backend).
+- A number from 1 to 19 raises the nice value by that much: with the model wanting
   every core, the scheduler gives the API a small share of the CPU (about a tenth of one torch
   thread's at +10), so a client polling in a tight loop waits for its answers instead of taking
   a core. Along with it the API asks for a short scheduler slice (``API_SLICE_NS``; Linux 6.12
@@ -37,7 +40,10 @@ logger = logging.getLogger("batchgen.server")
 
 #: ``--api-nice idle``: the API runs only on CPU time the model leaves (``SCHED_IDLE``).
 IDLE: Literal["idle"] = "idle"
-ApiNice = int | Literal["idle"]
+#: ``--api-nice auto``: ``idle`` when a model computes on the CPU, else ``AUTO_NICE``.
+AUTO: Literal["auto"] = "auto"
+AUTO_NICE = 10
+ApiNice = int | Literal["idle", "auto"]
 
 #: The scheduler slice the API asks for with its lower priority: short, so that a woken API
 #: thread runs soon; its share of a busy CPU stays what the nice value gives it.
@@ -65,16 +71,24 @@ class _SchedAttr(ctypes.Structure):
 
 
 def parse_api_nice(text: str) -> ApiNice:
-    """``idle`` or a nice increment from 0 to 19."""
-    if text.strip().lower() == IDLE:
-        return IDLE
+    """``auto``, ``idle`` or a nice increment from 0 to 19."""
+    word = text.strip().lower()
+    if word in (AUTO, IDLE):
+        return AUTO if word == AUTO else IDLE
     value = int(text)
     if not 0 <= value <= 19:
-        raise ValueError(f"must be 'idle' or a number from 0 to 19, got {value}")
+        raise ValueError(f"must be 'auto', 'idle' or a number from 0 to 19, got {value}")
     return value
 
 
-def lower_api_priority(setting: ApiNice) -> str | None:
+def resolve_api_nice(setting: ApiNice, model_on_cpu: bool) -> int | Literal["idle"]:
+    """What ``auto`` means here: ``idle`` when a served model computes on the CPU, else 10."""
+    if setting == AUTO:
+        return IDLE if model_on_cpu else AUTO_NICE
+    return setting
+
+
+def lower_api_priority(setting: int | Literal["idle"]) -> str | None:
     """Lower the calling thread's priority as ``setting`` says (0: leave it); what it now runs
     at ("SCHED_IDLE", "nice 10"), or None when nothing changed."""
     if setting == IDLE:

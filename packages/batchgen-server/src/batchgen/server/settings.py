@@ -12,7 +12,7 @@ from batchgen.core.backends import Backend, BackendSpec, backend_spec
 from batchgen.core.served_models import ServedModel
 from batchgen.core.service import ServiceSettings
 from batchgen.server.model_specs import ModelEntry, check_unique_names
-from batchgen.server.priority import ApiNice
+from batchgen.server.priority import AUTO, ApiNice
 
 #: The backend of the embedding model a default server adds to its chat model.
 EMBEDDINGS_BACKEND = "embeddings"
@@ -54,7 +54,7 @@ class ServerSettings:
     served_model_name: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     log_level: str = "info"
     #: How much the API lowers its own priority once the service (and any model worker) started.
-    api_nice: ApiNice = 10
+    api_nice: ApiNice = AUTO
     #: The HTTP edge (``connection_limits``, ``body_timeout``, ``log_limits``).
     max_connections: int = 1000
     keep_alive_timeout_s: float = 5.0

@@ -239,6 +239,11 @@ class TransformersBackend:
                 await anyio.to_thread.run_sync(supervisor.join, STOP_WAIT_S)
         self._worker = None
 
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether the worker's model computes on this machine's CPU (known once it is loaded)."""
+        return self.info is not None and str(self.info.device).startswith("cpu")
+
     def health(self) -> Health:
         if self._failure is not None:
             return Health(False, self._failure)
