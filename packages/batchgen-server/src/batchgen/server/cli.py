@@ -49,6 +49,9 @@ EXIT_STARTUP_FAILED = 3
 EXIT_SERVICE_STOPPED = 1
 #: Read for --webhook-secret when the flag is not given (a secret on a command line is visible in ps).
 WEBHOOK_SECRET_VARIABLE = "BATCHGEN_WEBHOOK_SECRET"
+#: The garbage collector's thresholds while serving (see ``main``).
+GC_THRESHOLDS = (10_000, 20, 100)
+
 _POSITIVE_INT = command_line_type(positive_int)
 _NON_NEGATIVE_FLOAT = command_line_type(non_negative_float)
 
@@ -438,6 +441,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # What exists now (modules, the app) lives as long as the process: keep it out of the garbage
     # collector's full passes, which would walk all of it and stall the event loop under load.
     gc.freeze()
+    # Each request allocates a few dozen short-lived objects (its line, request, result): with
+    # Python's default thresholds (700, 10, 10) the collector runs every few dozen requests and
+    # takes about 6% of a zero-latency batch's time. Collect young objects every 10,000 instead,
+    # and the old ones a tenth as often.
+    gc.set_threshold(*GC_THRESHOLDS)
     scheme = "https" if settings.ssl_certfile else "http"
     banner = (
         f"BatchGen starting on {scheme}://{settings.host}:{settings.port} "
