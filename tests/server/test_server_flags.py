@@ -292,7 +292,9 @@ def test_api_nice_takes_idle_and_auto(text: str) -> None:
 
 
 @pytest.mark.parametrize("setting", ["auto", "idle", 0, 5, 19])
-@pytest.mark.parametrize("model_on_cpu", [True, False])
-def test_auto_is_idle_only_where_a_model_computes_on_the_cpu(setting: ApiNice, model_on_cpu: bool) -> None:
-    expected = ("idle" if model_on_cpu else 10) if setting == "auto" else setting
-    assert resolve_api_nice(setting, model_on_cpu) == expected
+@pytest.mark.parametrize("cpu_worker", [True, False])
+def test_auto_is_idle_only_where_a_model_computes_on_the_cpu_in_a_worker(
+    setting: ApiNice, cpu_worker: bool
+) -> None:
+    expected = ("idle" if cpu_worker else 10) if setting == "auto" else setting
+    assert resolve_api_nice(setting, cpu_worker) == expected

@@ -157,11 +157,14 @@ def test_a_worker_outlives_no_killed_server(
     assert _gone(worker), "the worker notices its pipe closed and exits"
 
 
-@pytest.mark.parametrize("backend", [("--backend", "simulated"), ("--api-nice", "10")])
+@pytest.mark.parametrize(
+    "backend", [("--backend", "simulated"), ("--backend", "embeddings"), ("--api-nice", "10")]
+)
 def test_a_nice_increment_with_a_short_slice(
     server_factory: Callable[..., LiveServer], tiny_model: Path, backend: tuple[str, str]
 ) -> None:
-    """With no model on the CPU (auto), or asked for, the API takes nice +10 and a short slice."""
+    """With no model on the CPU in a worker process (auto: the embeddings model runs on a thread
+    the event loop feeds), or asked for, the API takes nice +10 and a short slice."""
     model = ("--backend", "transformers", "--model", str(tiny_model))
     server = server_factory(*(backend if backend[0] == "--backend" else (*model, *backend)))
     assert (_policy(server.process.pid), _nice(server.process.pid)) == (

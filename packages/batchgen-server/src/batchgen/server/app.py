@@ -91,10 +91,8 @@ def create_app(
                 started = True
                 service.on_stop(stopped)
                 # after the backends started their workers and model threads
-                model_on_cpu = any(
-                    getattr(model.backend, "runs_on_cpu", False) for model in service.model_set
-                )
-                lower_api_priority(resolve_api_nice(settings.api_nice, model_on_cpu))
+                cpu_worker = any(getattr(model.backend, "cpu_worker", False) for model in service.model_set)
+                lower_api_priority(resolve_api_nice(settings.api_nice, cpu_worker))
                 yield
         except BaseException as exc:
             if started:  # the core died under the app (its task group was cancelled by a crash)

@@ -253,7 +253,8 @@ def build_parser(
         "SCHED_IDLE: the API runs only on CPU time the model leaves, so polls may wait up to a "
         "second or two for the model's pauses), or raise its nice value by 1 to 19 (with a short "
         "scheduler slice, so polls are answered within milliseconds); auto is idle when a model "
-        "computes on this machine's CPU and 10 otherwise; 0 keeps the priority it was started with",
+        "computes on this machine's CPU in a worker process (the transformers backend without a "
+        "GPU) and 10 otherwise; 0 keeps the priority it was started with",
     )
     add(
         "--log-level",

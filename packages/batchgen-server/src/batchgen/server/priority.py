@@ -5,9 +5,11 @@ competes with the model for them. The model's work comes first: once the service
 (and with it any model worker process), the server lowers its own priority as ``--api-nice``
 says.
 
-- ``auto`` (the default) is ``idle`` when a served model computes on this machine's CPU (the
-  transformers or embeddings backend without a GPU), where the model and the API compete for the
-  same cores, and 10 otherwise (a GPU model, an upstream server, the simulated backend).
+- ``auto`` (the default) is ``idle`` when a served model computes on this machine's CPU in a
+  worker process of its own (the transformers backend without a GPU), where the model and the API
+  compete for the same cores, and 10 otherwise: a GPU model, an upstream server, the simulated
+  backend, and the embeddings backend, whose model runs on a thread of the server that the event
+  loop feeds (at ``SCHED_IDLE`` the loop would starve its own model).
 - A number from 1 to 19 raises the nice value by that much: with the model wanting
   every core, the scheduler gives the API a small share of the CPU (about a tenth of one torch
   thread's at +10), so a client polling in a tight loop waits for its answers instead of taking
@@ -40,7 +42,8 @@ logger = logging.getLogger("batchgen.server")
 
 #: ``--api-nice idle``: the API runs only on CPU time the model leaves (``SCHED_IDLE``).
 IDLE: Literal["idle"] = "idle"
-#: ``--api-nice auto``: ``idle`` when a model computes on the CPU, else ``AUTO_NICE``.
+#: ``--api-nice auto``: ``idle`` when a model computes on the CPU in a worker process, else
+#: ``AUTO_NICE``.
 AUTO: Literal["auto"] = "auto"
 AUTO_NICE = 10
 ApiNice = int | Literal["idle", "auto"]
@@ -81,10 +84,11 @@ def parse_api_nice(text: str) -> ApiNice:
     return value
 
 
-def resolve_api_nice(setting: ApiNice, model_on_cpu: bool) -> int | Literal["idle"]:
-    """What ``auto`` means here: ``idle`` when a served model computes on the CPU, else 10."""
+def resolve_api_nice(setting: ApiNice, cpu_worker: bool) -> int | Literal["idle"]:
+    """What ``auto`` means here: ``idle`` when a served model computes on the CPU in a worker
+    process (``cpu_worker``), else 10."""
     if setting == AUTO:
-        return IDLE if model_on_cpu else AUTO_NICE
+        return IDLE if cpu_worker else AUTO_NICE
     return setting
 
 

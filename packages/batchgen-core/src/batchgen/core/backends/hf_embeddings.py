@@ -135,7 +135,6 @@ class EmbeddingsBackend:
         self.model_name = ""
         self.pooling = Pooling()
         self.dimensions = 0
-        self.loaded_device: str | None = None
         self._torch: Any = None
         self._model: Any = None
         self._tokenizer: Any = None
@@ -183,7 +182,6 @@ class EmbeddingsBackend:
         model = AutoModel.from_pretrained(folder)
         model.eval()
         self._model = model.to(device)
-        self.loaded_device = str(device)
         self._torch = torch
         self.model_name = name
         self.dimensions = int(getattr(model.config, "hidden_size", 0))
@@ -206,11 +204,6 @@ class EmbeddingsBackend:
             pending = self._queue.popleft()
             pending.error = BackendUnavailable("the embeddings backend stopped")
             pending.done.set()
-
-    @property
-    def runs_on_cpu(self) -> bool:
-        """Whether the model computes on this machine's CPU (known once it is loaded)."""
-        return self.loaded_device is not None and self.loaded_device.startswith("cpu")
 
     def health(self) -> Health:
         if self._failure is not None:

@@ -240,8 +240,10 @@ class TransformersBackend:
         self._worker = None
 
     @property
-    def runs_on_cpu(self) -> bool:
-        """Whether the worker's model computes on this machine's CPU (known once it is loaded)."""
+    def cpu_worker(self) -> bool:
+        """Whether the model computes on this machine's CPU in a worker process apart from the
+        server (known once it is loaded): then the server's API can yield the CPU to it entirely
+        (``--api-nice auto``)."""
         return self.info is not None and str(self.info.device).startswith("cpu")
 
     def health(self) -> Health:
