@@ -273,29 +273,37 @@ class SimulatedBackend:
         timed: list[tuple[int, str, GenerationResult, float]],
         report: ReportOutcome,
     ) -> None:
-        """Report each result when its delay has passed, unless it is aborted first."""
-        pending: dict[str, tuple[int, asyncio.TimerHandle]] = {}
+        """Report each result when its delay has passed, unless it is aborted first. Requests of
+        equal delay share one timer (delays come in steps of a token's latency), so thousands of
+        requests in flight cost the event loop's timer heap a few entries per group."""
+        pending: dict[str, int] = {}
         all_reported: asyncio.Future[None] = loop.create_future()
+        due: dict[float, list[tuple[str, GenerationResult]]] = {}
 
         def end(request_id: str, outcome: Outcome) -> None:
-            ending = pending.pop(request_id, None)
-            if ending is None:
+            position = pending.pop(request_id, None)
+            if position is None:
                 return  # reported already (an abort after the result, or the other way round)
-            position, timer = ending
-            timer.cancel()
             self._running.pop(request_id, None)
             report(position, outcome)
             if not pending and not all_reported.done():
                 all_reported.set_result(None)
 
+        def end_due(results: list[tuple[str, GenerationResult]]) -> None:
+            for request_id, result in results:
+                end(request_id, result)
+
         for position, request_id, result, delay in timed:
-            pending[request_id] = (position, loop.call_later(delay, end, request_id, result))
+            pending[request_id] = position
+            due.setdefault(delay, []).append((request_id, result))
             self._running[request_id] = functools.partial(end, request_id, RequestAborted(request_id))
+        timers = [loop.call_later(delay, end_due, results) for delay, results in due.items()]
         try:
             await all_reported
-        finally:  # cancelled (shutdown): what is not reported yet is abandoned
-            for request_id, (_, timer) in pending.items():
+        finally:  # done, or cancelled (shutdown): what is not reported yet is abandoned
+            for timer in timers:
                 timer.cancel()
+            for request_id in pending:
                 self._running.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:

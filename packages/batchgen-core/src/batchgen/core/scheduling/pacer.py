@@ -22,7 +22,7 @@ import anyio.lowlevel
 class Pacer:
     """Bounds the request work done in one turn of the event loop."""
 
-    def __init__(self, budget_s: float = 0.005, wake_per_turn: int = 64) -> None:
+    def __init__(self, budget_s: float = 0.005, wake_per_turn: int = 256) -> None:
         self.budget_s = budget_s
         self.wake_per_turn = wake_per_turn
         self._turn_ends = 0.0
