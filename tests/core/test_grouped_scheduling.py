@@ -14,10 +14,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from batchgen.core.batch_file import LineIndex
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
+from batchgen.core.scheduling import scheduler as scheduler_module
 
 pytestmark = pytest.mark.anyio
 
@@ -100,3 +102,36 @@ def test_a_scheduler_needs_a_runner() -> None:
         Scheduler(
             IntakePool(1), SchedulingPool(1), run_group=lambda entries, finished: anyio.sleep(0), group_size=0
         )
+
+
+async def test_slots_freed_one_at_a_time_are_refilled_as_one_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freed slots gather into one refill group, which runs as soon as it is full (here long
+    before the gathering window ends), rather than one group per freed slot."""
+    monkeypatch.setattr(scheduler_module, "REFILL_GATHER_S", 30.0)
+    group_size = 4
+    intake, slots = IntakePool(100), SchedulingPool(group_size)
+    groups: list[int] = []
+    first_group_running = anyio.Event()
+    release_first: list[Finished] = []
+
+    async def run_group(entries: Sequence[IntakeEntry], finished: Finished) -> None:
+        groups.append(len(entries))
+        if len(groups) == 1:
+            release_first.append(finished)
+            first_group_running.set()
+            await anyio.sleep_forever()
+
+    scheduler = Scheduler(intake, slots, run_group=run_group, group_size=group_size)
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(scheduler.run)
+        intake.add("batch_a", make_index([10] * 12))
+        scheduler.notify()
+        with anyio.fail_after(5):
+            await first_group_running.wait()
+            for position in range(group_size):  # one slot at a time, a turn of the loop apart
+                release_first[0](position)
+                await anyio.lowlevel.checkpoint()
+            while len(groups) < 2:
+                await anyio.sleep(0.001)
+        tasks.cancel_scope.cancel()
+    assert groups[:2] == [group_size, group_size], "the four freed slots became one group, at once"

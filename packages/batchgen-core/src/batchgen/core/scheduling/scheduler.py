@@ -89,6 +89,10 @@ def _in_groups_of_one(run_request: RequestRunner) -> GroupRunner:
     return run_group
 
 
+#: How long a refill group waits for more freed slots to join it before it runs (``_run_refills``).
+REFILL_GATHER_S = 0.005
+
+
 class Scheduler:
     """Admits queued requests into free slots and runs each on ``run_request``."""
 
@@ -117,6 +121,7 @@ class Scheduler:
         self.group_size = group_size
         self.pacer = Pacer()
         self._refills: list[IntakeEntry] = []
+        self._refills_full = anyio.Event()
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
         self._paused = False
@@ -190,10 +195,21 @@ class Scheduler:
         if not entries:
             return
         if not self._refills:
-            self._tasks.start_soon(self._run_refills)
+            self._refills_full = anyio.Event()
+            self._tasks.start_soon(self._run_refills, name="batchgen refill")
         self._refills.extend(entries)
+        if len(self._refills) >= self.group_size:
+            self._refills_full.set()
 
     async def _run_refills(self) -> None:
+        """Run the refill group: once it is full, or ``REFILL_GATHER_S`` after its first slot was
+        refilled, whichever comes first. Slots freed one or two at a time (requests of spread-out
+        lengths) then make a few larger groups rather than many of one or two, whose fixed costs
+        (a task, reading their lines, a backend call) would keep the event loop busy and the slots
+        waiting longer than the gathering does."""
+        if len(self._refills) < self.group_size:
+            with anyio.move_on_after(REFILL_GATHER_S):
+                await self._refills_full.wait()
         refills, self._refills = self._refills, []
         assert self._tasks is not None
         for start in range(self.group_size, len(refills), self.group_size):
