@@ -18,8 +18,8 @@ says.
   then picked soon, so an occasional poll is answered quickly even though the API's share is
   small.
 - ``idle`` takes Linux's ``SCHED_IDLE`` policy instead, below even nice 19: the API runs only on
-  CPU time the model leaves, so polls may wait for a busy model's next pause (hundreds of
-  milliseconds on a CPU-bound model). Where ``SCHED_IDLE`` does not exist, it means +19.
+  CPU time the model leaves, so polls may wait for a busy model's next pause (up to a second or
+  two on a CPU-bound model: ``benchmarks/polling.py`` and ``responsiveness.py`` measure both sides). Where ``SCHED_IDLE`` does not exist, it means +19.
 - 0 leaves the priority alone.
 
 On Linux the policy, nice value and slice belong to each thread, and a new thread or process
