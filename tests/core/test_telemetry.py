@@ -38,12 +38,12 @@ def test_histogram_bounds_must_increase() -> None:
 def test_queue_wait_is_measured_from_when_the_batch_was_queued() -> None:
     now = [100.0]
     telemetry = RequestTelemetry(clock=lambda: now[0])
-    telemetry.request_admitted("batch_unknown")  # never queued (a resumed request's batch ended): no wait
+    telemetry.requests_admitted("batch_unknown", 1)  # never queued (a resumed request's batch ended): no wait
     telemetry.batch_queued("batch_a")
     now[0] = 103.0
-    telemetry.request_admitted("batch_a")
+    telemetry.requests_admitted("batch_a", 1)
     telemetry.batch_ended("batch_a")
-    telemetry.request_admitted("batch_a")
+    telemetry.requests_admitted("batch_a", 1)
     assert (telemetry.queue_wait.count, telemetry.queue_wait.total) == (1, 3.0)
 
 

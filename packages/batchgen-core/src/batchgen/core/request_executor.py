@@ -63,10 +63,6 @@ def _read_line(fd: int, length: int, offset: int) -> Envelope:
     return read_envelope(os.pread(fd, length, offset))
 
 
-def _ignore(*positions: int) -> None:
-    pass
-
-
 @attrs.define(slots=True)
 class _Running:
     """A request handed to the backend: where its line came from and what to report."""
@@ -105,10 +101,6 @@ class RequestExecutor:
         self._models = ModelSet.of(backend)
         self._defaults = defaults
         self._max_attempts = max_attempts
-
-    async def run(self, entry: IntakeEntry) -> None:
-        """Run the one request ``entry`` points at."""
-        await self.run_group((entry,), _ignore)
 
     async def run_group(self, entries: Sequence[IntakeEntry], finished: Finished) -> None:
         """Run the requests ``entries`` point at as one group (the scheduler's ``run_group``);

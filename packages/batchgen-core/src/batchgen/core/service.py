@@ -13,7 +13,8 @@ The facade checks calls and delegates; the work is done by parts with one job ea
 - ``BatchTracker`` (unfinished batches; every status change goes through ``batch_lifecycle``);
 - ``BatchStarter`` (index a batch's input and queue it) and ``recovery`` (resume after a restart);
 - the intake pool, the scheduling pool and the ``Scheduler`` (``scheduling``);
-- ``RequestExecutor`` (run one request on the model its line names, write exactly one line);
+- ``RequestExecutor`` (run requests, in groups, on the model each line names, and write exactly
+  one line for each);
 - the served models (``served_models``): one backend, or several models each with its own
   backend, whose slots ``ModelShares`` shares fairly;
 - ``Maintenance`` (supervised periodic jobs: counter flushes, fsyncs, expiry), and the

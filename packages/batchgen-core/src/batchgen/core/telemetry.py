@@ -6,10 +6,11 @@ allocation. An exporter reads it when it is scraped (the server's ``/metrics``, 
 prometheus-client); an embedding pipeline can read the same attributes. Counts start at zero with
 each process, as Prometheus counters may.
 
-- ``request_admitted(batch_id)``: the request left the intake pool for a slot; its queue wait
-  (since its batch was queued, ``batch_queued``) goes into ``queue_wait``.
+- ``requests_admitted(batch_id, count)``: requests left the intake pool for slots together; their
+  queue wait (since their batch was queued, ``batch_queued``) goes into ``queue_wait``.
 - ``request_completed`` / ``request_failed``: its output or error line was written.
-- ``backend_call(seconds)``: time spent inside the backend for one request (``backend_latency``).
+- ``backend_calls(seconds, count)``: time a group's requests spent inside the backend
+  (``backend_latency``).
 """
 
 from __future__ import annotations
@@ -87,19 +88,11 @@ class RequestTelemetry:
     def batch_ended(self, batch_id: str) -> None:
         self._queued_at.pop(batch_id, None)
 
-    def request_admitted(self, batch_id: str) -> None:
-        queued_at = self._queued_at.get(batch_id)
-        if queued_at is not None:
-            self.queue_wait.observe(self._clock() - queued_at)
-
     def requests_admitted(self, batch_id: str, count: int) -> None:
         """``count`` requests of the batch were admitted together (one clock reading for all)."""
         queued_at = self._queued_at.get(batch_id)
         if queued_at is not None:
             self.queue_wait.observe(self._clock() - queued_at, count)
-
-    def backend_call(self, seconds: float) -> None:
-        self.backend_latency.observe(seconds)
 
     def backend_calls(self, seconds: float, count: int) -> None:
         """``count`` requests of one group ended after ``seconds`` inside the backend."""
