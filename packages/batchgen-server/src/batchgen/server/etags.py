@@ -13,7 +13,7 @@ import hashlib
 from typing import Any
 
 import msgspec
-from litestar import Request, Response
+from litestar import MediaType, Request, Response
 from litestar.status_codes import HTTP_200_OK, HTTP_304_NOT_MODIFIED
 
 _HEADERS = {"Cache-Control": "no-cache"}  # a cache may keep it, but must ask again before using it
@@ -36,9 +36,11 @@ def matches(if_none_match: str | None, tag: str) -> bool:
 
 
 def json_with_etag(request: Request[Any, Any, Any], payload: dict[str, Any]) -> Response[Any]:
-    """``payload`` as JSON with its ``ETag``, or an empty ``304`` when the client already has it."""
-    tag = entity_tag(msgspec.json.encode(payload))
+    """``payload`` as JSON with its ``ETag``, or an empty ``304`` when the client already has it.
+    The JSON the tag is made from is the body sent: it is encoded once."""
+    body = msgspec.json.encode(payload)
+    tag = entity_tag(body)
     headers = {**_HEADERS, "ETag": tag}
     if matches(request.headers.get("if-none-match"), tag):
         return Response(None, status_code=HTTP_304_NOT_MODIFIED, headers=headers)
-    return Response(payload, status_code=HTTP_200_OK, headers=headers)
+    return Response(body, status_code=HTTP_200_OK, headers=headers, media_type=MediaType.JSON)
