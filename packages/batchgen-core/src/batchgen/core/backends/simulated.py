@@ -177,27 +177,14 @@ class SimulatedBackend:
     async def _result(self, request: GenerationRequest) -> GenerationResult:
         """The result of one attempt at ``request``, before its simulated latency; raises as
         ``generate`` does."""
-        return self._result_now(request) or await self._counted_result(request)
-
-    def _result_now(self, request: GenerationRequest) -> GenerationResult | None:
-        """``_result`` made here, without a coroutine; None when the prompt is too long to count
-        on the loop (then ``_counted_result``)."""
         if not self._started:
             raise BackendUnavailable("the simulated backend is not started")
         result = self._complete_now(request)
-        if result is not None:
-            self._maybe_fail()
-        return result
-
-    async def _counted_result(self, request: GenerationRequest) -> GenerationResult:
-        """``_result`` for a prompt too long to count on the loop: counted in a worker thread."""
-        result = await anyio.to_thread.run_sync(self._count_and_complete, request)
-        self._maybe_fail()
-        return result
-
-    def _maybe_fail(self) -> None:
+        if result is None:  # counting words is slow: not on the loop
+            result = await anyio.to_thread.run_sync(self._count_and_complete, request)
         if self.failure_rate and self._failures.random() < self.failure_rate:
             raise TransientBackendError("simulated transient failure")
+        return result
 
     async def _wait(self, request_id: str, seconds: float) -> None:
         """Sleep ``seconds`` unless aborted first (then raise RequestAborted)."""
@@ -255,7 +242,7 @@ class SimulatedBackend:
         timed: list[tuple[int, str, GenerationResult, float]] = []
         for position, request in enumerate(requests):
             try:
-                result = self._result_now(request) or await self._counted_result(request)
+                result = await self._result(request)
             except Exception as exc:
                 report(position, exc)
                 continue
