@@ -24,7 +24,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
-from running_server import peak_rss_mib, run_batch, running_server
+from running_server import peak_rss_mib, run_batch, running_server, upload
 
 from batchgen.core import BatchService, ServiceSettings, load_backend
 from batchgen.core.models import GenerationResult
@@ -89,10 +89,7 @@ def rest_rate(input_path: Path, storage: Path, count: int) -> tuple[float, float
     with running_server(storage, 10990, "--backend", "simulated") as (server, client):
         upload_rates = []
         for _ in range(UPLOADS - 1):
-            with input_path.open("rb") as upload:
-                start = time.perf_counter()
-                client.post("/v1/files", files={"file": upload}, data={"purpose": "batch"}).raise_for_status()
-                upload_rates.append(size_mb / (time.perf_counter() - start))
+            upload_rates.append(size_mb / upload(client, input_path)[1])
         batch, upload_s, run_s = run_batch(client, input_path)
         upload_rates.append(size_mb / upload_s)
         assert batch["request_counts"]["completed"] == count, batch

@@ -81,6 +81,20 @@ def plain_generate(
     return tokens, time.perf_counter() - start
 
 
+def chat_batch(count: int, max_tokens: int, tag: str = "q") -> bytes:
+    """A batch input file of ``count`` chat requests (``messages(i)``, custom ids ``{tag}{i}``)."""
+    lines = [
+        {
+            "custom_id": f"{tag}{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": messages(i), "max_tokens": max_tokens},
+        }
+        for i in range(count)
+    ]
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
 def service_run(
     storage: Path, model: str | None, count: int, max_tokens: int, extra_flags: list[str]
 ) -> tuple[int, float]:
@@ -88,16 +102,7 @@ def service_run(
     flags = ["--backend", "transformers", *extra_flags]
     if model:
         flags += ["--model", model]
-    lines = [
-        {
-            "custom_id": f"q{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": messages(i), "max_tokens": max_tokens},
-        }
-        for i in range(count)
-    ]
-    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    content = chat_batch(count, max_tokens)
     with running_server(storage, 10991, *flags) as (_, client):
         run_batch(client, content[: content.index(b"\n") + 1])  # warm-up: one request
         batch, _, run_s = run_batch(client, content)

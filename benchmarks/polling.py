@@ -34,25 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from model_throughput import messages
-from running_server import TERMINAL, running_server
+from model_throughput import chat_batch
+from running_server import TERMINAL, running_server, upload
 
 PORT = 10993
 SCENARIOS = {"a": 0, "b": 1, "c": 50}
 CPU_SIDES = ("worker", "api", "pollers")
-
-
-def batch_file(count: int, max_tokens: int, tag: str) -> bytes:
-    lines = [
-        {
-            "custom_id": f"{tag}-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": messages(i), "max_tokens": max_tokens},
-        }
-        for i in range(count)
-    ]
-    return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -97,9 +84,7 @@ def poll(base_url: str, batch_id: str, pollers: int, stop: Any, answered: Any, c
 
 def run_scenario(client: httpx.Client, server_pid: int, content: bytes, pollers: int) -> dict[str, Any]:
     """One batch with ``pollers`` tight pollers: tokens, seconds, polls answered, CPU seconds used."""
-    file_id = client.post(
-        "/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}
-    ).json()["id"]
+    file_id, _ = upload(client, content)
     context = multiprocessing.get_context("spawn")
     stop, answered, poller_cpu = context.Event(), context.Value("q", 0), context.Value("d", 0.0)
     workers = children(server_pid)
@@ -157,10 +142,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         storage = Path(args.storage_path or scratch)
         with running_server(storage, PORT, *flags) as (server, client):
-            run_scenario(client, server.pid, batch_file(8, 8, "warm-up"), 0)
+            run_scenario(client, server.pid, chat_batch(8, 8, "warm-up-"), 0)
             for round_number in range(args.rounds):
                 for name, pollers in SCENARIOS.items():
-                    content = batch_file(args.requests, args.max_tokens, f"{name}{round_number}")
+                    content = chat_batch(args.requests, args.max_tokens, f"{name}{round_number}-")
                     result = run_scenario(client, server.pid, content, pollers)
                     runs[name].append(result)
                     print(

@@ -48,15 +48,22 @@ def running_server(
         server.wait()
 
 
-def run_batch(client: httpx.Client, content: Path | bytes) -> tuple[dict[str, Any], float, float]:
-    """Upload a chat batch file, run it to the end; the batch, upload seconds and run seconds."""
+def upload(client: httpx.Client, content: Path | bytes) -> tuple[str, float]:
+    """Upload a batch input file; its file id and the seconds the upload took (with validation)."""
     started = time.perf_counter()
-    upload = content.open("rb") if isinstance(content, Path) else ("input.jsonl", content)
+    part = content.open("rb") if isinstance(content, Path) else ("input.jsonl", content)
     try:
-        file_id = client.post("/v1/files", files={"file": upload}, data={"purpose": "batch"}).json()["id"]
+        response = client.post("/v1/files", files={"file": part}, data={"purpose": "batch"})
     finally:
         if isinstance(content, Path):
-            upload.close()  # type: ignore[union-attr]
+            part.close()  # type: ignore[union-attr]
+    response.raise_for_status()
+    return response.json()["id"], time.perf_counter() - started
+
+
+def run_batch(client: httpx.Client, content: Path | bytes) -> tuple[dict[str, Any], float, float]:
+    """Upload a chat batch file, run it to the end; the batch, upload seconds and run seconds."""
+    file_id, upload_s = upload(client, content)
     uploaded = time.perf_counter()
     batch = client.post(
         "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
@@ -64,7 +71,7 @@ def run_batch(client: httpx.Client, content: Path | bytes) -> tuple[dict[str, An
     while batch["status"] not in TERMINAL:
         time.sleep(0.05)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
-    return batch, uploaded - started, time.perf_counter() - uploaded
+    return batch, upload_s, time.perf_counter() - uploaded
 
 
 def peak_rss_mib(pid: int) -> float:
