@@ -187,8 +187,8 @@ class Scheduler:
         return more and admitted >= ADMIT_PER_TURN  # fewer: nothing more may be admitted now
 
     def _refill(self, size: int) -> None:
-        """Admit up to ``size`` requests now, into the group that the slots freed in this turn of
-        the loop are refilled with; one task runs it, from the next turn."""
+        """Admit up to ``size`` requests now, into the refill group that gathers the slots freed
+        meanwhile; one task runs it (``_run_refills``)."""
         if self._tasks is None or self._tasks.cancel_scope.cancel_called:
             return
         entries = self.admit(size)
