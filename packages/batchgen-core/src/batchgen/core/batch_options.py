@@ -9,21 +9,36 @@ from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import BatchParameters
 from batchgen.core.sampling_ranges import range_problem
 
-_WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
+_WINDOW = re.compile(r"([1-9][0-9]{0,9})([smhd])", re.ASCII)
 _WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: The longest completion window a batch may ask for (a year; OpenAI's only window is 24h).
+MAX_COMPLETION_WINDOW_S = 365 * 86400
 MAX_METADATA_PAIRS = 16
 MAX_OUTPUT_EXPIRY_S = 30 * 86400
 
 
 def parse_completion_window(window: str) -> int:
-    """Seconds in a completion window such as ``24h``; raise InvalidRequest otherwise."""
+    """Seconds in a completion window such as ``24h`` (ASCII digits, at most a year); raise
+    InvalidRequest otherwise."""
     match = _WINDOW.fullmatch(window) if isinstance(window, str) else None
     if match is None:
         raise InvalidRequest(
-            f"completion_window must look like '24h' (a number and s, m, h or d), got {window!r}",
+            f"completion_window must look like '24h' (a number and s, m, h or d), got {_shown(window)}",
             param="completion_window",
         )
-    return int(match.group(1)) * _WINDOW_SECONDS[match.group(2)]
+    seconds = int(match.group(1)) * _WINDOW_SECONDS[match.group(2)]
+    if seconds > MAX_COMPLETION_WINDOW_S:
+        raise InvalidRequest(
+            f"completion_window may be at most {MAX_COMPLETION_WINDOW_S // 86400}d "
+            f"({MAX_COMPLETION_WINDOW_S} seconds), got {_shown(window)}",
+            param="completion_window",
+        )
+    return seconds
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:

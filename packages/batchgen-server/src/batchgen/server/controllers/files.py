@@ -23,7 +23,8 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 CHUNK_BYTES = 256 * 1024
 
 
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
 #: Digits past which a range bound is taken as "beyond any file" (Python refuses huge int strings).
 _MAX_BOUND_DIGITS = 18
 
@@ -89,11 +90,12 @@ def _expires_after_seconds(fields: dict[str, str]) -> int | None:
         return None
     if anchor not in (None, "created_at"):
         raise InvalidRequest("expires_after[anchor] must be 'created_at'", param="expires_after")
-    if seconds is None or not seconds.strip().isdigit():
+    digits = None if seconds is None else seconds.strip()
+    if digits is None or _ASCII_DIGITS.fullmatch(digits) is None:  # str.isdigit() takes "²" and "١"
         raise InvalidRequest(
-            "expires_after[seconds] must be a whole number of seconds", param="expires_after"
+            "expires_after[seconds] must be a whole number of seconds (ASCII digits)", param="expires_after"
         )
-    return int(seconds)
+    return _bound(digits)  # past 18 digits: too many seconds, which the service says
 
 
 class FilesController(Controller):
@@ -105,7 +107,11 @@ class FilesController(Controller):
     ) -> dict[str, Any]:
         limit = service.max_upload_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
+        if (
+            declared is not None
+            and _ASCII_DIGITS.fullmatch(declared)
+            and _bound(declared) > limit + MULTIPART_OVERHEAD_BYTES
+        ):
             raise PayloadTooLarge(f"The upload is {declared} bytes; the limit is {limit} bytes.")
         staging = service.new_upload_path()
         try:
