@@ -2,9 +2,14 @@
 
 A call carrying a key is fingerprinted (a hash of its arguments). A repeat with the same key and
 fingerprint gets the first call's object back; the same key with other arguments is a Conflict.
-A key must be 1 to ``MAX_KEY_LENGTH`` characters (an empty key would be shared by every caller).
+A key must be 1 to ``MAX_KEY_LENGTH`` characters (an empty key would be shared by every caller)
+with no control character (the stored key joins tenant and key with one, ``tenancy.scoped_key``).
 When the object a key made is gone (a file deleted since), the key is forgotten, so the repeat
 makes a new object instead of answering 404 for ever.
+
+Versions before every tenant's keys were scoped stored the default tenant's keys as given; a
+default-tenant key not found scoped is looked up that old way too (such a key holds no control
+character, so it cannot be another tenant's scoped key), and answers as before.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ def fingerprint(*parts: Any) -> str:
 
 
 def check_key(key: str) -> None:
-    """InvalidRequest unless ``key`` is a usable Idempotency-Key (1 to MAX_KEY_LENGTH characters)."""
+    """InvalidRequest unless ``key`` is a usable Idempotency-Key (1 to MAX_KEY_LENGTH characters,
+    none of them a control character)."""
     if not key:
         raise InvalidRequest("Idempotency-Key must not be empty", param="Idempotency-Key")
     if len(key) > MAX_KEY_LENGTH:
@@ -36,6 +42,8 @@ def check_key(key: str) -> None:
             f"Idempotency-Key is {len(key)} characters; the limit is {MAX_KEY_LENGTH}",
             param="Idempotency-Key",
         )
+    if any(ord(char) < 0x20 or 0x7F <= ord(char) < 0xA0 for char in key):
+        raise InvalidRequest("Idempotency-Key must not hold control characters", param="Idempotency-Key")
 
 
 class IdempotencyLedger:
@@ -54,6 +62,9 @@ class IdempotencyLedger:
         check_key(key)
         stored_key = scoped_key(tenant, key)
         recorded = self._metadata.get_idempotency_key(stored_key)
+        if recorded is None and tenant == DEFAULT_TENANT:  # stored by an older version
+            stored_key = key
+            recorded = self._metadata.get_idempotency_key(stored_key)
         if recorded is None:
             return None
         recorded_scope, recorded_fingerprint, object_id = recorded

@@ -15,7 +15,23 @@ import attrs
 
 from batchgen.core.models import DEFAULT_TENANT
 
-__all__ = ["DEFAULT_TENANT", "EMBEDDED", "Caller", "TenantLimits", "TenantUsage", "scoped_key"]
+__all__ = [
+    "DEFAULT_TENANT",
+    "EMBEDDED",
+    "KEY_SEPARATOR",
+    "RESERVED_TENANT_NAMES",
+    "Caller",
+    "TenantLimits",
+    "TenantUsage",
+    "reserved_tenant_problem",
+    "scoped_key",
+]
+
+#: What joins a tenant's name and its ``Idempotency-Key`` in the stored key.
+KEY_SEPARATOR = "\x1f"
+#: Names no tenant made with a key may have (compared case-insensitively): ``default`` is the
+#: tenant of the embedded service and of a server without keys, which owns what was made then.
+RESERVED_TENANT_NAMES = frozenset({DEFAULT_TENANT})
 
 
 def _positive_weight(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -60,12 +76,27 @@ class Caller:
 EMBEDDED = Caller(DEFAULT_TENANT, admin=True)
 
 
+def reserved_tenant_problem(name: str) -> str | None:
+    """Why ``name`` cannot be the tenant of an API key, or None if it can.
+
+    Refused: the reserved names (any case), and a name holding the separator of stored
+    ``Idempotency-Key`` values or any other control character (it could spell another tenant's key).
+    """
+    if name.casefold() in RESERVED_TENANT_NAMES:
+        return f"tenant name {name!r} is reserved (it is the tenant of calls made without a key)"
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in name):
+        return f"tenant name {name!r} holds a control character"
+    return None
+
+
 def scoped_key(tenant: str, key: str) -> str:
     """An ``Idempotency-Key`` as stored: keys are per tenant, so two tenants may use the same key.
 
-    The default tenant's keys are stored as given, as they were before there were tenants.
+    Every tenant's keys, the default tenant's too, are stored as ``tenant KEY_SEPARATOR key``;
+    the key itself may not hold a control character (``idempotency.check_key``), so no key of
+    one tenant can spell another's.
     """
-    return key if tenant == DEFAULT_TENANT else f"{tenant}\x1f{key}"
+    return f"{tenant}{KEY_SEPARATOR}{key}"
 
 
 @attrs.frozen

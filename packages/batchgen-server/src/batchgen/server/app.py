@@ -4,8 +4,9 @@ If the service's core stops while the app runs (a supervised background task cra
 service's task group ended), ``on_service_stopped(reason)`` is called, so that the process running
 the app can exit non-zero and be restarted (``cli`` does).
 
-API keys (``api_keys``, ``auth``) guard ``/v1/*`` and ``/metrics`` once a key exists; the
-``caller`` dependency tells each controller which tenant is calling.
+Access is decided per matched route (``auth``): once a key exists, every route not declared open
+needs one, and the ``caller`` dependency tells each controller which tenant is calling. A path
+that is not canonical is refused before routing (``request_paths``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,24 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
 from batchgen.server.api_keys import KeyStore
-from batchgen.server.auth import ApiKeyGuard, provide_caller
+from batchgen.server.auth import (
+    OPEN_ROUTE,
+    ApiKeyRefused,
+    KeyCheck,
+    open_options_of_open_routes,
+    provide_caller,
+    refused_response,
+)
 from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, handle_body_timeout
 from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.dashboard import dashboard, dashboard_asset
@@ -34,8 +43,15 @@ from batchgen.server.controllers.usage import usage
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
 from batchgen.server.priority import lower_api_priority, resolve_api_nice
+from batchgen.server.request_paths import CanonicalPaths
 from batchgen.server.settings import ServerSettings
 from batchgen.server.webhooks import WebhookDeliverer
+
+
+def _openapi_config() -> OpenAPIConfig:
+    """Litestar's default OpenAPI pages (``/schema``...), declared open: they describe, hold no data."""
+    router = Router("/schema", route_handlers=[], include_in_schema=False, opt=OPEN_ROUTE)
+    return OpenAPIConfig(title="Litestar API", version="1.0.0", openapi_router=router)
 
 
 def _provide_service(state: State) -> BatchService:
@@ -77,6 +93,7 @@ def create_app(
             service.set_tenant_weight(tenant, tenant_limits.weight)
 
     keys.on_reload = apply_weights
+    key_check = KeyCheck(keys)
 
     def stopped(reason: str) -> None:
         logger.critical("the batch service stopped: %s", reason)
@@ -117,6 +134,8 @@ def create_app(
             "service": Provide(_provide_service, sync_to_thread=False),
             "caller": Provide(provide_caller, sync_to_thread=False),
         },
+        guards=[key_check.guard],
+        openapi_config=_openapi_config(),
         state=State({"service": service, "metrics_registry": registry, "unavailable_models": unavailable}),
         lifespan=[run_service],
         logging_config=None,  # the batchgen-server command sets up logging (log_format)
@@ -126,11 +145,15 @@ def create_app(
         ],
         exception_handlers={
             BodyTimeout: handle_body_timeout,
+            ApiKeyRefused: refused_response,
+            NotFoundException: key_check.unrouted,
+            MethodNotAllowedException: key_check.unrouted,
             BatchGenError: handle_service_error,
             HTTPException: handle_http_error,
             Exception: handle_unexpected_error,
         },
     )
     keys.has_keys()  # load the keys (and the tenants' weights) now, not on the first request
-    app.asgi_handler = ApiKeyGuard(app.asgi_handler, keys)
+    open_options_of_open_routes(app)
+    app.asgi_handler = CanonicalPaths(app.asgi_handler)
     return app

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, HttpMethod, Request, Response, post, route
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import bounds_problem
+from batchgen.core.json_escapes import escape_problem
 from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
@@ -48,7 +51,7 @@ def _parse_create_body(raw: bytes) -> dict[str, Any]:
     try:
         body = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"The request body is not valid JSON: {escape_problem(raw) or exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     unknown = sorted(set(body) - _ALLOWED_FIELDS)
@@ -65,7 +68,10 @@ class BatchesController(Controller):
 
     @post("/", status_code=200)
     async def create(
-        self, request: Request[Any, Any, Any], service: BatchService, caller: Caller
+        self,
+        request: Request[Any, Any, Any],
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
     ) -> dict[str, Any]:
         body = _parse_create_body(await request.body())
         batch = await service.create_batch(
@@ -85,25 +91,31 @@ class BatchesController(Controller):
         )
         return batch.to_dict()
 
-    @get("/")
+    @route("/", http_method=[HttpMethod.GET, HttpMethod.HEAD])
     async def list_batches(
         self,
-        service: BatchService,
-        caller: Caller,
-        after: str | None = None,
-        limit: int = 20,
-        order: str = "desc",
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
+        after: FromQuery[str | None] = None,
+        limit: FromQuery[int] = 20,
+        order: FromQuery[str] = "desc",
     ) -> dict[str, Any]:
         batches, has_more = await service.list_batches(after=after, limit=limit, order=order, caller=caller)
         return list_page([batch.to_dict() for batch in batches], has_more)
 
-    @get("/{batch_id:str}")
+    @route("/{batch_id:str}", http_method=[HttpMethod.GET, HttpMethod.HEAD])
     async def retrieve(
-        self, request: Request[Any, Any, Any], batch_id: str, service: BatchService, caller: Caller
+        self,
+        request: Request[Any, Any, Any],
+        batch_id: FromPath[str],
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
     ) -> Response[dict[str, Any]]:
         """The batch (from memory while it runs), with an ETag; 304 when If-None-Match matches."""
         return json_with_etag(request, (await service.get_batch(batch_id, caller=caller)).to_dict())
 
     @post("/{batch_id:str}/cancel", status_code=200)
-    async def cancel(self, batch_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+    async def cancel(
+        self, batch_id: FromPath[str], service: NamedDependency[BatchService], caller: NamedDependency[Caller]
+    ) -> dict[str, Any]:
         return (await service.cancel_batch(batch_id, caller=caller)).to_dict()

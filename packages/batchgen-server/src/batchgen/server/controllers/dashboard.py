@@ -14,10 +14,13 @@ import html
 from importlib.resources import files
 from string import Template
 
-from litestar import MediaType, Response, get
+from litestar import HttpMethod, MediaType, Response, route
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 
 from batchgen.core.errors import NotFound
 from batchgen.core.service import BatchService
+from batchgen.server.auth import OPEN_ROUTE
 
 #: The assets the page loads, with their media types.
 ASSETS = {
@@ -50,13 +53,15 @@ def render_page(service: BatchService) -> str:
     )
 
 
-@get("/", include_in_schema=False)
-async def dashboard(service: BatchService) -> Response[str]:
+@route("/", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False, opt=OPEN_ROUTE)
+async def dashboard(service: NamedDependency[BatchService]) -> Response[str]:
     return Response(render_page(service), media_type=MediaType.HTML, headers=_PAGE_HEADERS)
 
 
-@get("/ui/{name:str}", include_in_schema=False)
-async def dashboard_asset(name: str) -> Response[bytes]:
+@route(
+    "/ui/{name:str}", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False, opt=OPEN_ROUTE
+)
+async def dashboard_asset(name: FromPath[str]) -> Response[bytes]:
     media_type = ASSETS.get(name)
     if media_type is None:
         raise NotFound(f"The dashboard has no file '{name}'.")

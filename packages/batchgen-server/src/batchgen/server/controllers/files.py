@@ -8,7 +8,9 @@ from typing import Any
 
 import anyio
 from anyio import AsyncFile
-from litestar import Controller, HttpMethod, Request, Response, delete, get, post, route
+from litestar import Controller, HttpMethod, Request, Response, delete, post, route
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 
 from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
@@ -103,7 +105,10 @@ class FilesController(Controller):
 
     @post("/", status_code=200, request_max_body_size=None)
     async def upload(
-        self, request: Request[Any, Any, Any], service: BatchService, caller: Caller
+        self,
+        request: Request[Any, Any, Any],
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
     ) -> dict[str, Any]:
         limit = service.max_upload_bytes
         declared = request.headers.get("content-length")
@@ -133,33 +138,41 @@ class FilesController(Controller):
             service.discard_upload(staging)
         return file.to_dict()
 
-    @get("/")
+    @route("/", http_method=[HttpMethod.GET, HttpMethod.HEAD])
     async def list_files(
         self,
-        service: BatchService,
-        caller: Caller,
-        after: str | None = None,
-        limit: int = 10000,
-        order: str = "desc",
-        purpose: str | None = None,
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
+        after: FromQuery[str | None] = None,
+        limit: FromQuery[int] = 10000,
+        order: FromQuery[str] = "desc",
+        purpose: FromQuery[str | None] = None,
     ) -> dict[str, Any]:
         files, has_more = await service.list_files(
             after=after, limit=limit, order=order, purpose=purpose, caller=caller
         )
         return list_page([file.to_dict() for file in files], has_more)
 
-    @get("/{file_id:str}")
-    async def retrieve(self, file_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+    @route("/{file_id:str}", http_method=[HttpMethod.GET, HttpMethod.HEAD])
+    async def retrieve(
+        self, file_id: FromPath[str], service: NamedDependency[BatchService], caller: NamedDependency[Caller]
+    ) -> dict[str, Any]:
         return (await service.get_file(file_id, caller=caller)).to_dict()
 
     @delete("/{file_id:str}", status_code=200)
-    async def delete_file(self, file_id: str, service: BatchService, caller: Caller) -> dict[str, Any]:
+    async def delete_file(
+        self, file_id: FromPath[str], service: NamedDependency[BatchService], caller: NamedDependency[Caller]
+    ) -> dict[str, Any]:
         await service.delete_file(file_id, caller=caller)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @route("/{file_id:str}/content", http_method=[HttpMethod.GET, HttpMethod.HEAD])
     async def content(
-        self, file_id: str, request: Request[Any, Any, Any], service: BatchService, caller: Caller
+        self,
+        file_id: FromPath[str],
+        request: Request[Any, Any, Any],
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
     ) -> Stream | Response[dict[str, Any]]:
         """The file's bytes; a running batch's output holds the lines written so far.
 

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, Response, get
+from litestar import HttpMethod, Request, Response, route
 from litestar.datastructures import State
+from litestar.di import NamedDependency
 
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import EMBEDDED, Caller
+from batchgen.server.auth import OPEN_ROUTE
 from batchgen.server.etags import json_with_etag
 
+_READ = [HttpMethod.GET, HttpMethod.HEAD]
 
-@get("/v1/pool/status")
+
+@route("/v1/pool/status", http_method=_READ)
 async def pool_status(
-    request: Request[Any, Any, Any], service: BatchService, caller: Caller
+    request: Request[Any, Any, Any], service: NamedDependency[BatchService], caller: NamedDependency[Caller]
 ) -> Response[dict[str, Any]]:
     """The pools' figures; once API keys exist, also per tenant (every tenant for an admin key,
     else the caller's own). From memory, with an ETag; 304 when If-None-Match matches."""
@@ -24,8 +28,8 @@ async def pool_status(
     return json_with_etag(request, figures)
 
 
-@get("/health")
-async def health(service: BatchService) -> Response[dict[str, Any]]:
+@route("/health", http_method=_READ, opt=OPEN_ROUTE)
+async def health(service: NamedDependency[BatchService]) -> Response[dict[str, Any]]:
     """200 while requests can run; with several models, each model's state (``degraded`` while
     some, not all, are unavailable); 503 when none can run."""
     report = service.health_report()
@@ -34,8 +38,8 @@ async def health(service: BatchService) -> Response[dict[str, Any]]:
     return Response(report, status_code=200 if healthy else 503, headers=headers)
 
 
-@get("/v1/models")
-async def models(service: BatchService, state: State) -> dict[str, Any]:
+@route("/v1/models", http_method=_READ)
+async def models(service: NamedDependency[BatchService], state: State) -> dict[str, Any]:
     """Every served model under each of its names, with its backend and the endpoints it serves;
     ``unavailable`` lists default models that are not installed."""
     listing: dict[str, Any] = {"object": "list", "data": service.models()}
