@@ -21,6 +21,7 @@ import msgspec
 
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest, LineProblem
 from batchgen.core.json_bounds import lines_within_bounds
+from batchgen.core.models import RESPONSES
 from batchgen.core.request_schema import (
     Body,
     Envelope,
@@ -30,6 +31,7 @@ from batchgen.core.request_schema import (
     read_body,
     read_envelope,
 )
+from batchgen.core.responses_api import responses_terms
 
 #: How many problems a validation error lists before summarising the rest.
 MAX_REPORTED_PROBLEMS = 10
@@ -80,7 +82,12 @@ def _check_line(raw: bytes, served_models: Collection[str] | LineRouter | None) 
     envelope = read_envelope(raw)
     body = read_body(envelope)
     if isinstance(served_models, LineRouter):
-        return envelope, served_models.check_line(envelope.url, body)
+        try:
+            return envelope, served_models.check_line(envelope.url, body)
+        except InvalidRequest as exc:
+            if envelope.url != RESPONSES:
+                raise
+            raise InvalidRequest(responses_terms(exc.message), param=exc.param) from None
     if served_models is not None and body.model is not None and body.model not in served_models:
         raise InvalidRequest(
             f"'body.model' {body.model!r} is not served here; use one of {', '.join(map(repr, served_models))}",

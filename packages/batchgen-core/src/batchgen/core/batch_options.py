@@ -9,7 +9,7 @@ from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import BatchParameters
 from batchgen.core.sampling_ranges import range_problem
 
-_WINDOW = re.compile(r"([1-9][0-9]{0,9})([smhd])", re.ASCII)
+_WINDOW = re.compile(r"([1-9][0-9]*)([smhd])", re.ASCII)
 _WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: The longest completion window a batch may ask for (a year; OpenAI's only window is 24h).
 MAX_COMPLETION_WINDOW_S = 365 * 86400
@@ -26,8 +26,10 @@ def parse_completion_window(window: str) -> int:
             f"completion_window must look like '24h' (a number and s, m, h or d), got {_shown(window)}",
             param="completion_window",
         )
-    seconds = int(match.group(1)) * _WINDOW_SECONDS[match.group(2)]
-    if seconds > MAX_COMPLETION_WINDOW_S:
+    digits = match.group(1)
+    # a number too long to be a year in seconds is not converted (int() refuses 4,301 digits)
+    seconds = int(digits) * _WINDOW_SECONDS[match.group(2)] if len(digits) <= 12 else None
+    if seconds is None or seconds > MAX_COMPLETION_WINDOW_S:
         raise InvalidRequest(
             f"completion_window may be at most {MAX_COMPLETION_WINDOW_S // 86400}d "
             f"({MAX_COMPLETION_WINDOW_S} seconds), got {_shown(window)}",
@@ -50,10 +52,16 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     if len(metadata) > MAX_METADATA_PAIRS:
         raise InvalidRequest(f"metadata may have at most {MAX_METADATA_PAIRS} pairs", param="metadata")
     for key, value in metadata.items():
-        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+        if not isinstance(key, str) or len(key) > 64:
             raise InvalidRequest(
                 "metadata keys must be at most 64 characters and values strings of at most 512",
                 param="metadata",
+            )
+        if not isinstance(value, str) or len(value) > 512:
+            raise InvalidRequest(
+                f"metadata.{key} must be a string of at most 512 characters "
+                "(metadata keys must be at most 64 characters and values strings of at most 512)",
+                param=f"metadata.{key}",
             )
     return dict(metadata)
 

@@ -95,12 +95,19 @@ class BatchStarter:
         pending = len(index) if lines is None else len(lines)
         room = self._intake_pool.free + self._intake_pool.reserved_for(active.id)
         if pending > room:
-            self._tracker.fail(  # releases the reservation too
-                active,
-                "capacity_exceeded",
-                f"The batch has {pending} requests to queue but the intake pool has room for "
-                f"{room} of {self._intake_pool.capacity}. Retry later or split the file.",
-            )
+            capacity = self._intake_pool.capacity
+            if pending > capacity:
+                message = (
+                    f"The batch has {pending} requests but the intake pool has room for {capacity} at "
+                    f"most (its whole capacity), so it can never fit: do not retry it; split the file "
+                    f"into batches of at most {capacity} requests."
+                )
+            else:
+                message = (
+                    f"The batch has {pending} requests to queue but the intake pool has room for "
+                    f"{room} of {capacity}. Retry later or split the file."
+                )
+            self._tracker.fail(active, "capacity_exceeded", message)  # releases the reservation too
             return
         if active.input_fd is None:
             active.input_fd = os.open(file.path, os.O_RDONLY)

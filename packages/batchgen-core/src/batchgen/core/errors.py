@@ -38,11 +38,16 @@ class NotFound(BatchGenError, LookupError):
 
 
 class InvalidRequest(BatchGenError, ValueError):
+    """``param`` names the argument; ``code`` replaces the class's code where OpenAI's is more
+    specific (``invalid_value``: a value outside the ones the argument takes)."""
+
     code = "invalid_request"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        if code is not None:
+            self.code = code
 
 
 @attrs.frozen

@@ -406,7 +406,7 @@ class RequestExecutor:
                 )
                 active.batch = attrs.evolve(active.batch, error_file_id=errors.id)
                 self._tracker.persist(active)
-        lines.add(active, writer, error_line(custom_id, code, message), None)
+        lines.add(active, writer, error_line(custom_id, code, message, active.batch.endpoint), None)
 
     def _write(self, active: ActiveBatch, writer: ResultWriter, lines: bytes) -> bool:
         """Append result lines; on a storage fault fail the batch (earlier lines stay intact)."""

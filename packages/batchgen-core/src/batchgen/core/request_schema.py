@@ -38,6 +38,7 @@ from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.json_bounds import bounds_problem
+from batchgen.core.json_escapes import escape_problem
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, SUPPORTED_ENDPOINTS
 from batchgen.core.sampling_ranges import range_problem
 from batchgen.core.structured_output import response_format_problem
@@ -231,6 +232,9 @@ def read_envelope(raw: bytes, *, within_bounds: bool = False) -> Envelope:
     try:
         envelope = _envelope_decoder.decode(raw)
     except msgspec.MsgspecError as exc:
+        escape = escape_problem(raw) if isinstance(exc, msgspec.DecodeError) else None
+        if escape is not None:  # the decoder's words for it depend on where it stopped
+            raise InvalidRequest(f"not valid JSON ({escape})") from None
         raise _problem(exc, "") from None
     if not envelope.custom_id:
         raise InvalidRequest("'custom_id' must be a non-empty string", param="custom_id")
@@ -262,9 +266,24 @@ def check_body(body: Body) -> Body:
         check_embeddings_body(body)
         return body
     if isinstance(body, ResponsesBody):
-        from batchgen.core.responses_api import check_responses_body
+        from batchgen.core.responses_api import check_responses_body, responses_terms
 
         check_responses_body(body)
+        try:
+            return _check_generation_body(body)
+        except InvalidRequest as exc:  # name the Responses fields, not the chat ones they became
+            raise InvalidRequest(responses_terms(exc.message), param=_responses_param(exc.param)) from None
+    return _check_generation_body(body)
+
+
+def _responses_param(param: str | None) -> str | None:
+    from batchgen.core.responses_api import responses_terms
+
+    return None if param is None else responses_terms(f"'{param}'").strip("'")
+
+
+def _check_generation_body(body: ChatBody | CompletionBody | ResponsesBody) -> Body:
+    """The checks a chat, completion or Responses body shares (its struct decoded it)."""
     if body.stream:
         raise InvalidRequest(
             "'body.stream' must be false or absent: batches do not stream (streaming_unsupported)",

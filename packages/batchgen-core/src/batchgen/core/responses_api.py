@@ -35,6 +35,20 @@ UNSUPPORTED_FIELDS = {
     "prompt": "reusable prompt templates are not available; send 'input' and 'instructions'",
     "reasoning": "reasoning options are not supported",
 }
+#: Chat fields a Responses body may not use, each with the Responses field that says the same.
+CHAT_ONLY_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+#: How messages about the chat fields a Responses line runs through name them: by the
+#: Responses field the user set (``responses_terms``).
+_RESPONSES_NAMES = (
+    ("'body.max_completion_tokens'", "'body.max_output_tokens'"),
+    ("'body.response_format'", "'body.text.format'"),
+    ("'body.logprobs':", "'body.top_logprobs':"),  # the capability check's "'field': model ..."
+    ("'body.messages'", "'body.input'"),
+)
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -45,8 +59,25 @@ def _refusal(field: str, why: str) -> InvalidRequest:
     )
 
 
+def responses_terms(message: str) -> str:
+    """``message`` about a Responses line, with the chat fields it runs through (which the checks
+    and backends name) named as the Responses fields they come from."""
+    if "'body." not in message:
+        return message
+    for chat, responses in _RESPONSES_NAMES:
+        message = message.replace(chat, responses)
+    return message
+
+
 def check_responses_body(body: Any) -> None:
     """Refuse what BatchGen does not run, and check ``input``; InvalidRequest naming the field."""
+    for field, instead in CHAT_ONLY_FIELDS.items():
+        if getattr(body, field) is not None:
+            raise InvalidRequest(
+                f"'body.{field}' is a /v1/chat/completions field; a /v1/responses body sets "
+                f"'{instead}' instead",
+                param=f"body.{field}",
+            )
     for field, why in UNSUPPORTED_FIELDS.items():
         value = getattr(body, field, None)
         if value in (None, [], {}, False) or (field == "tool_choice" and value == "none"):

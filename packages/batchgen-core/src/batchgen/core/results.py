@@ -19,7 +19,7 @@ import msgspec
 from batchgen.core.embeddings_api import embeddings_body
 from batchgen.core.ids import new_request_id
 from batchgen.core.models import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, GenerationResult
-from batchgen.core.responses_api import response_body
+from batchgen.core.responses_api import response_body, responses_terms
 
 _encode_json = msgspec.json.Encoder().encode
 #: UTF-8 of the line breaks JSON leaves raw, and their JSON escapes. In valid UTF-8 these byte
@@ -99,7 +99,11 @@ def output_line(
     return _one_line(line)
 
 
-def error_line(custom_id: str, code: str, message: str) -> bytes:
+def error_line(custom_id: str, code: str, message: str, endpoint: str | None = None) -> bytes:
+    """The error line of a request that failed; a ``/v1/responses`` request's message names the
+    Responses fields (``body.max_output_tokens``), not the chat ones it ran through."""
+    if endpoint == RESPONSES:
+        message = responses_terms(message)
     line = {
         "id": new_request_id("batch_req_"),
         "custom_id": custom_id,

@@ -78,14 +78,18 @@ def handle_http_error(_: Request, exc: Exception) -> Response[dict[str, object]]
     assert isinstance(exc, HTTPException)
     message = exc.detail or "HTTP error"
     extra = getattr(exc, "extra", None)
+    param, code = None, None
     if exc.status_code == 400 and isinstance(extra, list) and extra:
         problems = "; ".join(
             f"{item.get('key', '?')}: {item.get('message', '')}" if isinstance(item, dict) else str(item)
             for item in extra
         )
         message = f"Invalid parameters: {problems}"
+        first = extra[0]
+        param = first.get("key") if isinstance(first, dict) and isinstance(first.get("key"), str) else None
+        code = "invalid_request"  # a query parameter of the wrong type (limit=1.5), named by param
     type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(exc.status_code, message, type_=type_, code=None)
+    return error_response(exc.status_code, message, type_=type_, code=code, param=param)
 
 
 def handle_unexpected_error(request: Request, exc: Exception) -> Response[dict[str, object]]:
