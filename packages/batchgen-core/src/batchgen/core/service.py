@@ -462,6 +462,7 @@ class BatchService:
             raise InvalidRequest(
                 f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {endpoint!r}",
                 param="endpoint",
+                code="invalid_value",  # OpenAI's code for it
             )
         window_s = parse_completion_window(completion_window)
         metadata = check_metadata(metadata)
