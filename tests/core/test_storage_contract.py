@@ -7,7 +7,9 @@ with the local filesystem. A new implementation (Postgres and object storage, sa
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import attrs
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.errors import InvalidRequest
+from batchgen.core.errors import InvalidRequest, StorageUnavailable
 from batchgen.core.models import (
     Batch,
     BatchErrorInfo,
@@ -32,21 +34,37 @@ from batchgen.core.storage import (
     ResultWriter,
     SQLiteMetadataStore,
 )
+from batchgen.core.storage_faults import storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
 
 
 @attrs.define
 class Storage:
-    """One implementation: how to open its stores over a folder (again, to test persistence)."""
+    """One implementation: how to open its stores over a folder (again, to test persistence), and
+    how another process takes the metadata's write lock and holds it (for as long as the context)."""
 
     open_metadata: Callable[[], MetadataStore]
     open_blobs: Callable[[], BlobStore]
+    lock_elsewhere: Callable[[], AbstractContextManager[object]]
+
+
+@contextmanager
+def _sqlite_exclusive(database: Path) -> Iterator[object]:
+    """A second connection (what another process would open) holding ``BEGIN EXCLUSIVE``."""
+    holder = sqlite3.connect(str(database), isolation_level=None, timeout=10)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        yield holder
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
 
 
 def _sqlite_local(root: Path) -> Storage:
     return Storage(
         open_metadata=lambda: SQLiteMetadataStore(root / "metadata.sqlite3"),
         open_blobs=lambda: LocalBlobStore(root),
+        lock_elsewhere=lambda: _sqlite_exclusive(root / "metadata.sqlite3"),
     )
 
 
@@ -468,3 +486,62 @@ def test_usage_sums_each_owners_saved_batch_counters(storage: Storage) -> None:
     assert [entry.tenant for entry in reopened.usage("b")] == ["b"]
     assert reopened.usage("nobody") == []
     reopened.close()
+
+
+# --- metadata: another process holding the write lock -----------------------------------------
+_WRITES: dict[str, Callable[[MetadataStore], object]] = {
+    "insert_file": lambda store: store.insert_file(_file("file-new")),
+    "delete_file": lambda store: store.delete_file("file-a"),
+    "insert_batch": lambda store: store.insert_batch(_batch("batch_new", "file-a")),
+    "save_batch": lambda store: store.save_batch(_batch("batch_a", "file-a", BatchStatus.IN_PROGRESS)),
+    "save_batch with outbox": lambda store: store.save_batch(
+        _batch("batch_a", "file-a", BatchStatus.COMPLETED),
+        outbox=[OutboxMessage("evt_2", "http://127.0.0.1:9/h", b"{}", 1000)],
+    ),
+    "put_idempotency_key": lambda store: store.put_idempotency_key("k2", "file", "f", "file-a", 1000),
+    "delete_idempotency_key": lambda store: store.delete_idempotency_key("k1"),
+    "reschedule_webhook": lambda store: store.reschedule_webhook(
+        OutboxMessage("evt_1", "http://127.0.0.1:9/h", b"{}", 1000, attempts=1, next_attempt_at=5.0)
+    ),
+    "delete_webhook": lambda store: store.delete_webhook("evt_1", "http://127.0.0.1:9/h"),
+}
+
+
+def _seeded(storage: Storage) -> MetadataStore:
+    store = storage.open_metadata()
+    store.insert_file(_file("file-a"))
+    store.insert_batch(_batch("batch_a", "file-a"))
+    store.put_idempotency_key("k1", "file", "f", "file-a", 1000)
+    store.save_batch(
+        _batch("batch_a", "file-a", BatchStatus.IN_PROGRESS),
+        outbox=[OutboxMessage("evt_1", "http://127.0.0.1:9/h", b"{}", 1000)],
+    )
+    return store
+
+
+@pytest.mark.parametrize("write", sorted(_WRITES))
+def test_a_write_under_another_process_lock_is_a_storage_fault_and_works_after(
+    storage: Storage, write: str
+) -> None:
+    """The write gives up (it does not wait on for the lock: the caller may be the event loop)
+    with an error that is a storage fault, a 503 with Retry-After, and changes nothing; reads keep
+    answering; once the lock is gone the same write succeeds."""
+    store = _seeded(storage)
+    try:
+        before = (store.get_file("file-a"), store.get_batch("batch_a"), store.get_idempotency_key("k1"))
+        with storage.lock_elsewhere():
+            with pytest.raises(Exception) as raised:  # each implementation raises its own error
+                _WRITES[write](store)
+            fault = storage_fault(raised.value, "save")
+            assert isinstance(fault, StorageUnavailable), f"{write}: {raised.value!r} is not a storage fault"
+            assert fault.code == "storage_unavailable" and not fault.disk_full and fault.retry_after_s >= 1
+            assert (
+                store.get_file("file-a"),
+                store.get_batch("batch_a"),
+                store.get_idempotency_key("k1"),
+            ) == (before)
+            assert store.list_files(after=None, limit=5, descending=True, purpose=None)[0]
+            assert store.list_batches(after=None, limit=5)[0] and store.pending_webhooks() == 1
+        _WRITES[write](store)
+    finally:
+        store.close()

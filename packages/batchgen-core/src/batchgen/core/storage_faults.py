@@ -1,8 +1,10 @@
-"""Storage faults: telling a fault of the storage (full disk, I/O error, read-only folder) from a bug.
+"""Storage faults: telling a fault of the storage (full disk, I/O error, read-only folder, a database
+another connection holds locked) from a bug.
 
-``storage_fault`` turns an ``OSError`` with such an errno, or an SQLite error that reports one,
-into a ``StorageUnavailable`` with the reason; anything else is not a storage fault and stays as
-it is. ``storage_faults_as_errors`` does that for a block of code: the service's calls raise
+``storage_fault`` turns an ``OSError`` with such an errno, or an SQLite error that reports one
+(``SQLITE_BUSY`` and ``SQLITE_LOCKED`` included: another process holding a write lock past the
+store's short busy timeout), into a ``StorageUnavailable`` with the reason and a ``Retry-After``;
+anything else is not a storage fault and stays as it is. ``storage_faults_as_errors`` does that for a block of code: the service's calls raise
 ``StorageUnavailable`` instead of a raw ``OSError`` or ``sqlite3.OperationalError``.
 """
 
@@ -20,12 +22,20 @@ FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: errnos that mean the storage cannot be used now: I/O errors, a read-only or forbidden folder.
 FAULT_ERRNOS = FULL_ERRNOS | frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM})
 
+#: Seconds a client is told to wait (``Retry-After``) when the database is locked by another connection.
+LOCKED_RETRY_AFTER_S = 1
+
 # SQLite's primary result codes (the low byte of an extended code).
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
 _SQLITE_FULL = 13
 _SQLITE_IOERR = 10
 _SQLITE_READONLY = 8
 _SQLITE_CANTOPEN = 14
+_SQLITE_LOCK_CODES = frozenset({_SQLITE_BUSY, _SQLITE_LOCKED})
 _SQLITE_REASONS = {
+    _SQLITE_BUSY: "the database is locked by another connection",
+    _SQLITE_LOCKED: "the database is locked by another connection",
     _SQLITE_FULL: "the database or disk is full",
     _SQLITE_IOERR: "a disk I/O error",
     _SQLITE_READONLY: "the database is read-only",
@@ -36,6 +46,9 @@ _SQLITE_MESSAGES = {
     "disk i/o error": _SQLITE_IOERR,
     "attempt to write a readonly database": _SQLITE_READONLY,
     "unable to open database file": _SQLITE_CANTOPEN,
+    "database is locked": _SQLITE_BUSY,
+    "database table is locked": _SQLITE_LOCKED,
+    "database schema is locked": _SQLITE_LOCKED,
 }
 
 
@@ -58,6 +71,12 @@ def storage_fault(exc: BaseException, action: str = "use the storage") -> Storag
     elif isinstance(exc, sqlite3.Error) and (code := _sqlite_code(exc)) is not None:
         reason = f"{_SQLITE_REASONS[code]} ({exc})"
         disk_full = code == _SQLITE_FULL
+        if code in _SQLITE_LOCK_CODES:
+            return StorageUnavailable(
+                f"The server could not {action}: {reason}. Retry in a moment.",
+                disk_full=False,
+                retry_after_s=LOCKED_RETRY_AFTER_S,
+            )
     else:
         return None
     retry = "Free some disk space and retry." if disk_full else "Retry once the storage works again."

@@ -9,8 +9,15 @@ tenant's limits and weight; a key belongs to one tenant and may be an admin key.
 running server, which answers from an in-memory copy of the rows and reloads it only when the
 database changed: ``PRAGMA data_version`` (no disk read) tells it another connection committed,
 and a version counter that every key and tenant change bumps tells it the keys are what changed.
-So a revoked key stops working on the next request, at no per-request query cost. ``last_used_at``
-is written at most once a minute per key.
+So a revoked key stops working on the next request, at no per-request query cost.
+
+No request waits for the database's write lock. ``last_used_at`` is written at most once a minute
+per key, and never on the request path: ``authenticate`` notes the time and a writer thread with
+its own connection saves it (a database locked by another process delays that write, retried
+later, and no request). The connection the server reads with has a short busy timeout; if a read
+cannot be made (the database locked in a way that stops readers too), the server keeps answering
+from the rows it loaded last. The key commands' own changes wait up to ``CHANGE_BUSY_TIMEOUT_S``
+for a lock.
 """
 
 from __future__ import annotations
@@ -18,22 +25,33 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 import sqlite3
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
 
-from batchgen.core.tenancy import Caller, TenantLimits
+from batchgen.core.storage_faults import storage_fault
+from batchgen.core.tenancy import Caller, TenantLimits, reserved_tenant_problem
+
+logger = logging.getLogger("batchgen.server")
 
 KEY_PREFIX = "bg-"
 _KEY_FORMAT = re.compile(r"^bg-([0-9a-f]{12})-([0-9a-f]{64})$")
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 #: Seconds between two writes of one key's ``last_used_at``.
 LAST_USED_WRITE_INTERVAL_S = 60
+#: How long a read of the server's (on the event loop) waits for another connection's lock.
+READ_BUSY_TIMEOUT_S = 0.05
+#: How long a change made by the key commands, and the last-use writer thread, wait for a lock.
+CHANGE_BUSY_TIMEOUT_S = 30.0
+#: Seconds before the writer thread tries again to save last-use times it could not save.
+LAST_USED_RETRY_S = 5.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -64,6 +82,9 @@ def check_tenant_name(name: str) -> str:
             f"tenant name {name!r} must be 1-64 letters, digits, '.', '_', '@' or '-', starting with a "
             "letter or digit"
         )
+    reserved = reserved_tenant_problem(name)
+    if reserved is not None:
+        raise ValueError(reserved)
     return name
 
 
@@ -96,21 +117,38 @@ class KeyStore:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=CHANGE_BUSY_TIMEOUT_S
+        )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        self._db.execute(f"PRAGMA busy_timeout = {int(READ_BUSY_TIMEOUT_S * 1000)}")
         self._data_version = -1
         self._keys_version = -1
         self._keys: dict[str, KeyRecord] = {}
         self._tenants: dict[str, TenantRecord] = {}
         self._last_written: dict[str, int] = {}
+        self._last_use = _LastUseWriter(path)
+        self._stale = False  # the last reload failed: answering from the rows loaded before
         #: Called with every tenant's limits whenever the rows are (re)loaded.
         self.on_reload: Callable[[dict[str, TenantLimits]], object] | None = None
 
     def close(self) -> None:
+        self._last_use.close()
         self._db.close()
 
     # --- changes (the ``keys`` command) ------------------------------------------------------
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """One transaction of the key commands, which may wait for a lock (they run off any loop)."""
+        self._db.execute(f"PRAGMA busy_timeout = {int(CHANGE_BUSY_TIMEOUT_S * 1000)}")
+        try:
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                yield
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout = {int(READ_BUSY_TIMEOUT_S * 1000)}")
+
     def _bump(self) -> None:
         self._db.execute("UPDATE api_keys_version SET version = version + 1 WHERE id = 1")
 
@@ -123,8 +161,7 @@ class KeyStore:
         key_id = secrets.token_hex(6)
         secret = secrets.token_hex(32)
         created = int(time.time())
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._change():
             self._db.execute(
                 "INSERT OR IGNORE INTO tenants (name, weight, created_at) VALUES (?, 1.0, ?)",
                 (tenant, created),
@@ -146,8 +183,7 @@ class KeyStore:
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
         """Replace a tenant's limits and weight; KeyError if there is no such tenant."""
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._change():
             if self._db.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant,)).fetchone() is None:
                 raise KeyError(tenant)
             self._set_limits(tenant, limits)
@@ -156,8 +192,7 @@ class KeyStore:
     def revoke(self, key_id: str) -> bool:
         """Revoke a key; False if no key has that id (or it was revoked already)."""
         key_id = key_id.removeprefix(KEY_PREFIX)
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._change():
             changed = self._db.execute(
                 "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                 (int(time.time()), key_id),
@@ -167,6 +202,11 @@ class KeyStore:
 
     # --- reading ---------------------------------------------------------------------------
     def list_keys(self) -> list[KeyRecord]:
+        """Every key, with the last-use times noted so far saved first (the writer is waited for)."""
+        self._last_use.drain(CHANGE_BUSY_TIMEOUT_S)
+        return self._read_keys()
+
+    def _read_keys(self) -> list[KeyRecord]:
         rows = self._db.execute(
             "SELECT id, tenant, admin, created_at, last_used_at, revoked_at, secret_sha256 FROM api_keys "
             "ORDER BY created_at, id"
@@ -190,17 +230,32 @@ class KeyStore:
         return {name: record.limits for name, record in self._tenants.items()}
 
     def _refresh(self) -> bool:
-        """Reload the rows if another connection changed them since; True if it reloaded."""
-        data_version = self._db.execute("PRAGMA data_version").fetchone()[0]
-        if data_version == self._data_version:
+        """Reload the rows if another connection changed them since; True if it reloaded. If the
+        database cannot be read now, the rows loaded last are kept (none loaded yet: the storage
+        fault is raised, a 503)."""
+        try:
+            data_version = self._db.execute("PRAGMA data_version").fetchone()[0]
+            if data_version == self._data_version:
+                return False
+            keys_version = self._db.execute("SELECT version FROM api_keys_version WHERE id = 1").fetchone()[0]
+            if keys_version == self._keys_version:
+                self._data_version = data_version
+                return False
+            keys = {key.id: key for key in self._read_keys()}
+            tenants = {tenant.name: tenant for tenant in self.tenants()}
+        except sqlite3.Error as exc:
+            if self._keys_version == -1:
+                fault = storage_fault(exc, "read the API keys")
+                if fault is None:
+                    raise
+                raise fault from exc
+            if not self._stale:
+                logger.warning("API keys not reloaded, answering from the rows loaded last: %s", exc)
+            self._stale = True
             return False
-        self._data_version = data_version
-        keys_version = self._db.execute("SELECT version FROM api_keys_version WHERE id = 1").fetchone()[0]
-        if keys_version == self._keys_version:
-            return False
-        self._keys_version = keys_version
-        self._keys = {key.id: key for key in self.list_keys()}
-        self._tenants = {tenant.name: tenant for tenant in self.tenants()}
+        self._stale = False
+        self._data_version, self._keys_version = data_version, keys_version
+        self._keys, self._tenants = keys, tenants
         if self.on_reload is not None:
             self.on_reload({name: record.limits for name, record in self._tenants.items()})
         return True
@@ -227,5 +282,79 @@ class KeyStore:
         if moment - self._last_written.get(key_id, 0) < LAST_USED_WRITE_INTERVAL_S:
             return
         self._last_written[key_id] = moment
-        with contextlib.suppress(sqlite3.OperationalError):  # busy or read-only: last use is a hint
-            self._db.execute("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (moment, key_id))
+        self._last_use.note(key_id, moment)
+
+
+class _LastUseWriter:
+    """Saves keys' last-use times from its own thread and connection (started on the first use), so
+    that no request waits for the database. A save that fails (busy, read-only) is tried again
+    after ``LAST_USED_RETRY_S``; at close what is still unsaved is dropped (last use is a hint)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._pending: dict[str, int] = {}
+        self._writing = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def note(self, key_id: str, moment: int) -> None:
+        with self._changed:
+            if self._closed:
+                return
+            self._pending[key_id] = max(moment, self._pending.get(key_id, moment))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="api-key-last-use", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every noted time is saved (or ``timeout_s`` passed); whether it was."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending and not self._writing, timeout_s)
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        db = sqlite3.connect(str(self._path), isolation_level=None, timeout=CHANGE_BUSY_TIMEOUT_S)
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit holds the write lock for no fsync
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._pending or self._closed)
+                    if self._closed:
+                        self._pending.clear()
+                        self._changed.notify_all()
+                        return
+                    batch, self._pending, self._writing = self._pending, {}, True
+                saved = self._save(db, batch)
+                with self._changed:
+                    self._writing = False
+                    if not saved:
+                        for key_id, moment in batch.items():
+                            self._pending[key_id] = max(moment, self._pending.get(key_id, moment))
+                    self._changed.notify_all()
+                    if not saved:
+                        self._changed.wait(LAST_USED_RETRY_S)
+        finally:
+            db.close()
+
+    @staticmethod
+    def _save(db: sqlite3.Connection, batch: dict[str, int]) -> bool:
+        try:
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.executemany(
+                    "UPDATE api_keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
+                    [(moment, key_id) for key_id, moment in batch.items()],
+                )
+        except sqlite3.Error as exc:
+            logger.debug("last use of %d API key(s) not saved yet: %s", len(batch), exc)
+            return False
+        return True

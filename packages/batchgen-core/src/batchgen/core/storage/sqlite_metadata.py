@@ -10,6 +10,13 @@ is refused as a cursor.
 
 Each file and batch records its ``owner`` (the tenant that made it); lists and cursors can be
 narrowed to one owner, and ``usage`` sums the saved counters of each owner's batches.
+
+The store is called from the event loop, so no call may wait long for a lock: once the schema is
+made (which waits up to ``OPEN_BUSY_TIMEOUT_S`` at start), SQLite's busy timeout is
+``BUSY_TIMEOUT_S``. A write that finds the database locked by another connection for longer
+raises SQLite's "database is locked", which ``storage_faults`` turns into ``StorageUnavailable``
+(503 with ``Retry-After``): the caller retries later, off the loop, instead of the loop stalling.
+Reads do not wait (WAL: readers never wait for a writer).
 """
 
 from __future__ import annotations
@@ -96,6 +103,11 @@ _OUTBOX_COLUMNS = {
     "next_attempt_at": float,
     "last_error": str,
 }
+
+#: How long the schema set-up at start waits for another connection's lock.
+OPEN_BUSY_TIMEOUT_S = 5.0
+#: How long any later call waits for another connection's lock before failing as "database is locked".
+BUSY_TIMEOUT_S = 0.1
 
 ACTIVE_STATUSES = tuple(status.value for status in BatchStatus if status.is_active)
 
@@ -192,7 +204,9 @@ class SQLiteMetadataStore:
     """Files and batches, persisted in SQLite at ``path``."""
 
     def __init__(self, path: Path) -> None:
-        connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        connection = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=OPEN_BUSY_TIMEOUT_S
+        )
         self._db = sqlite_utils.Database(connection)
         self._db.enable_wal()
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -225,6 +239,7 @@ class SQLiteMetadataStore:
             if "owner" not in table.columns_dict:
                 table.add_column("owner", str)
         self._batches.create_index(["owner", "seq"], if_not_exists=True)
+        self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
         self._db.close()
