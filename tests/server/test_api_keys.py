@@ -145,3 +145,25 @@ def test_help_of_the_keys_command_and_of_the_server_names_every_subcommand() -> 
     assert "batchgen-server keys" in server_help
     for flag in ("--allow-unauthenticated", "--ssl-certfile", "--ssl-keyfile"):
         assert flag in server_help
+
+
+@pytest.mark.parametrize("name", ["default", "Default", "DEFAULT"])
+@pytest.mark.parametrize("command", ["create", "set-limits"])
+def test_the_reserved_tenant_name_is_refused_by_the_keys_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, command: str
+) -> None:
+    from batchgen.server.keys_cli import main
+
+    with pytest.raises(SystemExit) as refused:
+        main([command, "--tenant", name, "--storage-path", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "reserved" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="reserved"):
+        check_tenant_name(name)
+    store = KeyStore(tmp_path / "metadata.sqlite3")
+    try:
+        with pytest.raises(ValueError, match="reserved"):
+            store.create_key(name)
+        assert store.list_keys() == []
+    finally:
+        store.close()

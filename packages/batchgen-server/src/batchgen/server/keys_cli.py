@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from batchgen.core.tenancy import TenantLimits
+from batchgen.core.tenancy import TenantLimits, reserved_tenant_problem
 from batchgen.server.api_keys import KeyStore, check_tenant_name
 from batchgen.server.settings import ServerSettings
 
@@ -39,10 +39,15 @@ def _weight(text: str) -> float:
 
 
 def _tenant(text: str) -> str:
+    """A tenant name as given; refused: a malformed one, or a reserved one (``default``)."""
     try:
-        return check_tenant_name(text)
+        name = check_tenant_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+    reserved = reserved_tenant_problem(name)
+    if reserved is not None:
+        raise argparse.ArgumentTypeError(reserved)
+    return name
 
 
 def _add_storage(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     create = commands.add_parser(
         "create", help="make a key for a tenant (made if new); the key is printed on the last line"
     )
-    create.add_argument("--tenant", required=True, type=_tenant, help="the tenant the key acts for")
+    create.add_argument(
+        "--tenant",
+        required=True,
+        type=_tenant,
+        help="the tenant the key acts for ('default' is reserved: it owns what is made without a key)",
+    )
     create.add_argument(
         "--admin", action="store_true", help="an admin key sees and manages every tenant's files and batches"
     )
@@ -100,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     limits = commands.add_parser(
         "set-limits", help="replace a tenant's limits and weight (a limit not given is removed)"
     )
-    limits.add_argument("--tenant", required=True, type=_tenant)
+    limits.add_argument("--tenant", required=True, type=_tenant, help="the tenant ('default' is reserved)")
     _add_limits(limits)
     _add_storage(limits)
     return parser

@@ -32,10 +32,12 @@ def path_problem(path: str, raw_path: bytes | None = None) -> str | None:
         return "it holds a control character or a backslash"
     if raw_path is not None and _ENCODED.search(raw_path):
         return "it holds an encoded '/', '\\', '.' or '%'"
+    if path == "/":
+        return None
     segments = path[1:].split("/")
-    if segments[-1] == "" and len(segments) > 1:
+    if segments[-1] == "":
         segments.pop()  # one trailing slash
-    if len(segments) > 1 and "" in segments:
+    if "" in segments:
         return "it has an empty segment ('//')"
     if any(segment in (".", "..") for segment in segments):
         return "it has a dot segment ('.' or '..')"
