@@ -7,6 +7,8 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import socket
 import threading
@@ -14,10 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchgen.server.cli import settings_from_args
 from batchgen.server.connection_limits import uvicorn_config
@@ -42,11 +47,11 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
             settings = settings_from_args([*argv, "--storage-path", str(tmp_path / "storage")])
             app = in_process_app(tmp_path / "storage", *argv)
             server = uvicorn.Server(uvicorn_config(app, settings))
+            stack.callback(listener.close)  # last: after the server stopped serving it
             thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
             thread.start()
             stack.callback(thread.join, 30)
             stack.callback(setattr, server, "should_exit", True)
-            stack.callback(listener.close)
             deadline = time.monotonic() + 30
             while not server.started and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -167,3 +172,168 @@ def test_repeated_log_records_are_limited_and_counted() -> None:
     now[0] = 10.0
     next_one = record("disk full")
     assert repeat_filter.filter(next_one) and "97 more like this were suppressed" in next_one.getMessage()
+
+
+# --- request framing: the size of a request's head, and bodies framed two ways ----------------------
+
+HEAD_LIMIT = 2048
+
+
+def _head(size: int, *, headers: int = 1) -> bytes:
+    """A ``GET /health`` whose request line and headers (with the empty line) are exactly ``size`` bytes,
+    padded over ``headers`` header fields."""
+    start = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    pads = [f"X-Pad-{index}: ".encode() for index in range(headers)]
+    room = size - len(start) - sum(len(pad) + 2 for pad in pads) - 2
+    assert room >= headers, "too small a head for that many fields"
+    lengths = [room // headers + (1 if index < room % headers else 0) for index in range(headers)]
+    head = (
+        start
+        + b"".join(pad + b"a" * length + b"\r\n" for pad, length in zip(pads, lengths, strict=True))
+        + b"\r\n"
+    )
+    assert len(head) == size
+    return head
+
+
+def _send_in_pieces(sock: socket.socket, data: bytes, cuts: list[int]) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    position = 0
+    for cut in [*sorted(cuts), len(data)]:
+        if cut > position:
+            sock.sendall(data[position:cut])
+            position = cut
+            time.sleep(0.002)
+
+
+def _answer_to(base_url: str, data: bytes, cuts: list[int] | None = None) -> bytes:
+    with _connect(base_url) as sock:
+        with contextlib.suppress(OSError):  # the server may answer and close before all is sent
+            _send_in_pieces(sock, data, cuts or [])
+        return _read_all(sock)
+
+
+def _status(answer: bytes) -> int:
+    assert answer.startswith(b"HTTP/1.1 "), answer[:200]
+    return int(answer[9:12])
+
+
+def _refused(answer: bytes, status: int) -> dict[str, Any]:
+    """The one response to a refused request: its status, an OpenAI-shaped error, and the connection
+    closed (``_read_all`` ended), with no second response after it."""
+    assert _status(answer) == status, answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, f"a second request was served: {answer!r}"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return dict(error)
+
+
+@pytest.mark.parametrize(
+    "size", [HEAD_LIMIT - 1, HEAD_LIMIT, HEAD_LIMIT + 1, HEAD_LIMIT + 100, 3 * HEAD_LIMIT, 100_000]
+)
+@pytest.mark.parametrize("headers", [1, 20])
+def test_the_head_size_limit_is_the_flag_exactly(serve: Serve, size: int, headers: int) -> None:
+    base_url = serve("--max-header-bytes", str(HEAD_LIMIT))
+    answer = _answer_to(base_url, _head(size, headers=headers))
+    if size <= HEAD_LIMIT:
+        assert _status(answer) == 200
+    else:
+        error = _refused(answer, 431)
+        assert error["code"] == "request_header_too_large" and str(HEAD_LIMIT) in error["message"]
+
+
+def test_a_100000_byte_header_is_refused_under_the_default_64_kib_limit(serve: Serve) -> None:
+    base_url = serve()
+    assert _status(_answer_to(base_url, _head(64 * 1024))) == 200
+    _refused(_answer_to(base_url, _head(100_000)), 431)
+    _refused(_answer_to(base_url, _head(64 * 1024 + 1)), 431)
+
+
+def test_the_head_size_limit_holds_however_the_bytes_arrive(serve: Serve) -> None:
+    """Any head size near the limit, sent in any pieces, with a body behind it or not: the verdict
+    depends on the head's size alone."""
+    base_url = serve("--max-header-bytes", str(HEAD_LIMIT))
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        size=st.integers(HEAD_LIMIT - 200, HEAD_LIMIT + 200),
+        headers=st.integers(1, 8),
+        cuts=st.lists(st.integers(0, HEAD_LIMIT + 200), max_size=4),
+        body=st.sampled_from([b"", b"x" * 5000]),
+    )
+    def check(size: int, headers: int, cuts: list[int], body: bytes) -> None:
+        head = _head(size, headers=headers)
+        if body:  # the body's bytes, arriving with the head, do not count towards it
+            head = head[:-2] + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            size = len(head)
+        answer = _answer_to(base_url, head + body, cuts)
+        if size <= HEAD_LIMIT:
+            assert _status(answer) in (200, 405)  # a GET /health with a body may be refused by the route
+        else:
+            _refused(answer, 431)
+
+    check()
+
+
+_SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _framed(*header_lines: str, body: bytes = b"0\r\n\r\n" + _SMUGGLED) -> bytes:
+    head = "POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (head + "".join(f"{line}\r\n" for line in header_lines) + "\r\n").encode() + body
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ("Content-Length: 5", "Transfer-Encoding: chunked"),
+        ("Transfer-Encoding: chunked", "Content-Length: 5"),
+        ("content-length: 44", "transfer-encoding: chunked"),
+        ("TRANSFER-ENCODING: CHUNKED", "CONTENT-LENGTH: 0"),
+        ("Transfer-Encoding: Chunked", "Content-length: 3"),
+        ("Content-Length: 5", "Transfer-Encoding:   chunked  "),
+        ("Content-Length: 5", "Content-Length: 5", "Transfer-Encoding: chunked"),
+    ],
+    ids=lambda lines: " | ".join(lines),
+)
+def test_content_length_with_transfer_encoding_is_refused_and_the_connection_closed(
+    serve: Serve, lines: tuple[str, ...]
+) -> None:
+    """RFC 9112 section 6.1: a proxy in front could read the body by the other header, so the bytes
+    after it (here a second request) must never run."""
+    base_url = serve()
+    error = _refused(_answer_to(base_url, _framed(*lines)), 400)
+    assert "Content-Length" in error["message"] and "Transfer-Encoding" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ("Content-Length: 5", "Content-Length: 6"),
+        ("Content-Length: 5, 6",),
+        ("Content-Length: -5",),
+        ("Content-Length: 0x10",),
+        ("Transfer-Encoding: gzip, chunked",),
+        ("Transfer-Encoding: chunked", "Transfer-Encoding: chunked"),
+        ("Transfer-Encoding: identity",),
+        ("Content-Length : 5",),
+    ],
+    ids=lambda lines: " | ".join(lines),
+)
+def test_other_ambiguous_framing_is_refused_and_the_connection_closed(
+    serve: Serve, lines: tuple[str, ...]
+) -> None:
+    base_url = serve()
+    answer = _answer_to(base_url, _framed(*lines))
+    assert _status(answer) in (400, 501)
+    _refused(answer, _status(answer))
+
+
+def test_requests_framed_one_way_still_share_a_connection(serve: Serve) -> None:
+    base_url = serve()
+    chunked = "POST /v1/batches HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    sized = "POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    answer = _answer_to(base_url, (chunked + sized).encode())
+    assert answer.count(b"HTTP/1.1 400 ") == 2, answer  # both reached the app (no input_file_id)

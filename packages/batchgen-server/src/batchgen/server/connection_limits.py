@@ -1,20 +1,37 @@
-"""How the server bounds its connections: a connection limit, idle and header timeouts, file descriptors.
+"""How the server bounds its connections: limits, timeouts, request framing, file descriptors, shutdown.
 
 uvicorn serves the app with ``limit_concurrency`` (requests beyond it get a 503 at once) and
-``timeout_keep_alive`` (an idle keep-alive connection is closed). uvicorn has no timeout for a
-connection that never finishes sending its request headers (an idle socket, or a slow-loris
-client), so ``HeaderTimeoutProtocol`` adds one: a connection whose next request's headers are not
-complete within ``header_timeout_s`` of its opening (or of its first byte, between requests) is
-closed. Slow request bodies are cut by ``body_timeout``. At start the soft limit on open files is
-raised towards the hard limit, so the connection limit is reached long before file descriptors run
-out.
+``timeout_keep_alive`` (an idle keep-alive connection is closed). ``EdgeProtocol``, uvicorn's h11
+protocol with what it lacks, adds:
+
+- a header timeout: a connection whose next request's headers are not complete within
+  ``header_timeout_s`` of its opening (or of its first byte, between requests) is closed (an idle
+  socket, or a slow-loris client);
+- the size limit of a request's head: the request line and headers, up to and including the empty
+  line that ends them, may be at most ``max_header_bytes`` (``--max-header-bytes``), however the
+  bytes arrive (h11's own limit applies only to a head still incomplete);
+- unambiguous framing (RFC 9112 section 6.1): a request with both ``Content-Length`` and
+  ``Transfer-Encoding`` is refused, since a proxy in front may read its body differently; h11
+  already refuses conflicting ``Content-Length`` values and codings other than ``chunked``.
+  Every such refusal is an OpenAI-shaped error and closes the connection, so no byte after it is
+  read as another request;
+- a bounded shutdown: once the server stops, a connection still receiving or answering a request
+  ``shutdown_grace_s`` later is closed (an upload still arriving is cut; its handler sees the
+  client leave and removes its staging file), and uvicorn cancels what is still running a moment
+  after that (``SHUTDOWN_CANCEL_MARGIN_S``).
+
+Slow request bodies are cut by ``body_timeout``. At start the soft limit on open files is raised
+towards the hard limit, so the connection limit is reached long before file descriptors run out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import resource
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -27,16 +44,80 @@ logger = logging.getLogger("batchgen.server")
 
 #: File descriptors kept for what is not a client connection (the database, result files, logs).
 RESERVED_FILE_DESCRIPTORS = 256
+#: After the shutdown grace has closed the connections, how long uvicorn lets their handlers unwind
+#: (a cut upload removing its staging file) before it cancels the ones still running.
+SHUTDOWN_CANCEL_MARGIN_S = 1.0
+#: The end of a request's head, as h11 finds it (it accepts a bare LF for CRLF).
+_END_OF_HEAD = re.compile(rb"\n\r?\n")
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request headers take too long."""
+class RequestRefused(h11.RemoteProtocolError):
+    """A request refused before it reaches the app: the status and the OpenAI error ``code``."""
+
+    def __init__(self, message: str, status: int, code: str) -> None:
+        super().__init__(message, error_status_hint=status)
+        self.code = code
+
+
+class StrictConnection(h11.Connection):
+    """h11's server connection, also refusing a head over ``max_head_bytes`` and ambiguous framing.
+
+    The refusal (``RequestRefused``, or h11's own ``RemoteProtocolError``) is kept in ``refusal``
+    for the protocol's error response.
+    """
+
+    def __init__(self, max_head_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+        self.refusal: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            if self.their_state is h11.IDLE:
+                self._check_head_size()
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                _check_framing(event)
+        except h11.RemoteProtocolError as exc:
+            self.refusal = exc
+            raise
+        return event
+
+    def _check_head_size(self) -> None:
+        buffered, _ = self.trailing_data
+        if len(buffered) <= self.max_head_bytes:
+            return  # the head in it, complete or not, is within the limit
+        end = _END_OF_HEAD.search(buffered, 0, self.max_head_bytes)
+        if end is None:
+            raise RequestRefused(
+                f"The request line and headers are larger than the limit of {self.max_head_bytes} bytes.",
+                431,
+                "request_header_too_large",
+            )
+
+
+def _check_framing(request: h11.Request) -> None:
+    names = {name for name, _ in request.headers}  # h11 gives them lower-cased
+    if b"transfer-encoding" in names and b"content-length" in names:
+        raise RequestRefused(
+            "A request may not have both Content-Length and Transfer-Encoding (RFC 9112 section 6.1).",
+            400,
+            "invalid_request",
+        )
+
+
+class EdgeProtocol(H11Protocol):
+    """uvicorn's h11 protocol with the bounds of this module's docstring (set on a subclass)."""
 
     header_timeout_s: float = 10.0
+    max_head_bytes: int = 64 * 1024
+    shutdown_grace_s: float = 10.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = StrictConnection(self.max_head_bytes)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._shutdown_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,7 +132,56 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if self._shutdown_timer is not None:
+            self._shutdown_timer.cancel()
+            self._shutdown_timer = None
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """The error response to a refused request (h11's status hint, or ours), closing the connection."""
+        refusal = getattr(self.conn, "refusal", None)
+        status = refusal.error_status_hint if refusal is not None else 400
+        code = getattr(refusal, "code", "invalid_request")
+        message = str(refusal) if refusal is not None else msg
+        if isinstance(refusal, h11.RemoteProtocolError) and not isinstance(refusal, RequestRefused):
+            message = f"Invalid HTTP request: {message}."
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            reason = HTTPStatus(status).phrase.encode()
+        except ValueError:
+            reason = b""
+        try:
+            self.transport.write(
+                self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
+            )
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # a response was already under way: just close
+            pass
+        self.transport.close()
+
+    def shutdown(self) -> None:
+        """The server stops: close the connection now if idle, else when ``shutdown_grace_s`` ends."""
+        super().shutdown()
+        if not self.transport.is_closing() and self._shutdown_timer is None:
+            self._shutdown_timer = self.loop.call_later(self.shutdown_grace_s, self._end_of_grace)
+
+    def _end_of_grace(self) -> None:
+        self._shutdown_timer = None
+        if not self.transport.is_closing():
+            logger.warning(
+                "shutting down: closed a connection whose request was still under way after "
+                "--shutdown-grace-s %g s",
+                self.shutdown_grace_s,
+            )
+            self.transport.close()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -68,9 +198,14 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def header_timeout_protocol(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class with its header timeout set (uvicorn takes a class, not an instance)."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": seconds})
+def edge_protocol(settings: ServerSettings) -> type[EdgeProtocol]:
+    """The protocol class with the settings' bounds (uvicorn takes a class, not an instance)."""
+    bounds = {
+        "header_timeout_s": settings.header_timeout_s,
+        "max_head_bytes": settings.max_header_bytes,
+        "shutdown_grace_s": settings.shutdown_grace_s,
+    }
+    return type("EdgeProtocol", (EdgeProtocol,), bounds)
 
 
 def raise_open_file_limit(max_connections: int) -> int:
@@ -108,10 +243,11 @@ def uvicorn_config(
         log_level=settings.log_level,
         log_config=None,  # the server configures logging itself (log_format)
         access_log=settings.access_log or settings.log_level == "debug",
-        http=header_timeout_protocol(settings.header_timeout_s),
+        http=edge_protocol(settings),
         limit_concurrency=max_connections or settings.max_connections,
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout_s)),
         h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_CANCEL_MARGIN_S,  # type: ignore[arg-type]
         ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile,
     )
