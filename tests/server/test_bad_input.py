@@ -152,7 +152,7 @@ def chat_file_id(api: httpx.Client) -> str:
         ({"endpoint": "/v1/audio/speech"}, "endpoint must be one of", "endpoint"),
         ({"endpoint": "/v1/completions"}, "requests use '/v1/chat/completions'", "endpoint"),
         ({"completion_window": "tomorrow"}, "completion_window must look like", "completion_window"),
-        ({"metadata": {"k": 1}}, "metadata keys", "metadata"),
+        ({"metadata": {"k": 1}}, "metadata.k must be a string", "metadata.k"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "at most 16 pairs", "metadata"),
         ({"temperature": 5}, "temperature must be between 0 and 2", "temperature"),
         ({"top_p": 0}, "top_p must be in (0, 1]", "top_p"),

@@ -144,7 +144,7 @@ def test_output_expires_after_seconds_is_bounded(api: httpx.Client, input_file: 
         api.post(f"/v1/batches/{response.json()['id']}/cancel")
     else:
         assert response.status_code == 400, response.text
-        assert api_error(response, 400)["param"] in ("output_expires_after", None)
+        assert str(api_error(response, 400)["param"]).startswith("output_expires_after")
 
 
 @given(name=st.sampled_from(["max_decoding_length", "temperature", "top_p", "top_k"]), value=_json_number)
@@ -155,7 +155,7 @@ def test_batch_level_numbers_never_500(api: httpx.Client, input_file: str, name:
     if response.status_code == 200:
         api.post(f"/v1/batches/{response.json()['id']}/cancel")
     else:
-        assert api_error(response, 400)["param"] in (name, None)
+        assert api_error(response, 400)["param"] == name
 
 
 @given(
@@ -173,7 +173,7 @@ def test_line_numbers_are_refused_at_upload_naming_the_field(
     if response.status_code == 400:
         error = api_error(response, 400)
         assert error["code"] == "invalid_batch_file"
-        assert f"body.{name}" in error["message"] or "64-bit" in error["message"], error
+        assert f"'body.{name}'" in error["message"], error
 
 
 @given(first=_digit_text | st.just(""), last=_digit_text | st.just(""))

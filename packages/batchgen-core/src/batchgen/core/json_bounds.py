@@ -12,7 +12,9 @@ ordinary line costs a few microseconds; only a line that might break a bound is 
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 MAX_DEPTH = 64
 MIN_INTEGER, MAX_INTEGER = -(2**63), 2**63 - 1
@@ -68,6 +70,38 @@ def bounds_problem(raw: bytes) -> str | None:
         for match in _LONG_INTEGER.finditer(outside_strings):
             if _integer_too_big(match.group()):
                 return f"an integer outside the 64-bit signed range ({MIN_INTEGER} to {MAX_INTEGER})"
+    return None
+
+
+class _TooBig(str):
+    """An integer token outside the bounds, kept as its text (``integer_path`` looks for it)."""
+
+
+def _integer_or_marker(token: str) -> int | _TooBig:
+    return _TooBig(token) if _integer_too_big(token.encode()) else int(token)
+
+
+def integer_path(raw: bytes) -> str | None:
+    """Where in the JSON text ``raw`` the first integer outside the 64-bit range is, as a path
+    such as ``body.max_tokens`` or ``body.messages[0].content``; None where ``raw`` is not JSON
+    within the depth bound, or holds no such integer. Slow: call it once ``bounds_problem`` has
+    found one."""
+    try:
+        document = json.loads(raw, parse_int=_integer_or_marker)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", document)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _TooBig):
+            return path or None
+        if isinstance(value, dict):
+            items = [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            continue
+        stack.extend(reversed(items))  # depth first, in document order
     return None
 
 

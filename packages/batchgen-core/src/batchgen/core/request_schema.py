@@ -37,7 +37,7 @@ import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import bounds_problem
+from batchgen.core.json_bounds import bounds_problem, integer_path
 from batchgen.core.json_escapes import escape_problem
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, SUPPORTED_ENDPOINTS
 from batchgen.core.sampling_ranges import range_problem
@@ -228,6 +228,9 @@ def read_envelope(raw: bytes, *, within_bounds: bool = False) -> Envelope:
     of lines at once, ``json_bounds.lines_within_bounds``)."""
     too_big = None if within_bounds else bounds_problem(raw)
     if too_big is not None:
+        path = integer_path(raw) if "integer" in too_big else None
+        if path is not None:
+            raise InvalidRequest(f"'{path}' holds {too_big}", param=path)
         raise InvalidRequest(too_big)
     try:
         envelope = _envelope_decoder.decode(raw)

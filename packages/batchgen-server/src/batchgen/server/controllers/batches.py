@@ -10,7 +10,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import bounds_problem
+from batchgen.core.json_bounds import bounds_problem, integer_path
 from batchgen.core.json_escapes import escape_problem
 from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
@@ -47,7 +47,10 @@ def _output_expiry_seconds(value: Any) -> int | None:
 def _parse_create_body(raw: bytes) -> dict[str, Any]:
     too_big = bounds_problem(raw)
     if too_big is not None:
-        raise InvalidRequest(f"The request body holds {too_big}.")
+        path = integer_path(raw) if "integer" in too_big else None
+        raise InvalidRequest(
+            f"The request body holds {too_big}" + (f" at '{path}'." if path else "."), param=path
+        )
     try:
         body = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:
