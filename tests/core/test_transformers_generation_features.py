@@ -150,6 +150,7 @@ def test_completion_logprobs_have_the_legacy_shape(engine: DecodeEngine) -> None
         assert math.isclose(chosen, max(top.values()), abs_tol=1e-5), "greedy picks the most likely"
 
 
+@pytest.mark.live  # grammars compile in a probe process (hf_grammar_probe)
 def test_structured_output_follows_the_schema_and_a_bad_schema_fails_alone(engine: DecodeEngine) -> None:
     schema_format = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOR_SCHEMA}}
     outcomes = _run(

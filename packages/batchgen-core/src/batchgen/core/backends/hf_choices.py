@@ -23,6 +23,9 @@ import attrs
 
 from batchgen.core.models import COMPLETIONS, GenerationResult
 
+#: The most choices (``n``) one line may ask for: each choice is a row of the decode batch.
+MAX_CHOICES = 8
+
 
 @attrs.frozen
 class TokenLogprob:

@@ -35,7 +35,14 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends.base import RequestRejected, context_length_exceeded
-from batchgen.core.backends.hf_choices import Choice, TokenLogprob, combined_result, logprobs_asked
+from batchgen.core.backends.hf_choices import (
+    MAX_CHOICES,
+    Choice,
+    TokenLogprob,
+    combined_result,
+    logprobs_asked,
+)
+from batchgen.core.backends.hf_grammar_bounds import GrammarBounds
 from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages, trim_at_stop
 from batchgen.core.models import COMPLETIONS, GenerationRequest, GenerationResult
 
@@ -46,6 +53,9 @@ logger = logging.getLogger("batchgen.backends.transformers")
 REJECTED, ABORTED, TRANSIENT = "rejected", "aborted", "transient"
 #: Most padded prompt tokens prefilled in one step (one long prompt alone may exceed it).
 PREFILL_TOKENS = 16384
+#: How long an idle step waits for a grammar being compiled before it returns (the worker then
+#: reads its messages: an abort reaches a row waiting for its grammar within this time).
+GRAMMAR_POLL_S = 0.01
 
 
 @attrs.frozen
@@ -84,6 +94,7 @@ class _Row:
     choice: int = 0
     top_logprobs: int | None = None  # None: no logprobs asked for
     matcher: Any = None  # the structured-output grammar's matcher (``hf_grammar``), if any
+    grammar: Any = None  # a Future of the compiled grammar, while the row waits for it
     generated: list[int] = attrs.Factory(list)
     logprobs: list[TokenLogprob] = attrs.Factory(list)
 
@@ -114,6 +125,7 @@ class DecodeEngine:
         dtype: str,
         max_batch_size: int,
         context_length: int | None,
+        grammar_bounds: GrammarBounds | None = None,
     ) -> None:
         self._model_arg = model
         self._cache_dir = cache_dir
@@ -122,6 +134,8 @@ class DecodeEngine:
         self.max_batch_size = max_batch_size
         self._context_arg = context_length
         self._waiting: deque[_Row] = deque()
+        self._compiling: list[_Row] = []  # rows waiting for their grammar (compiled off this loop)
+        self._grammar_bounds = grammar_bounds or GrammarBounds()
         self._running: list[_Row] = []
         self._aborted: set[str] = set()
         self._finished: list[Outcome] = []
@@ -159,6 +173,9 @@ class DecodeEngine:
         eos = self._model.generation_config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self._pad_id = self._tokenizer.pad_token_id
+        # The longest token's text: a prompt of more characters than context x this can never fit.
+        vocabulary = self._tokenizer.get_vocab()
+        self._max_token_chars = max((len(token) for token in vocabulary), default=1) or 1
         if self._pad_id is None:
             self._pad_id = next(iter(self._eos_ids), 0)
         logger.info(
@@ -174,8 +191,8 @@ class DecodeEngine:
     # --- requests -------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        """Whether a step would do anything."""
-        return bool(self._waiting or self._running or self._finished)
+        """Whether a step would do anything (a row waiting for its grammar counts)."""
+        return bool(self._waiting or self._running or self._finished or self._compiling)
 
     @property
     def running(self) -> int:
@@ -201,8 +218,14 @@ class DecodeEngine:
             return
         limit = min(request.sampling.max_tokens, self.context_length - len(ids))
         choices = int(request.options.get("n") or 1)
+        if not 1 <= choices <= MAX_CHOICES:
+            message = f"'body.n' must be from 1 to {MAX_CHOICES} for the transformers backend, got {choices}"
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, message, "invalid_request"))
+            )
+            return
         try:
-            matchers = self._matchers(request, choices)
+            grammar = self._grammar(request)
         except RequestRejected as exc:
             self._finished.append(
                 Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
@@ -223,20 +246,32 @@ class DecodeEngine:
 
                 # Each choice its own stream: the same seed gives the same n answers, not n copies.
                 generator = torch.Generator(device=self._device).manual_seed(request.sampling.seed + choice)
-            self._waiting.append(
-                _Row(request, ids, limit, opens_reasoning, generator, choice, top_logprobs, matchers[choice])
-            )
+            row = _Row(request, ids, limit, opens_reasoning, generator, choice, top_logprobs, grammar=grammar)
+            (self._waiting if grammar is None else self._compiling).append(row)
 
-    def _matchers(self, request: GenerationRequest, choices: int) -> list[Any]:
-        """One grammar matcher per choice for a structured-output request, else Nones."""
+    def _grammar(self, request: GenerationRequest) -> Any:
+        """A structured-output request's compiled grammar, as a future (None: unconstrained);
+        ``RequestRejected`` at once for a schema past a bound. Nothing compiles here."""
         response_format = request.options.get("response_format")
         if response_format is None:
-            return [None] * choices
+            return None
         if self._grammars is None:
             from batchgen.core.backends.hf_grammar import Grammars
 
-            self._grammars = Grammars(self._tokenizer, self._vocab_size, sorted(self._eos_ids))
-        return [self._grammars.matcher(response_format) for _ in range(choices)]
+            self._grammars = Grammars(
+                self._tokenizer, self._vocab_size, sorted(self._eos_ids), self._grammar_bounds
+            )
+        return self._grammars.request(response_format)
+
+    @property
+    def grammars(self) -> Any:
+        """The structured-output compiler (``hf_grammar.Grammars``), once a line needed it."""
+        return self._grammars
+
+    def close(self) -> None:
+        """Stop the grammar compiler (its thread and probe process), if one was started."""
+        if self._grammars is not None:
+            self._grammars.close()
 
     def abort(self, request_id: str) -> None:
         """End the request at the next step (harmless for an unknown or finished one)."""
@@ -249,22 +284,41 @@ class DecodeEngine:
             Outcome(request_id, failure=Failure(TRANSIENT, message)) for request_id in self._groups
         ]
         self._finished, self._running, self._aborted = [], [], set()
+        self._compiling = []
         self._groups = {}
         self._waiting.clear()
         self._cache = self._mask = self._next_ids = self._positions = None
         return outcomes
 
     def _prompt_ids(self, request: GenerationRequest) -> tuple[list[int], bool]:
-        """The prompt's token ids, and whether the chat template opened a ``<think>`` block."""
+        """The prompt's token ids, and whether the chat template opened a ``<think>`` block.
+
+        A prompt that cannot fit the context is refused before it is rendered or tokenized (this
+        runs on the decode loop): more characters than the context holds tokens times the longest
+        token's characters, or more messages than the context holds tokens."""
         if request.endpoint == COMPLETIONS or request.messages is None:
+            self._refuse_oversized(len(request.prompt or ""), 0)
             return list(self._tokenizer(request.prompt or "")["input_ids"]), False
+        messages = text_messages(request.messages, backend="transformers")
+        self._refuse_oversized(
+            sum(len(str(message.get("content") or "")) for message in messages), len(messages)
+        )
         text = self._tokenizer.apply_chat_template(
-            text_messages(request.messages, backend="transformers"),
+            messages,
             tokenize=False,
             add_generation_prompt=True,
         )
         ids = list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         return ids, prompt_opens_reasoning(text)
+
+    def _refuse_oversized(self, characters: int, messages: int) -> None:
+        limit = self.context_length * self._max_token_chars
+        if characters > limit or messages > self.context_length:
+            raise RequestRejected(
+                "context_length_exceeded",
+                f"Prompt of {characters} characters in {messages} messages exceeds model context "
+                f"{self.context_length} (at most {self._max_token_chars} characters a token)",
+            )
 
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[Outcome]:
@@ -273,6 +327,10 @@ class DecodeEngine:
 
         with torch.inference_mode():
             self._drop_aborted_waiting()
+            self._take_grammars()
+            if self._compiling and not (self._waiting or self._running or self._finished):
+                self._grammars.wait(GRAMMAR_POLL_S)  # nothing else to do: do not spin
+                self._take_grammars()
             admitted = self._admit()
             if self._running and not admitted:
                 self._decode()
@@ -280,9 +338,32 @@ class DecodeEngine:
         finished, self._finished = self._finished, []
         return finished
 
+    def _take_grammars(self) -> None:
+        """Rows whose grammar is ready join the waiting rows; a failed compile ends its rows."""
+        if not self._compiling:
+            return
+        still: list[_Row] = []
+        for row in self._compiling:
+            if not row.grammar.done():
+                still.append(row)
+                continue
+            try:
+                compiled = row.grammar.result()
+            except RequestRejected as exc:
+                self._row_ended(row, failure=Failure(REJECTED, exc.message, exc.code))
+                continue
+            row.grammar, row.matcher = None, self._grammars.matcher(compiled)
+            self._waiting.append(row)
+        self._compiling = still
+
     def _drop_aborted_waiting(self) -> None:
         if not self._aborted:
             return
+        compiling = [row for row in self._compiling if row.request_id not in self._aborted]
+        for row in self._compiling:
+            if row.request_id in self._aborted:
+                self._row_ended(row, failure=Failure(ABORTED, "aborted"))
+        self._compiling = compiling
         keep: deque[_Row] = deque()
         for row in self._waiting:
             if row.request_id in self._aborted:
@@ -481,7 +562,11 @@ class DecodeEngine:
             return True
         stops = row.request.sampling.stop
         if stops:
-            _, hit = trim_at_stop(self._tokenizer.decode(row.generated, skip_special_tokens=True), stops)
+            # Only the newest token can complete a stop string (an earlier one would have ended the
+            # row): decode the tail that can hold the longest stop, not the whole answer each step.
+            # A character is at most 4 bytes and a token at least one byte.
+            tail = row.generated[-(4 * max(len(stop) for stop in stops) + 4) :]
+            _, hit = trim_at_stop(self._tokenizer.decode(tail, skip_special_tokens=True), stops)
             return hit
         return False
 
@@ -503,14 +588,22 @@ class DecodeEngine:
         return Choice(answer, finish_reason, len(generated), reasoning, logprobs)
 
     def _apply_stop(self, generated: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
-        """Cut at the first stop string; count the tokens up to the one that completed it."""
-        for count in range(1, len(generated) + 1):
-            text, hit = trim_at_stop(
-                self._tokenizer.decode(generated[:count], skip_special_tokens=True), stops
-            )
-            if hit:
-                return generated[:count], text, True
-        return generated, self._tokenizer.decode(generated, skip_special_tokens=True), False
+        """Cut at the first stop string; count the tokens up to the one that completed it.
+
+        Whether a prefix holds a stop only grows with its length, so the shortest such prefix is
+        found by bisection (a few decodes, not one per token)."""
+        full, hit = trim_at_stop(self._tokenizer.decode(generated, skip_special_tokens=True), stops)
+        if not hit:
+            return generated, full, False
+        low, high = 1, len(generated)  # the shortest prefix with a stop is in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if trim_at_stop(self._tokenizer.decode(generated[:middle], skip_special_tokens=True), stops)[1]:
+                high = middle
+            else:
+                low = middle + 1
+        text, _ = trim_at_stop(self._tokenizer.decode(generated[:high], skip_special_tokens=True), stops)
+        return generated[:high], text, True
 
 
 def _cache_of(output: Any) -> Any:

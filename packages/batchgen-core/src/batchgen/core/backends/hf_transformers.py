@@ -45,8 +45,10 @@ from batchgen.core.backends.base import (
     TransientBackendError,
 )
 from batchgen.core.backends.capabilities import CHOICES, LOGPROBS, RESPONSE_FORMAT, Capabilities
+from batchgen.core.backends.hf_choices import MAX_CHOICES
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
 from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
+from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS
 from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
@@ -60,8 +62,10 @@ MAX_WORKER_DEATHS = 3
 STOP_WAIT_S = 15.0
 #: How long a heartbeat may be late before ``health`` says so.
 HEARTBEAT_LATE_S = 10 * HEARTBEAT_S
-#: The most choices (``n``) one line may ask for: each choice is a row of the decode batch.
-MAX_CHOICES = 8
+#: How long one turn of the worker's model loop (a step, or taking in new requests) may last
+#: before ``health`` says the loop is stalled (nothing known can stall it that long: grammars
+#: compile off the loop, and every per-line cost is bounded).
+STALLED_TURN_S = 120.0
 
 
 @attrs.define(eq=False)
@@ -110,6 +114,12 @@ class TransformersBackend:
         dtype: str = "auto",
         start_timeout_s: float = 900.0,
         heartbeat_timeout_s: float = 60.0,
+        grammar_compile_timeout_s: float = DEFAULT_BOUNDS.compile_timeout_s,
+        grammar_max_schema_bytes: int = DEFAULT_BOUNDS.max_schema_bytes,
+        grammar_max_properties: int = DEFAULT_BOUNDS.max_properties,
+        grammar_max_enum_values: int = DEFAULT_BOUNDS.max_enum_values,
+        grammar_max_depth: int = DEFAULT_BOUNDS.max_depth,
+        grammar_cache_size: int = DEFAULT_BOUNDS.cache_size,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -123,6 +133,12 @@ class TransformersBackend:
             dtype=dtype,
             max_batch_size=max_batch_size,
             context_length=context_length,
+            grammar_compile_timeout_s=grammar_compile_timeout_s,
+            grammar_max_schema_bytes=grammar_max_schema_bytes,
+            grammar_max_properties=grammar_max_properties,
+            grammar_max_enum_values=grammar_max_enum_values,
+            grammar_max_depth=grammar_max_depth,
+            grammar_cache_size=grammar_cache_size,
         )
         self.max_batch_size = max_batch_size
         self._start_timeout_s = start_timeout_s
@@ -140,6 +156,7 @@ class TransformersBackend:
         self._restarting = False
         self._stopping = False
         self._last_heard = 0.0
+        self._turn_s = 0.0  # how long the worker's model loop was in its turn, at its last heartbeat
         self._loading: _Worker | None = None  # a worker still loading its model
 
     @property
@@ -256,6 +273,10 @@ class TransformersBackend:
         silent_s = time.monotonic() - self._last_heard
         if silent_s > HEARTBEAT_LATE_S:
             return Health(False, f"no heartbeat from the transformers worker for {silent_s:.0f} s")
+        if self._turn_s > STALLED_TURN_S:
+            return Health(
+                False, f"the transformers worker's model loop has been in one step for {self._turn_s:.0f} s"
+            )
         return Health(True)
 
     # --- requests -------------------------------------------------------------------------
@@ -337,6 +358,8 @@ class TransformersBackend:
                 self._last_heard = time.monotonic()
                 if message[0] == "done":
                     self._deliver(message[1])
+                elif message[0] == "heartbeat":
+                    self._turn_s = float(message[1]) if len(message) > 1 else 0.0
         except (EOFError, OSError):
             return
 
@@ -411,6 +434,13 @@ class TransformersBackend:
             anyio.from_thread.run_sync(wake, token=self._token)
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
 def _dtype(text: str) -> str:
     if text not in DTYPE_CHOICES:
         raise ValueError(f"must be one of {', '.join(DTYPE_CHOICES)}, got {text!r}")
@@ -447,6 +477,50 @@ SPEC = BackendSpec(
             "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
             "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
             choices=DTYPE_CHOICES,
+        ),
+        BackendOption(
+            "grammar_compile_timeout_s",
+            "--grammar-compile-timeout",
+            _positive_seconds,
+            DEFAULT_BOUNDS.compile_timeout_s,
+            "seconds one response_format schema may take to compile into a grammar (off the decode "
+            "loop, in a process killed at the deadline); a slower schema is its line's error",
+            metavar="SECONDS",
+        ),
+        BackendOption(
+            "grammar_max_schema_bytes",
+            "--grammar-max-schema-bytes",
+            positive_int,
+            DEFAULT_BOUNDS.max_schema_bytes,
+            "largest response_format JSON schema, in bytes of compact JSON; a larger one is its line's error",
+        ),
+        BackendOption(
+            "grammar_max_properties",
+            "--grammar-max-properties",
+            positive_int,
+            DEFAULT_BOUNDS.max_properties,
+            "most object properties in one response_format schema, all objects together",
+        ),
+        BackendOption(
+            "grammar_max_enum_values",
+            "--grammar-max-enum-values",
+            positive_int,
+            DEFAULT_BOUNDS.max_enum_values,
+            "most enum values in one response_format schema, all enums together",
+        ),
+        BackendOption(
+            "grammar_max_depth",
+            "--grammar-max-depth",
+            positive_int,
+            DEFAULT_BOUNDS.max_depth,
+            "deepest JSON nesting of one response_format schema",
+        ),
+        BackendOption(
+            "grammar_cache_size",
+            "--grammar-cache-size",
+            positive_int,
+            DEFAULT_BOUNDS.cache_size,
+            "compiled grammars kept, by schema (least recently used dropped first)",
         ),
     ),
     context_length_keyword="context_length",

@@ -9,10 +9,14 @@ with one end of a socket pair as file descriptor N, and talks to it with pickled
     worker -> server   ("ready", EngineInfo)           the model is loaded; requests may come
                        ("failed", message)             the model could not be loaded; it exits
                        ("done", [Outcome, ...])        requests that ended in one step
-                       ("heartbeat",)                  alive (every HEARTBEAT_S, busy or not)
+                       ("heartbeat", busy_s)           alive (every HEARTBEAT_S, busy or not), and
+                                                       how long the model loop has been in its
+                                                       current turn (0 while it waits for work)
 
 The model loop runs on the worker's main thread; a reader thread moves messages into a queue that
-the loop drains between steps, and a heartbeat thread says it is alive. When the server's end of
+the loop drains between steps, and a heartbeat thread says it is alive and how long the loop's
+current turn has lasted, so that a loop stuck in one step shows as unhealthy. Grammars for
+structured output are compiled off the loop (``hf_grammar``). When the server's end of
 the pipe closes (the server stopped or died, even by SIGKILL), the worker exits at its next step,
 so no worker outlives its server.
 """
@@ -33,6 +37,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends.hf_decode import DecodeEngine
+from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS, GrammarBounds
 
 logger = logging.getLogger("batchgen.backends.transformers")
 
@@ -53,6 +58,23 @@ class WorkerOptions:
     max_batch_size: int
     context_length: int | None
     threads: int | None = None
+    grammar_compile_timeout_s: float = DEFAULT_BOUNDS.compile_timeout_s
+    grammar_max_schema_bytes: int = DEFAULT_BOUNDS.max_schema_bytes
+    grammar_max_properties: int = DEFAULT_BOUNDS.max_properties
+    grammar_max_enum_values: int = DEFAULT_BOUNDS.max_enum_values
+    grammar_max_depth: int = DEFAULT_BOUNDS.max_depth
+    grammar_cache_size: int = DEFAULT_BOUNDS.cache_size
+
+    @property
+    def grammar_bounds(self) -> GrammarBounds:
+        return GrammarBounds(
+            max_schema_bytes=self.grammar_max_schema_bytes,
+            max_properties=self.grammar_max_properties,
+            max_enum_values=self.grammar_max_enum_values,
+            max_depth=self.grammar_max_depth,
+            compile_timeout_s=self.grammar_compile_timeout_s,
+            cache_size=self.grammar_cache_size,
+        )
 
     def command(self, fd: int) -> list[str]:
         """The worker's command line, handing it the pipe as ``fd``."""
@@ -73,6 +95,10 @@ def _parse(argv: list[str]) -> tuple[int, WorkerOptions]:
     parser.add_argument("--max-batch-size", type=int, required=True)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--grammar-compile-timeout-s", type=float, default=DEFAULT_BOUNDS.compile_timeout_s)
+    for name in ("max_schema_bytes", "max_properties", "max_enum_values", "max_depth", "cache_size"):
+        flag = "--grammar-" + name.replace("_", "-")
+        parser.add_argument(flag, type=int, default=getattr(DEFAULT_BOUNDS, name))
     args = vars(parser.parse_args(argv))
     fd = args.pop("fd")
     return fd, WorkerOptions(**args)
@@ -86,6 +112,8 @@ class _Link:
         self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._send_lock = threading.Lock()
         self.closed = threading.Event()
+        #: When the model loop's current turn began (None while it waits for work).
+        self.turn_began: float | None = None
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
@@ -104,7 +132,8 @@ class _Link:
 
     def beat_forever(self) -> None:
         while not self.closed.wait(HEARTBEAT_S):
-            self.send(("heartbeat",))
+            began = self.turn_began
+            self.send(("heartbeat", 0.0 if began is None else time.monotonic() - began))
 
 
 def serve(connection: Connection, options: WorkerOptions) -> None:
@@ -123,6 +152,7 @@ def serve(connection: Connection, options: WorkerOptions) -> None:
         dtype=options.dtype,
         max_batch_size=options.max_batch_size,
         context_length=options.context_length,
+        grammar_bounds=options.grammar_bounds,
     )
     try:
         info = engine.load()
@@ -132,8 +162,10 @@ def serve(connection: Connection, options: WorkerOptions) -> None:
         return
     link.send(("ready", info))
     while True:
+        link.turn_began = time.monotonic()
         if not _take_messages(link, engine):
             link.send(("done", engine.fail_all("the transformers worker stopped")))
+            engine.close()
             return
         try:
             finished = engine.step()
@@ -149,7 +181,12 @@ def _take_messages(link: _Link, engine: DecodeEngine) -> bool:
     idle = not engine.busy
     while True:
         try:
-            message = link.inbox.get() if idle else link.inbox.get_nowait()
+            if idle:
+                link.turn_began = None  # waiting for work is no stall
+                message = link.inbox.get()
+                link.turn_began = time.monotonic()
+            else:
+                message = link.inbox.get_nowait()
         except queue.Empty:
             return True
         kind = message[0]
