@@ -36,6 +36,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
@@ -79,6 +80,7 @@ from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Schedule
 from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
+from batchgen.core.storage.folder_lock import FolderLock
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
@@ -232,6 +234,9 @@ class BatchService:
         self._parts: _Parts | None = None
         self._exit_stack: AsyncExitStack | None = None
         self._started_at = now()
+        #: One owner per storage folder (``folder_lock``): held from the start to the stop.
+        self._folder_lock = FolderLock(settings.storage_path)
+        self._shutdown_deadline: float | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> BatchService:
@@ -245,6 +250,9 @@ class BatchService:
 
     async def _start(self) -> None:
         async with AsyncExitStack() as stack:
+            self._folder_lock.acquire()  # StorageFolderInUse before anything in the folder is touched
+            stack.callback(self._folder_lock.release)
+            self._shutdown_deadline = None
             metadata = self._open_metadata(self.settings.storage_path / "metadata.sqlite3")
             stack.callback(metadata.close)
             self.blobs.clear_staging()
@@ -292,9 +300,21 @@ class BatchService:
         """Call ``listener(reason)`` if the core stops while running (a supervised task crashed)."""
         self.supervisor.on_stop(listener)
 
-    async def _drain(self, tasks: anyio.abc.TaskGroup) -> None:
+    def begin_shutdown(self) -> None:
+        """Stop admitting requests now and start the ``shutdown_grace_s`` of running ones now.
+
+        A server calls this when it is told to stop, before it drains its connections, so that
+        the grace period bounds the whole shutdown; leaving the ``async with`` then waits only for
+        what is left of it. Calling it again changes nothing.
+        """
         self.scheduler.paused = True
-        with anyio.move_on_after(self.settings.shutdown_grace_s):
+        if self._shutdown_deadline is None:
+            self._shutdown_deadline = time.monotonic() + self.settings.shutdown_grace_s
+
+    async def _drain(self, tasks: anyio.abc.TaskGroup) -> None:
+        self.begin_shutdown()
+        left_s = (self._shutdown_deadline or 0.0) - time.monotonic()
+        with anyio.move_on_after(max(0.0, left_s)):
             while self.scheduling_pool.active:
                 await anyio.sleep(0.02)
         if self.scheduling_pool.active:

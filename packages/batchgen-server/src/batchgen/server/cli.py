@@ -4,9 +4,16 @@ The server's own flags are listed here; each installed backend's flags come from
 ``BackendSpec`` declares (``backend_flags``). The process exits non-zero when the service could
 not start (3) or stopped while serving (1), so that systemd or Kubernetes restarts it.
 
-``batchgen-server keys …`` manages API keys and tenants instead (``keys_cli``). Serving on an
-address other than loopback with no API key refuses to start (exit 2) unless
-``--allow-unauthenticated`` is given.
+``batchgen-server keys …`` manages API keys and tenants instead (``keys_cli``); it may run beside
+a server on the same storage folder. Serving on an address other than loopback with no API key
+refuses to start (exit 2) unless ``--allow-unauthenticated`` is given, and so does serving a
+storage folder that another server (or embedded service) holds: a folder has one owner
+(``batchgen.core.storage.folder_lock``).
+
+On SIGTERM or SIGINT the server stops admitting requests at once, and ``--shutdown-grace-s``
+bounds the whole shutdown: connections still receiving or answering a request when it ends are
+closed (``connection_limits``), requests still running on the model are left for the next start,
+and the process exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import gc
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +34,7 @@ import attrs
 from batchgen.core.backends import BackendSpec, backend_specs
 from batchgen.core.backends.option_types import non_negative_float, positive_int
 from batchgen.core.service import ERROR_FILE_MODES
+from batchgen.core.storage.folder_lock import FolderHolder, folder_holder
 from batchgen.server.backend_flags import (
     add_backend_flags,
     backend_options,
@@ -140,8 +149,9 @@ def build_parser(
         "--shutdown-grace-s",
         type=_NON_NEGATIVE_FLOAT,
         default=_DEFAULTS.shutdown_grace_s,
-        help="on SIGTERM/SIGINT, seconds running requests get to finish before the server exits; "
-        "unfinished ones run again on the next start",
+        help="on SIGTERM/SIGINT, the most seconds the whole shutdown waits: requests running on the "
+        "model and HTTP requests under way (an upload still arriving is cut) get this long to "
+        "finish; unfinished model requests run again on the next start",
     )
     add(
         "--file-expiry-s",
@@ -303,6 +313,13 @@ def build_parser(
         help="wait before the first retry of a failed webhook delivery; it doubles per attempt "
         "(with jitter) up to an hour",
     )
+    add(
+        "--webhook-timeout-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.webhook_timeout_s,
+        help="the whole of one webhook attempt (connect, send, the answer's headers and body) must "
+        "end within this; a slower receiver's attempt is cut off and retried later",
+    )
     laid_out = add_backend_flags(parser, specs, default_backend=_DEFAULTS.backend, problems=problems)
     backend.choices = [spec.name for spec in laid_out]
     backend.help = help_with_default(
@@ -406,6 +423,18 @@ def refuse_open_start(settings: ServerSettings) -> str | None:
     )
 
 
+def refuse_held_folder(settings: ServerSettings, holder: FolderHolder) -> str:
+    """Why this server may not serve a storage folder that ``holder`` owns (one paragraph)."""
+    folder = settings.storage_path
+    return (
+        f"refusing to start: the storage folder {folder} is in use by {holder.describe()}. A "
+        "storage folder has one owner: two servers on it would both resume its unfinished batches "
+        "and run the same requests twice. Stop that server first, or give this one a folder of its "
+        "own with --storage-path DIR. (API keys can be managed beside the running server: "
+        f"'batchgen-server keys list --storage-path {folder}'.)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     arguments = sys.argv[1:] if argv is None else list(argv)
     if arguments[:1] == ["keys"]:
@@ -418,6 +447,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     refusal = refuse_open_start(settings)
     if refusal is not None:
         parser.error(refusal)
+    holder = folder_holder(settings.storage_path)  # early and clear; the service's lock decides
+    if holder is not None:
+        parser.exit(2, f"{parser.prog}: error: {refuse_held_folder(settings, holder)}\n")
     import uvicorn
 
     from batchgen.server.app import create_app
@@ -460,12 +492,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     max_connections = raise_open_file_limit(settings.max_connections)
     config = uvicorn_config(app, settings, max_connections=max_connections)  # configures logging
     limit_repeats(settings.log_repeat_limit, settings.log_repeat_interval_s)
-    server = uvicorn.Server(config)
+    service = app.state.service
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            service.begin_shutdown()  # the grace period starts now, for the model and HTTP alike
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    # uvicorn raises the stopping signal again once it has shut down, which would kill the process
+    # with that signal; a stop asked for is a clean exit (0), so the signal is handled by nothing.
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda *_: None)
     server.run()
     if stopped:
         print(f"batchgen-server: the batch service stopped: {stopped[0]}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SERVICE_STOPPED)
     if not server.started:
+        holder = folder_holder(settings.storage_path)
+        if holder is not None:  # another server took the folder while this one was starting
+            parser.exit(2, f"{parser.prog}: error: {refuse_held_folder(settings, holder)}\n")
         sys.exit(EXIT_STARTUP_FAILED)
 
 
