@@ -30,7 +30,7 @@ def path_problem(path: str, raw_path: bytes | None = None) -> str | None:
         return "it does not start with '/'"
     if _CONTROL_OR_BACKSLASH.search(path):
         return "it holds a control character or a backslash"
-    if raw_path is not None and _ENCODED.search(raw_path):
+    if raw_path is not None and _ENCODED.search(raw_path.partition(b"?")[0]):  # some clients add the query
         return "it holds an encoded '/', '\\', '.' or '%'"
     if path == "/":
         return None
