@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgen.core.backends import BackendOption, BackendSpec
+from batchgen.core.backends import BackendOption, BackendSpec, backend_spec
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.backends.hf_worker import WorkerOptions
 from batchgen.core.backends.openai_upstream import OpenAIUpstreamBackend
@@ -69,7 +69,11 @@ def test_transformers_dtype_is_one_of_the_choices(capsys: pytest.CaptureFixture[
 def test_the_default_backend_and_its_defaults() -> None:
     settings = settings_from_args([])
     assert settings.backend == "transformers"
-    assert settings.backend_options == {"model": None, "device": None, "max_batch_size": 64, "dtype": "auto"}
+    core = {"model": None, "device": None, "max_batch_size": 64, "dtype": "auto"}
+    assert core.items() <= settings.backend_options.items()
+    # every other option (the grammar bounds, ...) is its declared default
+    declared = {option.keyword: option.default for option in backend_spec("transformers").options}
+    assert settings.backend_options == declared
     assert settings.api_nice == "auto"
     backend = settings.build_backend()
     assert isinstance(backend, TransformersBackend)

@@ -207,7 +207,8 @@ def build_parser(
         "--max-header-bytes",
         type=_POSITIVE_INT,
         default=_DEFAULTS.max_header_bytes,
-        help="largest request line and headers accepted (400 above it)",
+        help="largest request line and headers accepted, in bytes, the empty line ending them "
+        "included (431 above it, and the connection is closed)",
     )
     add(
         "--log-repeat-limit",
