@@ -254,3 +254,16 @@ def _contains(error: BaseException, kind: type[BaseException]) -> bool:
     if isinstance(error, BaseExceptionGroup):
         return any(_contains(inner, kind) for inner in error.exceptions)
     return error.__cause__ is not None and _contains(error.__cause__, kind)
+
+
+def test_the_same_folder_by_another_name_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock is on the file itself, so a symbolic link or a relative path reaches the same owner."""
+    storage = tmp_path / "storage"
+    (tmp_path / "alias").symlink_to(storage, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    with FolderLock(storage):
+        for other_name in (tmp_path / "alias", Path("storage"), Path("alias/../storage")):
+            with pytest.raises(StorageFolderInUse):
+                FolderLock(other_name).acquire()
