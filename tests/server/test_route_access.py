@@ -372,3 +372,11 @@ def test_a_deprecated_handler_form_fails_the_suite() -> None:
 
     with pytest.raises(LitestarDeprecationWarning):
         Litestar([inferred])
+
+
+def test_a_deprecation_raised_from_our_own_code_fails_the_suite() -> None:
+    """The pytest configuration turns a DeprecationWarning raised from a ``batchgen`` module into an error."""
+    module: dict[str, Any] = {"__name__": "batchgen.server.an_old_form", "warnings": warnings}
+    exec("def call():\n    warnings.warn('an old form', DeprecationWarning, stacklevel=1)\n", module)
+    with pytest.raises(DeprecationWarning):
+        module["call"]()
