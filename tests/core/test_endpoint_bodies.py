@@ -130,7 +130,7 @@ def test_a_responses_body_maps_text_format_and_output_limit_onto_the_chat_path()
     assert answer["output_text"] == "hello" and answer["status"] == "completed"
     assert answer["usage"] == {
         "input_tokens": 3,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 5,

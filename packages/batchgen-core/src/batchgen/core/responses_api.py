@@ -169,10 +169,26 @@ def chat_messages(instructions: str | None, input_value: Any) -> tuple[dict[str,
     return tuple(messages)
 
 
+def _token_logprobs(result: GenerationResult) -> list[dict[str, Any]]:
+    """The ``output_text`` part's ``logprobs`` (OpenAI's schema requires the list): the tokens of
+    the chat answer's first choice with their logprobs when ``top_logprobs`` asked for them, in
+    the same ``{"token", "logprob", "bytes", "top_logprobs"}`` shape; else none."""
+    if not result.choices:
+        return []
+    logprobs = result.choices[0].get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return list(content) if isinstance(content, list) else []
+
+
 def response_body(model: str, result: GenerationResult, created: int, body: Any) -> dict[str, Any]:
     """The Responses API ``response`` object for one finished line."""
     incomplete = result.finish_reason == "length"
-    text_part: dict[str, Any] = {"type": "output_text", "text": result.text, "annotations": []}
+    text_part: dict[str, Any] = {
+        "type": "output_text",
+        "text": result.text,
+        "annotations": [],
+        "logprobs": _token_logprobs(result),
+    }
     return {
         "id": new_request_id("resp_"),
         "object": "response",
@@ -202,7 +218,7 @@ def response_body(model: str, result: GenerationResult, created: int, body: Any)
         "metadata": {},
         "usage": {
             "input_tokens": result.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": result.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.completion_tokens,

@@ -50,7 +50,7 @@ def _response_body(
         "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
     if endpoint == CHAT_COMPLETIONS:
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
         if result.reasoning_content is not None:
             message["reasoning_content"] = result.reasoning_content
         return {
@@ -58,7 +58,7 @@ def _response_body(
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": list(result.choices)
+            "choices": [_with_refusal(choice) for choice in result.choices]
             if result.choices is not None
             else [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}],
             "usage": usage,
@@ -73,6 +73,15 @@ def _response_body(
         else [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
         "usage": usage,
     }
+
+
+def _with_refusal(choice: dict[str, Any]) -> dict[str, Any]:
+    """A backend's chat choice with the ``message.refusal`` OpenAI's schema requires (null: no
+    model here refuses), when the backend left it out."""
+    message = choice.get("message")
+    if isinstance(message, dict) and "refusal" not in message:
+        return {**choice, "message": {**message, "refusal": None}}
+    return choice
 
 
 def output_line(
