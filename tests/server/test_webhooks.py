@@ -247,3 +247,87 @@ def test_an_event_undelivered_for_a_day_is_given_up_with_an_error_log(
     assert len(receiver.received) == 2
     [record] = [r for r in caplog.records if "given up" in r.getMessage()]
     assert message.event_id in record.getMessage() and "HTTP 500" in record.getMessage()
+
+
+def _wait(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("drip", ["body", "headers"])
+def test_a_slow_receiver_holds_back_no_other_target(api_factory: ApiFactory, drip: str) -> None:
+    """One URL answers a byte at a time and its attempt is still going; the other URL gets every
+    event meanwhile, the ones made after the slow attempt began included."""
+    with WebhookReceiver(drip=drip) as slow, WebhookReceiver() as normal:
+        client = api_factory(
+            "--webhook-url", slow.url, "--webhook-url", normal.url, "--webhook-timeout-s", "300"
+        )
+        first = create_batch(client, upload(client, jsonl(chat_line("a")))["id"])
+        normal.wait_for_deliveries(1)
+        _wait(lambda: len(slow.received) == 1, "the slow receiver was not tried")
+        later = [create_batch(client, upload(client, jsonl(chat_line(f"b{i}")))["id"]) for i in range(3)]
+        delivered = normal.wait_for_deliveries(4)
+        assert sorted(r.event()["data"]["id"] for r in delivered) == sorted(b["id"] for b in [first, *later])
+        assert len(slow.received) == 1 and slow.hangups == 0, "the slow attempt is still going"
+        assert slow.received[0].event()["data"]["id"] == first["id"]
+
+
+@pytest.mark.parametrize("drip", ["body", "headers"])
+def test_an_attempt_has_one_deadline_for_all_of_it(
+    api_factory: ApiFactory, tmp_path: Path, drip: str
+) -> None:
+    """A receiver that keeps sending a byte now and then never lets a per-read timeout fire; the
+    attempt is still cut at ``--webhook-timeout-s`` and the event is tried again later."""
+    with WebhookReceiver(drip=drip, drip_s=0.1) as slow:
+        client = api_factory("--webhook-url", slow.url, "--webhook-timeout-s", "1", *FAST_RETRY)
+        create_batch(client, upload(client, jsonl(chat_line("a")))["id"])
+        _wait(lambda: slow.hangups >= 1, "the slow attempt was never cut off")
+        _wait(lambda: len(slow.received) >= 2, "the cut-off event was not tried again")
+        assert len({r.headers["webhook-id"] for r in slow.received}) == 1
+        [(_, _, attempts)] = _outbox(tmp_path / "storage")
+        assert attempts >= 1
+        with sqlite3.connect(tmp_path / "storage" / "metadata.sqlite3") as db:
+            [(last_error,)] = db.execute("SELECT last_error FROM webhook_outbox")
+        assert "within 1 s" in last_error
+
+
+def test_one_targets_events_go_one_at_a_time_in_order(api_factory: ApiFactory) -> None:
+    with WebhookReceiver(delay_s=0.3) as receiver:
+        client = api_factory("--webhook-url", receiver.url)
+        batches = []
+        for i in range(4):
+            batch = create_batch(client, upload(client, jsonl(chat_line(f"r{i}")))["id"])
+            batches.append(wait_for_status(client, batch["id"], {"completed"}))
+        delivered = receiver.wait_for_deliveries(4)
+        assert receiver.most_at_once == 1, "one URL has one attempt in flight at a time"
+        assert [r.event()["data"]["id"] for r in delivered] == [b["id"] for b in batches]
+
+
+def test_a_urls_credentials_never_reach_the_logs_metrics_or_errors(
+    api_factory: ApiFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Userinfo and a secret query value, on a URL that fails then works and on one that is
+    refused outright; every record at every level, /metrics and the flag's refusal are clean."""
+    password, token = "pw-S3CRET-1", "tok-S3CRET-2"
+    with WebhookReceiver(fail_first=1) as receiver, caplog.at_level(logging.DEBUG):
+        url = receiver.url.replace("://", f"://hook-user:{password}@") + f"?token={token}&tenant=t1"
+        refused = f"http://admin:{password}@127.0.0.1:{free_port()}/down?api_key={token}"
+        client = api_factory("--webhook-url", url, "--webhook-url", refused, *FAST_RETRY)
+        create_batch(client, upload(client, jsonl(chat_line("a")))["id"])
+        [delivered] = receiver.wait_for_deliveries(1)
+        assert delivered.headers["authorization"].startswith("Basic "), "the URL itself is used as given"
+        _wait(
+            lambda: any("failed" in r.getMessage() and "/down" in r.getMessage() for r in caplog.records),
+            "the refused URL's failure was not logged",
+        )
+        metrics_text = client.get("/metrics").text
+        with pytest.raises(ValueError) as bad_flag:
+            api_factory("--webhook-url", f"ftp://u:{password}@example.com/?secret={token}", storage="bad")
+    logged = [record.getMessage() + repr(record.__dict__) for record in caplog.records]
+    assert any("hook-user" not in line and "***@127.0.0.1" in line for line in logged)
+    for secret in (password, token):
+        assert not [line for line in logged if secret in line], f"{secret} reached the log"
+        assert secret not in metrics_text
+        assert secret not in str(bad_flag.value)

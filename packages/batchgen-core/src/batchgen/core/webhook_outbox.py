@@ -10,7 +10,9 @@ every attempt so a receiver can drop repeats, and reschedules failures with ``re
 until ``GIVE_UP_AFTER_S`` has passed since the event was made.
 
 The URLs are the server's (``--webhook-url``) unless the server allows a batch to name its own,
-in its metadata under ``webhook_url``; that value is checked when the batch is created.
+in its metadata under ``webhook_url``; that value is checked when the batch is created. A URL may
+carry credentials (``https://user:password@host/``, ``?token=…``): wherever one is shown (the
+errors here, the reprs, the deliverer's logs) it is shown redacted (``url_redaction``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import msgspec
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import Batch, BatchStatus
+from batchgen.core.url_redaction import redact_url
 
 #: The event type of each terminal status.
 EVENT_TYPES: dict[BatchStatus, str] = {
@@ -46,7 +49,7 @@ class OutboxMessage:
     """One event for one URL, and where its delivery stands."""
 
     event_id: str
-    target: str
+    target: str = attrs.field(repr=redact_url)
     body: bytes
     created_at: int
     attempts: int = 0
@@ -58,15 +61,19 @@ def check_webhook_url(url: object, param: str = "webhook_url") -> str:
     """``url`` if it is an absolute http(s) URL with a host; InvalidRequest (naming ``param``) if not."""
     if not isinstance(url, str) or len(url) > 2048:
         raise InvalidRequest(f"{param} must be an http(s) URL of at most 2048 characters", param=param)
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed IPv6 bracket
+        raise InvalidRequest(f"{param} is not a URL: {redact_url(url)!r}", param=param) from None
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         raise InvalidRequest(
-            f"{param} must be an http(s) URL such as https://example.com/hook, got {url!r}", param=param
+            f"{param} must be an http(s) URL such as https://example.com/hook, got {redact_url(url)!r}",
+            param=param,
         )
     try:
         parts.port  # noqa: B018 - raises on a malformed port
-    except ValueError as exc:
-        raise InvalidRequest(f"{param} has a malformed port: {url!r}", param=param) from exc
+    except ValueError:
+        raise InvalidRequest(f"{param} has a malformed port: {redact_url(url)!r}", param=param) from None
     return url
 
 
@@ -98,7 +105,9 @@ def _as_tuple(urls: Iterable[str]) -> tuple[str, ...]:
 class WebhookTargets:
     """Where a batch's events go: the server's URLs, or the batch's own when ``allow_batch_url``."""
 
-    urls: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    urls: tuple[str, ...] = attrs.field(
+        default=(), converter=_as_tuple, repr=lambda urls: repr(tuple(map(redact_url, urls)))
+    )
     allow_batch_url: bool = False
 
     def __attrs_post_init__(self) -> None:

@@ -50,8 +50,8 @@ def route_template(template: str) -> str:
 
 
 def upstream_labels(urls: list[str]) -> list[str]:
-    """A label per upstream URL: its host:port, or its position when two share one."""
-    hosts = [urlsplit(url).netloc for url in urls]
+    """A label per upstream URL: its host:port (never its userinfo), or its position when two share one."""
+    hosts = [urlsplit(url).netloc.rpartition("@")[2] for url in urls]
     return [host if hosts.count(host) == 1 else str(index) for index, host in enumerate(hosts)]
 
 

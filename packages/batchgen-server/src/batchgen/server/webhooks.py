@@ -12,6 +12,13 @@ A 2xx answer delivers the message (it is removed); anything else, a timeout or a
 error reschedules it with exponential backoff and jitter, for a day after the event was made, and
 then it is dropped with an error log. Delivery is at least once: a receiver drops repeats by
 ``webhook-id``.
+
+Targets do not wait for each other. Each URL has at most one attempt in flight and gets its due
+messages one at a time, in the order they became due; different URLs are sent to at once (at most
+``MAX_TARGETS_IN_FLIGHT``), and while one is in flight the others' new events keep going out. Each
+attempt has one deadline, ``timeout_s``, for all of it (connecting, sending, the answer's headers
+and body): a receiver that answers a byte at a time is cut off there like one that never answers.
+A URL's credentials (userinfo, a ``?token=``) never reach the log: it is logged redacted.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ import attrs
 import httpx
 
 from batchgen.core.service import BatchService
+from batchgen.core.url_redaction import redact_logger, redact_url, redact_urls_in
 from batchgen.core.webhook_outbox import GIVE_UP_AFTER_S, OutboxMessage, retry_delay_s
 
 logger = logging.getLogger("batchgen.webhooks")
 
-#: Messages sent at once per run of the job.
+#: Due messages looked at each time the outbox is read.
 MAX_MESSAGES_PER_RUN = 64
+#: Targets (URLs) with an attempt in flight at once, at most.
+MAX_TARGETS_IN_FLIGHT = 32
 SECRET_PREFIX = "whsec_"
 
 
@@ -82,6 +92,9 @@ class DeliveryCounts:
     abandoned: int = 0
 
 
+_Key = tuple[str, str]  # (event id, target)
+
+
 class WebhookDeliverer:
     """Sends the outbox's due messages of one service."""
 
@@ -92,41 +105,122 @@ class WebhookDeliverer:
         secret: str | None,
         timeout_s: float = 10.0,
         retry_initial_s: float = 5.0,
+        poll_interval_s: float = 0.25,
         clock: Callable[[], float] = time.time,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        redact_logger("httpx")  # it logs every request's URL, userinfo and query included
         self._service = service
         self._key = None if secret is None else signing_key(secret)
         self._timeout_s = timeout_s
         self._retry_initial_s = retry_initial_s
+        self._poll_interval_s = poll_interval_s
         self._clock = clock
         self._transport = transport
         self._rng = random.Random()
+        self._in_flight: set[str] = set()
+        # outcomes the store could not take yet (a locked database): None for delivered (to be
+        # deleted), else the rescheduled message; such a message is not sent again meanwhile
+        self._unsaved: dict[_Key, OutboxMessage | None] = {}
         self.counts = DeliveryCounts()
 
     async def deliver_due(self) -> None:
-        """Send every due message (up to ``MAX_MESSAGES_PER_RUN``), at once, and record each outcome."""
-        metadata = self._service.metadata
-        due = metadata.due_webhooks(self._clock(), MAX_MESSAGES_PER_RUN)
-        if not due:
+        """Send what is due, each target on its own, until nothing is due or in flight.
+
+        A target with an attempt in flight is left out of the next look at the outbox, so the
+        other targets' messages (new ones too) keep going out while it answers slowly.
+        """
+        if not self._save_outcomes() or not self._due():
             return
         async with (
             httpx.AsyncClient(timeout=self._timeout_s, transport=self._transport) as client,
             anyio.create_task_group() as tasks,
         ):
-            for message in due:
-                tasks.start_soon(self._deliver, client, message)
+            while True:
+                for target, messages in self._due_by_target().items():
+                    self._in_flight.add(target)
+                    tasks.start_soon(self._deliver_all, client, target, messages)
+                if not self._in_flight:
+                    return
+                await anyio.sleep(self._poll_interval_s)
+                self._save_outcomes()
+
+    def _due(self) -> list[OutboxMessage]:
+        free = MAX_TARGETS_IN_FLIGHT - len(self._in_flight)
+        if free <= 0:
+            return []
+        due = self._service.metadata.due_webhooks(
+            self._clock(), MAX_MESSAGES_PER_RUN, skip_targets=self._in_flight
+        )
+        return [message for message in due if (message.event_id, message.target) not in self._unsaved]
+
+    def _due_by_target(self) -> dict[str, list[OutboxMessage]]:
+        """Due messages of targets with nothing in flight (at most as many targets as may start)."""
+        try:
+            due = self._due()
+        except Exception as exc:  # a storage fault: the sends in flight go on; looked at again later
+            if not self._in_flight:
+                raise
+            logger.warning("webhook outbox not read: %s", exc)
+            return {}
+        by_target: dict[str, list[OutboxMessage]] = {}
+        free = MAX_TARGETS_IN_FLIGHT - len(self._in_flight)
+        for message in due:
+            if message.target in by_target or len(by_target) < free:
+                by_target.setdefault(message.target, []).append(message)
+        return by_target
+
+    async def _deliver_all(
+        self, client: httpx.AsyncClient, target: str, messages: list[OutboxMessage]
+    ) -> None:
+        try:
+            for message in messages:
+                await self._deliver(client, message)
+        finally:
+            self._in_flight.discard(target)
+
+    def _save_outcomes(self) -> bool:
+        """Save the outcomes the store refused before; whether none is left unsaved."""
+        metadata = self._service.metadata
+        for key, outcome in list(self._unsaved.items()):
+            try:
+                if outcome is None:
+                    metadata.delete_webhook(*key)
+                else:
+                    metadata.reschedule_webhook(outcome)
+            except Exception as exc:
+                logger.debug("webhook outcome still not saved: %s", exc)
+                return False
+            del self._unsaved[key]
+        return True
+
+    def _save(self, message: OutboxMessage, outcome: OutboxMessage | None) -> None:
+        """Delete (``outcome`` None) or reschedule the message; kept for later if the store refuses."""
+        metadata = self._service.metadata
+        try:
+            if outcome is None:
+                metadata.delete_webhook(message.event_id, message.target)
+            else:
+                metadata.reschedule_webhook(outcome)
+        except Exception as exc:
+            logger.warning(
+                "webhook %s: the outcome of the attempt is not saved yet: %s",
+                message.event_id,
+                exc,
+                extra={"event": "webhook.unsaved", "event_id": message.event_id},
+            )
+            self._unsaved[(message.event_id, message.target)] = outcome
 
     async def _deliver(self, client: httpx.AsyncClient, message: OutboxMessage) -> None:
         error = await self._send(client, message)
-        metadata = self._service.metadata
+        target = redact_url(message.target)
         if error is None:
-            metadata.delete_webhook(message.event_id, message.target)
+            self._save(message, None)
             self.counts.delivered += 1
             logger.info(
                 "webhook %s delivered to %s",
                 message.event_id,
-                message.target,
+                target,
                 extra={"event": "webhook.delivered", "event_id": message.event_id},
             )
             return
@@ -135,25 +229,25 @@ class WebhookDeliverer:
         now = self._clock()
         next_at = now + retry_delay_s(attempts, self._retry_initial_s, self._rng)
         if next_at - message.created_at > GIVE_UP_AFTER_S:
-            metadata.delete_webhook(message.event_id, message.target)
+            self._save(message, None)
             self.counts.abandoned += 1
             logger.error(
                 "webhook %s to %s given up after %d attempts over a day: %s",
                 message.event_id,
-                message.target,
+                target,
                 attempts,
                 error,
                 extra={"event": "webhook.abandoned", "event_id": message.event_id},
             )
             return
-        metadata.reschedule_webhook(
-            attrs.evolve(message, attempts=attempts, next_attempt_at=next_at, last_error=error)
+        self._save(
+            message, attrs.evolve(message, attempts=attempts, next_attempt_at=next_at, last_error=error)
         )
         log = logger.warning if attempts == 1 else logger.debug
         log(
             "webhook %s to %s failed (attempt %d, next in %.0f s): %s",
             message.event_id,
-            message.target,
+            target,
             attempts,
             next_at - now,
             error,
@@ -161,12 +255,17 @@ class WebhookDeliverer:
         )
 
     async def _send(self, client: httpx.AsyncClient, message: OutboxMessage) -> str | None:
-        """POST the message once; None when delivered, else why not."""
+        """POST the message once, all of it within ``timeout_s``; None when delivered, else why
+        not (with the URL's credentials redacted)."""
         headers = webhook_headers(self._key, message.event_id, int(self._clock()), message.body)
+        response: httpx.Response | None = None
         try:
-            response = await client.post(message.target, content=message.body, headers=headers)
+            with anyio.move_on_after(self._timeout_s):
+                response = await client.post(message.target, content=message.body, headers=headers)
         except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return redact_urls_in(f"{type(exc).__name__}: {exc}", [message.target])
+        if response is None:
+            return f"no complete answer within {self._timeout_s:g} s"
         if 200 <= response.status_code < 300:
             return None
         return f"HTTP {response.status_code}"

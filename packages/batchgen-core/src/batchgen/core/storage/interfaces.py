@@ -13,7 +13,7 @@ call to a thread.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -89,9 +89,11 @@ class MetadataStore(Protocol):
         event) in the same step: both are saved or, when the call raises, neither. A message whose
         (event id, target) is already there is left as it is."""
 
-    def due_webhooks(self, now: float, limit: int) -> list[OutboxMessage]:
+    def due_webhooks(
+        self, now: float, limit: int, *, skip_targets: Collection[str] = ()
+    ) -> list[OutboxMessage]:
         """Up to ``limit`` outbox messages whose ``next_attempt_at`` is at or before ``now``,
-        earliest first."""
+        earliest first, leaving out those for ``skip_targets`` (URLs a delivery is in flight to)."""
 
     def pending_webhooks(self) -> int:
         """How many outbox messages wait for delivery."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -380,8 +380,16 @@ class SQLiteMetadataStore:
             self._outbox.insert_all([attrs.asdict(message) for message in outbox], ignore=True)
 
     # --- webhook outbox --------------------------------------------------------------------
-    def due_webhooks(self, now: float, limit: int) -> list[OutboxMessage]:
-        rows = self._outbox.rows_where("next_attempt_at <= ?", [now], order_by="next_attempt_at", limit=limit)
+    def due_webhooks(
+        self, now: float, limit: int, *, skip_targets: Collection[str] = ()
+    ) -> list[OutboxMessage]:
+        skipped = sorted(set(skip_targets))
+        where = "next_attempt_at <= ?"
+        if skipped:
+            where += f" AND target NOT IN ({', '.join('?' for _ in skipped)})"
+        rows = self._outbox.rows_where(
+            where, [now, *skipped], order_by="next_attempt_at, created_at", limit=limit
+        )
         return [OutboxMessage(**row) for row in rows]
 
     def pending_webhooks(self) -> int:
