@@ -493,6 +493,7 @@ SPEC = BackendSpec(
             positive_int,
             DEFAULT_BOUNDS.max_schema_bytes,
             "largest response_format JSON schema, in bytes of compact JSON; a larger one is its line's error",
+            metavar="BYTES",
         ),
         BackendOption(
             "grammar_max_properties",
@@ -500,6 +501,7 @@ SPEC = BackendSpec(
             positive_int,
             DEFAULT_BOUNDS.max_properties,
             "most object properties in one response_format schema, all objects together",
+            metavar="N",
         ),
         BackendOption(
             "grammar_max_enum_values",
@@ -507,6 +509,7 @@ SPEC = BackendSpec(
             positive_int,
             DEFAULT_BOUNDS.max_enum_values,
             "most enum values in one response_format schema, all enums together",
+            metavar="N",
         ),
         BackendOption(
             "grammar_max_depth",
@@ -514,6 +517,7 @@ SPEC = BackendSpec(
             positive_int,
             DEFAULT_BOUNDS.max_depth,
             "deepest JSON nesting of one response_format schema",
+            metavar="LEVELS",
         ),
         BackendOption(
             "grammar_cache_size",
@@ -521,6 +525,7 @@ SPEC = BackendSpec(
             positive_int,
             DEFAULT_BOUNDS.cache_size,
             "compiled grammars kept, by schema (least recently used dropped first)",
+            metavar="N",
         ),
     ),
     context_length_keyword="context_length",
