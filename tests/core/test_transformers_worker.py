@@ -286,3 +286,57 @@ def test_the_worker_protocol_through_a_pipe(tiny_model: Path, tmp_path: Path) ->
         server_end.close()  # a worker whose server is gone stops too
         worker.join(timeout=60)
     assert not worker.is_alive()
+
+
+def test_the_heartbeat_says_how_long_the_loop_has_been_in_one_turn(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop stuck in one step still heartbeats (another thread), but says how long it has been
+    stuck, so the backend's health can turn false; a loop waiting for work reports 0."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from batchgen.core.backends import hf_worker
+
+    release = threading.Event()
+    real_step = DecodeEngine.step
+
+    def stuck_step(self: DecodeEngine) -> list[Outcome]:
+        release.wait(60)
+        return real_step(self)
+
+    monkeypatch.setattr(DecodeEngine, "step", stuck_step)
+    monkeypatch.setattr(hf_worker, "HEARTBEAT_S", 0.2)
+    ours, theirs = socket.socketpair()
+    server_end, worker_end = Connection(ours.detach()), Connection(theirs.detach())
+    options = hf_worker.WorkerOptions(
+        model=str(tiny_model),
+        cache_dir=str(tmp_path),
+        device="cpu",
+        dtype="auto",
+        max_batch_size=2,
+        context_length=None,
+    )
+    worker = threading.Thread(target=hf_worker.serve, args=(worker_end, options))
+    worker.start()
+    try:
+        assert server_end.recv()[0] == "ready"
+        idle = [server_end.recv() for _ in range(3)]
+        assert all(message == ("heartbeat", 0.0) for message in idle), idle
+        server_end.send(("submit", _request("a", max_tokens=2)))
+        turn = 0.0
+        while turn < 1.0:  # heartbeats keep coming, each saying the turn has lasted longer
+            message = server_end.recv()
+            assert message[0] == "heartbeat"
+            assert message[1] >= turn
+            turn = message[1]
+        release.set()
+        while (message := server_end.recv())[0] != "done":
+            pass
+        assert message[1][0].result is not None
+    finally:
+        release.set()
+        server_end.close()
+        worker.join(timeout=60)
+    assert not worker.is_alive()
