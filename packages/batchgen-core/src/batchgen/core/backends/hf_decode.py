@@ -15,6 +15,12 @@
 A finished row's place is refilled at the next step rather than when the whole batch is done, and
 no row pays for another's length: this is why the service beats a plain padded ``generate``.
 
+A structured-output request's rows first wait apart, in ``_compiling``, until their grammar is
+compiled (off this loop, by ``hf_grammar``); they join the waiting rows then, or end with the
+line's error. An abort reaches them there like anywhere else. Work done per line on this loop is
+bounded: a prompt that cannot fit is refused before it is rendered or tokenized, and stop strings
+are looked for in the tail of the answer that can hold them.
+
 A request with ``n`` choices is ``n`` rows (choice ``i`` seeded with ``seed + i``); its outcome
 comes when the last of them ends, shaped by ``hf_choices``.
 
