@@ -111,13 +111,13 @@ def _measure(schema: Any, bounds: GrammarBounds) -> tuple[int, int, int]:
     stack: list[tuple[Any, int, bool]] = [(schema, 1, True)]
     while stack:
         value, depth, is_schema = stack.pop()
-        deepest = max(deepest, depth)
+        if not isinstance(value, dict | list):
+            continue
+        deepest = max(deepest, depth)  # objects and arrays, as json_bounds counts them
         if depth > bounds.max_depth:
             break
         if isinstance(value, list):
             stack.extend((item, depth + 1, False) for item in value)
-            continue
-        if not isinstance(value, dict):
             continue
         if not is_schema:
             stack.extend((item, depth + 1, False) for item in value.values())
