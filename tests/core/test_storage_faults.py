@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import errno
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,45 @@ async def test_a_crashed_scheduler_stops_the_core_visibly(tmp_path: Path) -> Non
         health = service.health()
         assert not health.healthy and "scheduler crashed" in (health.reason or "")
         assert (await service.get_batch(batch.id)).id == batch.id  # calls still answer
+
+
+@contextmanager
+def _locked_elsewhere(database: Path) -> Iterator[None]:
+    """Another connection (as another process would) holding ``BEGIN EXCLUSIVE`` on the database."""
+    holder = sqlite3.connect(str(database), isolation_level=None, timeout=10)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        yield
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+
+
+async def test_a_database_locked_by_another_process_refuses_writes_and_loses_nothing(tmp_path: Path) -> None:
+    """Held locked by another connection: an upload, a create and a delete fail at once as
+    StorageUnavailable (503 with Retry-After) leaving nothing behind, reads still answer, a running
+    batch's saves wait; released, the same calls work and the batch ends as if nothing happened."""
+    service = _service(tmp_path, latency_s=0.01)
+    async with service:
+        file = await service.create_file(_lines(3))
+        running = await service.create_batch((await service.create_file(_lines(30))).id, CHAT)
+        with _locked_elsewhere(tmp_path / "metadata.sqlite3"):
+            for call in (
+                lambda: service.create_file(_lines(2)),
+                lambda: service.create_batch(file.id, CHAT),
+                lambda: service.delete_file(file.id),
+            ):
+                with pytest.raises(StorageUnavailable) as refused:
+                    await call()
+                assert refused.value.code == "storage_unavailable" and refused.value.retry_after_s >= 1
+                assert "locked" in refused.value.message and not refused.value.disk_full
+            assert (await service.get_file(file.id)).id == file.id
+            assert len((await service.list_batches())[0]) == 1
+            assert list((tmp_path / "staging").iterdir()) == []
+            await anyio.sleep(0.3)  # the running batch goes on; its saves are refused meanwhile
+        assert len((await service.list_files())[0]) == 2, "no upload was half made"
+        again = await service.create_batch(file.id, CHAT)
+        with anyio.fail_after(20):
+            assert (await service.wait_for_batch(again.id)).status is BatchStatus.COMPLETED
+            done = await service.wait_for_batch(running.id)
+        assert done.status is BatchStatus.COMPLETED and done.request_counts.completed == 30

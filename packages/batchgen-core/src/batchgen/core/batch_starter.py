@@ -23,6 +23,7 @@ from batchgen.core.batch_tracker import ActiveBatch, BatchTracker
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
+from batchgen.core.storage_faults import LOCKED_RETRY_AFTER_S, is_database_locked
 
 _decode = msgspec.json.Decoder().decode
 logger = logging.getLogger("batchgen.service")
@@ -81,6 +82,27 @@ class BatchStarter:
         self._intake_pool.reserve(active.id, requests, active.batch.owner)
         return True
 
+    async def _register_output(self, active: ActiveBatch) -> FileObject | None:
+        """Register the batch's output file; while another process holds the database locked, wait
+        and try again (a lock passes; it does not fail the batch). None if the batch ended meanwhile."""
+        waiting = False
+        while active.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+            try:
+                return self._files.register_result_file(
+                    active.id,
+                    active.output.path,
+                    "output",
+                    expires_after_s=active.batch.output_expires_after_s,
+                )
+            except Exception as exc:
+                if not is_database_locked(exc):
+                    raise
+                if not waiting:
+                    logger.warning("batch %s waits to start: %s", active.id, exc)
+                waiting = True
+                await anyio.sleep(LOCKED_RETRY_AFTER_S)
+        return None
+
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
             index = await anyio.to_thread.run_sync(index_batch_file, file.path)
@@ -112,9 +134,9 @@ class BatchStarter:
         if active.input_fd is None:
             active.input_fd = os.open(file.path, os.O_RDONLY)
         if active.batch.output_file_id is None:
-            output = self._files.register_result_file(
-                active.id, active.output.path, "output", expires_after_s=active.batch.output_expires_after_s
-            )
+            output = await self._register_output(active)
+            if output is None:
+                return  # cancelled or ended while the database was locked
             active.batch = attrs.evolve(active.batch, output_file_id=output.id)
         if active.status is BatchStatus.VALIDATING:
             self._tracker.move(active, BatchStatus.IN_PROGRESS)

@@ -87,6 +87,18 @@ def is_storage_fault(exc: BaseException) -> bool:
     return storage_fault(exc) is not None
 
 
+def is_database_locked(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the SQLite error it was raised from) says another connection holds the
+    database locked: a fault that passes by itself, so work that cannot be refused (a batch being
+    started) waits and tries again instead of failing."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, sqlite3.Error) and _sqlite_code(seen) in _SQLITE_LOCK_CODES:
+            return True
+        seen = seen.__cause__
+    return False
+
+
 @contextmanager
 def storage_faults_as_errors(action: str) -> Iterator[None]:
     """Raise a storage fault inside the block as ``StorageUnavailable`` (naming ``action``)."""
