@@ -424,6 +424,20 @@ def test_outbox_messages_are_saved_with_the_status_and_kept_until_deleted(storag
     store.close()
 
 
+def test_due_webhooks_leave_out_the_targets_in_flight(metadata: MetadataStore) -> None:
+    """A deliverer with an attempt in flight to a URL asks for the others' due messages only, so a
+    URL with many waiting messages cannot fill every answer and starve the rest."""
+    metadata.insert_batch(_batch("batch_a", status=BatchStatus.IN_PROGRESS))
+    busy = [_message(f"evt_b{i}", "http://busy/", 1000.0 + i) for i in range(5)]
+    other = [_message("evt_o1", "http://other/", 1003.5), _message("evt_t1", "http://third/", 1010.0)]
+    ended = attrs.evolve(_batch("batch_a"), status=BatchStatus.COMPLETED, completed_at=1001)
+    metadata.save_batch(ended, outbox=[*busy, *other])
+    assert metadata.due_webhooks(2000.0, 3) == busy[:3]
+    assert metadata.due_webhooks(2000.0, 3, skip_targets={"http://busy/"}) == other
+    assert metadata.due_webhooks(2000.0, 10, skip_targets=["http://busy/", "http://third/"]) == other[:1]
+    assert metadata.due_webhooks(2000.0, 10, skip_targets=()) == [*busy[:4], other[0], busy[4], other[1]]
+
+
 def test_owners_round_trip_and_narrow_lists_and_cursors(metadata: MetadataStore) -> None:
     """Each file and batch keeps its owner; a list narrowed to an owner shows only its objects on
     every page, and refuses another owner's id as a cursor, as an id never stored."""
