@@ -319,6 +319,11 @@ def test_content_length_with_transfer_encoding_is_refused_and_the_connection_clo
         ("Transfer-Encoding: chunked", "Transfer-Encoding: chunked"),
         ("Transfer-Encoding: identity",),
         ("Content-Length : 5",),
+        ("Transfer-Encoding: chunked, gzip",),
+        ("Transfer-Encoding: gzip",),
+        ("X-Folded: a", " Transfer-Encoding: chunked", "Content-Length: 5"),
+        ("Content-Length: 5", "X-Folded: a", "\tb"),
+        ("Transfer-Encoding: \x0bchunked", "Content-Length: 5"),
     ],
     ids=lambda lines: " | ".join(lines),
 )
@@ -326,9 +331,7 @@ def test_other_ambiguous_framing_is_refused_and_the_connection_closed(
     serve: Serve, lines: tuple[str, ...]
 ) -> None:
     base_url = serve()
-    answer = _answer_to(base_url, _framed(*lines))
-    assert _status(answer) in (400, 501)
-    _refused(answer, _status(answer))
+    _refused(_answer_to(base_url, _framed(*lines)), 400)
 
 
 def test_requests_framed_one_way_still_share_a_connection(serve: Serve) -> None:

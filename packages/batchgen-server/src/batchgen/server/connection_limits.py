@@ -11,8 +11,10 @@ protocol with what it lacks, adds:
   line that ends them, may be at most ``max_header_bytes`` (``--max-header-bytes``), however the
   bytes arrive (h11's own limit applies only to a head still incomplete);
 - unambiguous framing (RFC 9112 section 6.1): a request with both ``Content-Length`` and
-  ``Transfer-Encoding`` is refused, since a proxy in front may read its body differently; h11
-  already refuses conflicting ``Content-Length`` values and codings other than ``chunked``.
+  ``Transfer-Encoding``, or with a folded header line (which h11 would join to the line above),
+  is refused, since a proxy in front may read its body differently; h11
+  already refuses conflicting ``Content-Length`` values and codings other than ``chunked`` (400
+  here, not h11's 501: the body's length cannot be known).
   Every such refusal is an OpenAI-shaped error and closes the connection, so no byte after it is
   read as another request;
 - a bounded shutdown: once the server stops, a connection still receiving or answering a request
@@ -49,6 +51,8 @@ RESERVED_FILE_DESCRIPTORS = 256
 SHUTDOWN_CANCEL_MARGIN_S = 1.0
 #: The end of a request's head, as h11 finds it (it accepts a bare LF for CRLF).
 _END_OF_HEAD = re.compile(rb"\n\r?\n")
+#: A header line continuing the one above (obsolete line folding).
+_FOLDED_LINE = re.compile(rb"\n[ \t]")
 
 
 class RequestRefused(h11.RemoteProtocolError):
@@ -74,7 +78,7 @@ class StrictConnection(h11.Connection):
     def next_event(self) -> Any:
         try:
             if self.their_state is h11.IDLE:
-                self._check_head_size()
+                self._check_head()
             event = super().next_event()
             if isinstance(event, h11.Request):
                 _check_framing(event)
@@ -83,16 +87,22 @@ class StrictConnection(h11.Connection):
             raise
         return event
 
-    def _check_head_size(self) -> None:
+    def _check_head(self) -> None:
+        """The next request's head (what of it arrived) is within the limit and has no folded line."""
         buffered, _ = self.trailing_data
-        if len(buffered) <= self.max_head_bytes:
-            return  # the head in it, complete or not, is within the limit
         end = _END_OF_HEAD.search(buffered, 0, self.max_head_bytes)
-        if end is None:
+        if end is None and len(buffered) > self.max_head_bytes:
             raise RequestRefused(
                 f"The request line and headers are larger than the limit of {self.max_head_bytes} bytes.",
                 431,
                 "request_header_too_large",
+            )
+        if _FOLDED_LINE.search(buffered, 0, end.end() if end is not None else len(buffered)):
+            # h11 would join it to the header above; a proxy in front may read it as a header of its own
+            raise RequestRefused(
+                "A header line may not be folded (a line starting with a space or tab; RFC 9112 section 5.2).",
+                400,
+                "invalid_request",
             )
 
 
@@ -141,6 +151,8 @@ class EdgeProtocol(H11Protocol):
         """The error response to a refused request (h11's status hint, or ours), closing the connection."""
         refusal = getattr(self.conn, "refusal", None)
         status = refusal.error_status_hint if refusal is not None else 400
+        if status == 501:  # h11's hint for a coding other than chunked: a body of unknown length, so
+            status = 400  # 400 and close (RFC 9112 section 6.3 requires it when chunked is not last)
         code = getattr(refusal, "code", "invalid_request")
         message = str(refusal) if refusal is not None else msg
         if isinstance(refusal, h11.RemoteProtocolError) and not isinstance(refusal, RequestRefused):
