@@ -267,3 +267,34 @@ def test_the_same_folder_by_another_name_is_still_refused(
         for other_name in (tmp_path / "alias", Path("storage"), Path("alias/../storage")):
             with pytest.raises(StorageFolderInUse):
                 FolderLock(other_name).acquire()
+
+
+_RACE = """
+import sys
+from batchgen.core.storage.folder_lock import FolderLock
+from batchgen.server import cli
+
+lock = FolderLock(sys.argv[1])
+lock.acquire()  # the other owner (another open file: the service's own lock is refused)
+cli.folder_holder = lambda folder, real=cli.folder_holder, calls=[]: calls.append(1) or (
+    None if len(calls) == 1 else real(folder)
+)  # the check before the start saw the folder free: the owner came just after it
+cli.main(["--backend", "simulated", "--port", sys.argv[2], "--storage-path", sys.argv[1]])
+"""
+
+
+@pytest.mark.live
+def test_a_server_that_loses_the_race_for_the_folder_refuses_the_same_way(tmp_path: Path) -> None:
+    """The check before the start can pass while another owner takes the folder: the service's own
+    lock then refuses, and the command still says so in one paragraph with status 2."""
+    storage = tmp_path / "storage"
+    result = subprocess.run(
+        [sys.executable, "-c", _RACE, str(storage), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == EXIT_REFUSED, result.stdout + result.stderr
+    assert result.stderr.rstrip().splitlines()[-1].startswith("batchgen-server: error: refusing to start")
+    assert "--storage-path" in result.stderr and "(this process)" in result.stderr

@@ -505,13 +505,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     # with that signal; a stop asked for is a clean exit (0), so the signal is handled by nothing.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda *_: None)
-    server.run()
+    try:
+        server.run()  # a failed start is uvicorn's SystemExit(3)
+    except SystemExit:
+        if server.started:
+            raise
     if stopped:
         print(f"batchgen-server: the batch service stopped: {stopped[0]}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SERVICE_STOPPED)
     if not server.started:
         holder = folder_holder(settings.storage_path)
-        if holder is not None:  # another server took the folder while this one was starting
+        if holder is not None:  # another server took the folder after the check above
             parser.exit(2, f"{parser.prog}: error: {refuse_held_folder(settings, holder)}\n")
         sys.exit(EXIT_STARTUP_FAILED)
 
