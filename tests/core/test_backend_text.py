@@ -45,7 +45,7 @@ def test_missing_content_is_empty_and_other_parts_are_rejected_naming_the_backen
         flatten_content(7, backend="echo")
 
 
-def test_text_messages_flatten_lists_and_keep_everything_else() -> None:
+def test_text_messages_make_every_content_a_string_and_keep_everything_else() -> None:
     messages: tuple[dict[str, Any], ...] = (
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
@@ -54,8 +54,9 @@ def test_text_messages_flatten_lists_and_keep_everything_else() -> None:
     assert text_messages(messages, backend="any") == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "assistant", "content": "", "tool_calls": []},
     ]
+    assert text_messages([{"role": "assistant", "tool_calls": []}], backend="any")[0]["content"] == ""
     assert messages[1]["content"][0] == {"type": "text", "text": "a"}  # the input is not changed
 
 

@@ -78,10 +78,19 @@ def _line(draw: st.DrawFn, index: int) -> Any:
     chat = draw(st.booleans())
     line = chat_line(custom_id) if chat else completion_line(custom_id, "Once upon a time")
     kind = draw(
-        st.sampled_from(["valid"] * 4 + ["body-field", "extra", "message", "part", "envelope", "whole"])
+        st.sampled_from(
+            ["valid"] * 4 + ["body-field", "extra", "message", "part", "envelope", "whole", "empty-input"]
+        )
     )
     body = line["body"]
-    if kind == "body-field":
+    if kind == "empty-input":  # an assistant turn that only calls a tool; an empty prompt
+        if chat:
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            body["messages"].append({"role": "assistant", "content": None, "tool_calls": [call]})
+            body["messages"].append({"role": "tool", "tool_call_id": "c1", "content": "done"})
+        else:
+            body["prompt"] = ""
+    elif kind == "body-field":
         body[draw(st.sampled_from(_BODY_FIELDS))] = draw(_anything)
     elif kind == "extra":
         body[draw(st.text(max_size=10))] = draw(_anything)

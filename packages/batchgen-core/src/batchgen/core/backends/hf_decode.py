@@ -179,6 +179,8 @@ class DecodeEngine:
         eos = self._model.generation_config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self._pad_id = self._tokenizer.pad_token_id
+        bos = self._tokenizer.bos_token_id
+        self._start_id = bos if bos is not None else next(iter(sorted(self._eos_ids)), 0)
         # The longest token's text: a prompt of more characters than context x this can never fit.
         vocabulary = self._tokenizer.get_vocab()
         self._max_token_chars = max((len(token) for token in vocabulary), default=1) or 1
@@ -213,9 +215,11 @@ class DecodeEngine:
                 Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
             )
             return
-        except Exception as exc:
-            message = f"could not tokenize the request: {exc}"
-            self._finished.append(Outcome(request.request_id, failure=Failure(TRANSIENT, message)))
+        except Exception as exc:  # the chat template refused the messages: it would every time
+            message = f"the model's chat template could not render the request: {type(exc).__name__}: {exc}"
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, message, "invalid_request"))
+            )
             return
         if len(ids) >= self.context_length:
             rejection = context_length_exceeded(len(ids), self.context_length)
@@ -304,7 +308,9 @@ class DecodeEngine:
         token's characters, or more messages than the context holds tokens."""
         if request.endpoint == COMPLETIONS or request.messages is None:
             self._refuse_oversized(len(request.prompt or ""), 0)
-            return list(self._tokenizer(request.prompt or "")["input_ids"]), False
+            ids = list(self._tokenizer(request.prompt or "")["input_ids"])
+            # an empty prompt (legal, as on OpenAI) generates from the start-of-text token
+            return ids or [self._start_id], False
         messages = text_messages(request.messages, backend="transformers")
         self._refuse_oversized(
             sum(len(str(message.get("content") or "")) for message in messages), len(messages)

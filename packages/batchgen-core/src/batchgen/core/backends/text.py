@@ -1,7 +1,7 @@
 """The text rules every backend applies the same way: message content, stop strings, reasoning.
 
 ``flatten_content``  OpenAI message content (a string, or a list of content parts) as one string
-``text_messages``    chat messages with their content flattened, as chat templates expect
+``text_messages``    chat messages with their content as strings, as chat templates expect
 ``trim_at_stop``     text cut before the first stop string it contains (OpenAI never returns one)
 ``split_reasoning``  a ``<think>…</think>`` block at the start of an answer, apart from the answer
 
@@ -46,14 +46,16 @@ def flatten_content(content: object, *, backend: str) -> str:
 
 
 def text_messages(messages: Iterable[Mapping[str, Any]], *, backend: str) -> list[dict[str, Any]]:
-    """The messages with list content flattened (``flatten_content``); string and None content kept."""
+    """The messages with their content as one string each (``flatten_content``), every other
+    field kept: list content flattened, and null or missing content (an assistant message that
+    only calls tools) as "", since chat templates concatenate the content as a string."""
     result = []
     for message in messages:
         content = message.get("content")
-        if isinstance(content, list):
-            result.append({**message, "content": flatten_content(content, backend=backend)})
-        else:
+        if isinstance(content, str):
             result.append(dict(message))
+        else:
+            result.append({**message, "content": flatten_content(content, backend=backend)})
     return result
 
 
