@@ -7,13 +7,18 @@ key, secret, password, signature, auth, ...). Hypothesis builds the URLs.
 
 from __future__ import annotations
 
+import logging
+import socket
 from urllib.parse import quote
 
+import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batchgen.core.backends.openai_upstream import OpenAIUpstreamBackend
 from batchgen.core.errors import InvalidRequest
+from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, SamplingParameters
 from batchgen.core.url_redaction import redact_url, redact_urls_in
 from batchgen.core.webhook_outbox import OutboxMessage, WebhookTargets, check_webhook_url
 
@@ -112,3 +117,42 @@ def test_refusals_and_reprs_show_webhook_urls_redacted(password: str) -> None:
     good = f"http://user:{quote(password, safe='')}@example.com/hook?token={quote(password, safe='')}"
     assert MARK not in repr(WebhookTargets((good,)))
     assert MARK not in repr(OutboxMessage("evt_1", good, b"{}", 1))
+
+
+def test_an_upstreams_credentials_stay_out_of_its_errors_health_and_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same class on the openai backend: an upstream URL with userinfo and an api_key, down
+    (nothing listens on its port), is named redacted in the refusal of a bad flag, in the request's
+    failure, in health and in every log record (httpx's request log included)."""
+    password, token = f"pw-{MARK}-1", f"key-{MARK}-2"
+    url = f"http://user:{password}@127.0.0.1:{_closed_port()}/v1?api_key={token}"
+
+    async def scenario() -> tuple[str, str]:
+        backend = OpenAIUpstreamBackend(upstreams=[url], max_attempts=1, probe_interval_s=60)
+        await backend.start()
+        try:
+            messages = ({"role": "user", "content": "hi"},)
+            request = GenerationRequest(
+                "r1", CHAT_COMPLETIONS, SamplingParameters(max_tokens=4), messages=messages
+            )
+            with pytest.raises(Exception) as failed:
+                await backend.generate(request)
+            return str(failed.value), str(backend.health())
+        finally:
+            await backend.stop()
+
+    with caplog.at_level(logging.DEBUG):
+        failure, health = anyio.run(scenario)
+        with pytest.raises(ValueError) as bad:
+            OpenAIUpstreamBackend(upstreams=[url.replace("http://", "ftp://")])
+    logged = [record.getMessage() for record in caplog.records]
+    assert "127.0.0.1" in failure and "127.0.0.1" in health
+    for shown in (failure, health, str(bad.value), *logged):
+        assert MARK not in shown, shown
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -73,11 +73,15 @@ from batchgen.core.models import (
     GenerationResult,
     Health,
 )
+from batchgen.core.url_redaction import redact_logger, redact_url
 
 if TYPE_CHECKING:
     import httpx
 
 logger = logging.getLogger("batchgen.backends.openai")
+# an upstream URL may carry credentials (user:password@, ?api_key=): the log shows them redacted
+redact_logger(logger.name)
+redact_logger("httpx")  # it logs every request's full URL
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -134,7 +138,9 @@ def normalize_base_url(url: str) -> str:
     text = url.strip().rstrip("/")
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--upstream must be an http(s) URL such as http://10.0.0.5:30000/v1, got {url!r}")
+        raise ValueError(
+            f"--upstream must be an http(s) URL such as http://10.0.0.5:30000/v1, got {redact_url(url)!r}"
+        )
     path = parts.path or "/v1"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
@@ -335,7 +341,7 @@ class OpenAIUpstreamBackend:
         if not urls:
             raise ValueError("--backend openai needs at least one --upstream URL")
         if len(set(urls)) != len(urls):
-            raise ValueError(f"an --upstream URL is given twice: {', '.join(urls)}")
+            raise ValueError(f"an --upstream URL is given twice: {', '.join(map(redact_url, urls))}")
         if max_concurrency < 1 or initial_concurrency < 1 or max_attempts < 1:
             raise ValueError("max_concurrency, initial_concurrency and max_attempts must be at least 1")
         self.api_key = api_key
@@ -464,7 +470,7 @@ class OpenAIUpstreamBackend:
                 if self.context_length is not None and outcome.prompt_tokens > self.context_length:
                     raise context_length_exceeded(outcome.prompt_tokens, self.context_length)
                 return outcome
-            failures.append(f"{self.upstreams[index].url}: {outcome.reason}")
+            failures.append(f"{redact_url(self.upstreams[index].url)}: {outcome.reason}")
             if all_down(self.upstreams):
                 raise BackendUnavailable(self._down_reason())
             if attempt < self.max_attempts:
@@ -593,7 +599,8 @@ class OpenAIUpstreamBackend:
             if rejection is not None:
                 return rejection
             return RequestRejected(
-                "invalid_request", f"The upstream {url} rejected the request (HTTP {status}): {message}"
+                "invalid_request",
+                f"The upstream {redact_url(url)} rejected the request (HTTP {status}): {message}",
             )
         return _Failure(
             f"HTTP {status}: {message}",
@@ -657,7 +664,7 @@ class OpenAIUpstreamBackend:
         self._wake()
 
     def _down_reason(self) -> str:
-        errors = ", ".join(f"{u.url} ({u.health.last_error})" for u in self.upstreams)
+        errors = ", ".join(f"{redact_url(u.url)} ({u.health.last_error})" for u in self.upstreams)
         return f"every upstream server is down: {errors}; each is probed until it answers again"
 
 
