@@ -6,6 +6,7 @@ REST helpers live in ``tests.helpers``; the ones other modules import from here 
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -58,6 +59,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: Set to a ``--dtype`` choice (``float32``) to run every transformers server the tests start in
+#: it: on a CPU with native bfloat16, ``BATCHGEN_TEST_DTYPE=float32`` runs the model tests as a
+#: CPU without it does (AVX2 only), so that no test passes on one instruction set alone.
+TEST_DTYPE_VARIABLE = "BATCHGEN_TEST_DTYPE"
+
+
+def dtype_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``--dtype`` from ``BATCHGEN_TEST_DTYPE`` for a transformers server that sets none."""
+    dtype = os.environ.get(TEST_DTYPE_VARIABLE)
+    transformers = ("--backend", "transformers") in itertools.pairwise(flags)
+    if not dtype or not transformers or "--dtype" in flags:
+        return ()
+    return ("--dtype", dtype)
+
+
 def start_server(
     storage_path: Path, *flags: str, timeout_s: float = 60.0, ready: tuple[int, ...] = (200,)
 ) -> LiveServer:
@@ -80,6 +96,7 @@ def start_server(
             "--log-level",
             "warning",
             *flags,
+            *dtype_flags(flags),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

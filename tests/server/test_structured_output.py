@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.close_floats import close_json
 from tests.helpers import chat_line, completion_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer, start_server
 
@@ -207,7 +208,11 @@ def test_n_and_logprobs_in_openai_shapes(server: LiveServer) -> None:
 
     legacy = results["legacy"]["response"]["body"]
     assert [choice["index"] for choice in legacy["choices"]] == [0, 1]
-    assert legacy["choices"][0] == {**legacy["choices"][1], "index": 0}, "greedy choices are the same"
+    # greedy choices are the same tokens; their logprobs, computed in two batch rows, agree only
+    # within a tolerance (the last bits differ, by how much depends on the CPU's dtype)
+    first, second = legacy["choices"]
+    assert first["text"] == second["text"] and first["logprobs"]["tokens"] == second["logprobs"]["tokens"]
+    assert not close_json(first, {**second, "index": 0}), close_json(first, {**second, "index": 0})
     logprobs = legacy["choices"][0]["logprobs"]
     assert "".join(logprobs["tokens"]) == legacy["choices"][0]["text"]
     assert logprobs["text_offset"][0] == len("The capital of France is")
