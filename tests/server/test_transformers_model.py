@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers import chat_line, completion_line, file_lines, submit, wait_for_status, write_jsonl
 from tests.live import LiveServer, start_server
+from tests.openai_schema import result_line_errors
 
 pytestmark = [pytest.mark.model, pytest.mark.live]
 
@@ -105,6 +106,72 @@ def test_limits_stops_sampling_and_completions(model_server: LiveServer) -> None
     assert seeded[0] == seeded[1] and seeded[0]
     assert completion["object"] == "text_completion"
     assert completion["usage"]["completion_tokens"] <= 6 and completion["choices"][0]["text"]
+
+
+def test_every_line_the_real_models_write_validates_against_openais_schema(model_server: LiveServer) -> None:
+    """Chat, completions, Responses and embeddings lines with the optional features the real
+    models give (logprobs, several choices, structured output, base64 and shortened vectors),
+    and the lines that only run since accepted means runnable (an assistant turn that only calls
+    a tool, an empty prompt), against OpenAI's published schema."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    tool_turns = [
+        {"role": "user", "content": "What is the weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    batches: dict[str, list[dict]] = {
+        "/v1/chat/completions": [
+            chat_line("plain", "Hi", max_tokens=4),
+            chat_line("logprobs", "Hi", max_tokens=4, logprobs=True, top_logprobs=2, n=2),
+            chat_line("json", "Answer in JSON.", max_tokens=12, response_format={"type": "json_object"}),
+            {**chat_line("tools", max_tokens=4), "body": {"messages": tool_turns, "max_tokens": 4}},
+        ],
+        "/v1/completions": [
+            completion_line("legacy", "The sky is", max_tokens=4, logprobs=2, n=2),
+            completion_line("empty", "", max_tokens=4),
+        ],
+        "/v1/responses": [
+            {
+                "custom_id": "resp",
+                "method": "POST",
+                "url": "/v1/responses",
+                "body": {"input": "Hi", "max_output_tokens": 4, "top_logprobs": 2},
+            },
+            {
+                "custom_id": "resp-json",
+                "method": "POST",
+                "url": "/v1/responses",
+                "body": {
+                    "input": "Answer in JSON.",
+                    "max_output_tokens": 16,
+                    "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}},
+                },
+            },
+        ],
+        "/v1/embeddings": [
+            {
+                "custom_id": f"e-{encoding}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {
+                    "model": "all-MiniLM-L6-v2",
+                    "input": ["a", "b"],
+                    "encoding_format": encoding,
+                    **extra,
+                },
+            }
+            for encoding, extra in (("float", {}), ("base64", {}), ("float", {"dimensions": 64}))
+        ],
+    }
+    with httpx.Client(base_url=model_server.base_url, timeout=60) as client:
+        for endpoint, lines in batches.items():
+            for line in _run(client, lines):
+                assert line["error"] is None, line
+                assert not result_line_errors(line, endpoint), (result_line_errors(line, endpoint), line)
+                body = line["response"]["body"]
+                if line["custom_id"] == "resp":
+                    assert body["output"][0]["content"][0]["logprobs"], "top_logprobs asked for them"
 
 
 def test_prompt_longer_than_the_context_is_an_error_line(
