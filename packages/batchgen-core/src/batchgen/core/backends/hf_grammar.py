@@ -124,8 +124,8 @@ class Grammars:
                 while len(self._done) > max(self.bounds.cache_size, 0):
                     self._done.popitem(last=False)
                 del self._compiling[text]
+                _settle(future, outcome)
                 self._settled.notify_all()
-            _settle(future, outcome)
 
     def _compile(self, text: str) -> Any:
         timeout_s = self.bounds.compile_timeout_s
