@@ -510,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SystemExit:
         if server.started:
             raise
+    finally:  # uvicorn has raised its signal again by now: another one acts as usual
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if stopped:
         print(f"batchgen-server: the batch service stopped: {stopped[0]}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SERVICE_STOPPED)
