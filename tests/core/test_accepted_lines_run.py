@@ -36,9 +36,7 @@ from batchgen.core.served_models import ModelSet, Route, ServedModel
 pytestmark = [pytest.mark.model]
 
 _SERVED = ServedModel(
-    SimpleNamespace(  # type: ignore[arg-type]
-        name="transformers", model_name="tiny", capabilities=TransformersBackend.capabilities
-    )
+    SimpleNamespace(name="transformers", model_name="tiny", capabilities=TransformersBackend.capabilities)
 )
 _MODELS = ModelSet([_SERVED])
 _OWN_FAULTS = ("invalid_request", "context_length_exceeded")

@@ -135,9 +135,9 @@ def test_a_bad_unicode_escape_is_named_with_its_byte(
     if where == "custom_id":
         line["custom_id"] = marker
     elif where == "content":
-        line["body"]["messages"][0]["content"] = marker  # type: ignore[index]
+        line["body"]["messages"][0]["content"] = marker
     elif where == "model":
-        line["body"]["model"] = marker  # type: ignore[index]
+        line["body"]["model"] = marker
     else:
         line["extra"] = marker
     raw = json.dumps(line).replace(json.dumps(marker)[1:-1], text + tail).encode()
