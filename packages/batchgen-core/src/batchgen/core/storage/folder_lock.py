@@ -181,8 +181,8 @@ def folder_holder(folder: Path | str) -> FolderHolder | None:
     path = Path(folder) / LOCK_FILE_NAME
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
+    except OSError:  # no lock file (nobody ever owned the folder), or one this user cannot read:
+        return None  # the start itself will say what is wrong
     try:
         if _try_lock(fd):
             return None
