@@ -92,12 +92,15 @@ def check_responses_body(body: Any) -> None:
     chat_messages(body.instructions, body.input)
     if body.text is not None and not isinstance(body.text, dict):
         raise InvalidRequest("'body.text' must be an object such as {\"format\": {...}}", param="body.text")
-    if isinstance(body.text, dict) and body.text.get("format") is not None:
-        if not isinstance(body.text["format"], dict):
-            raise InvalidRequest(
-                "'body.text.format' must be an object with a 'type' (text, json_object or json_schema)",
-                param="body.text.format",
-            )
+    if (
+        isinstance(body.text, dict)
+        and body.text.get("format") is not None
+        and not isinstance(body.text["format"], dict)
+    ):
+        raise InvalidRequest(
+            "'body.text.format' must be an object with a 'type' (text, json_object or json_schema)",
+            param="body.text.format",
+        )
     response_format = from_responses_text(body.text)
     if response_format is not None:
         problem = response_format_problem(response_format)

@@ -93,7 +93,8 @@ def _expires_after_seconds(fields: dict[str, str]) -> int | None:
     if anchor not in (None, "created_at"):
         raise InvalidRequest("expires_after[anchor] must be 'created_at'", param="expires_after")
     digits = None if seconds is None else seconds.strip()
-    if digits is None or _ASCII_DIGITS.fullmatch(digits) is None:  # str.isdigit() takes "²" and "١"
+    # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits
+    if digits is None or _ASCII_DIGITS.fullmatch(digits) is None:
         raise InvalidRequest(
             "expires_after[seconds] must be a whole number of seconds (ASCII digits)", param="expires_after"
         )
