@@ -157,13 +157,20 @@ class EdgeProtocol(H11Protocol):
         message = str(refusal) if refusal is not None else msg
         if isinstance(refusal, h11.RemoteProtocolError) and not isinstance(refusal, RequestRefused):
             message = f"Invalid HTTP request: {message}."
+        self._send_error_and_close(status, message, "invalid_request_error", code)
+
+    def _send_error_and_close(
+        self, status: int, message: str, type_: str, code: str, headers: tuple[tuple[bytes, bytes], ...] = ()
+    ) -> None:
+        """Answer with an OpenAI-shaped error (when no response is under way) and close the connection."""
         body = json.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+            {"error": {"message": message, "type": type_, "param": None, "code": code}}
         ).encode()
-        headers = [
+        head = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
+            *headers,
         ]
         try:
             reason = HTTPStatus(status).phrase.encode()
@@ -171,7 +178,7 @@ class EdgeProtocol(H11Protocol):
             reason = b""
         try:
             self.transport.write(
-                self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
+                self.conn.send(h11.Response(status_code=status, headers=head, reason=reason))
             )
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
@@ -186,14 +193,28 @@ class EdgeProtocol(H11Protocol):
             self._shutdown_timer = self.loop.call_later(self.shutdown_grace_s, self._end_of_grace)
 
     def _end_of_grace(self) -> None:
+        """Cut the request still under way: its handler sees the client leave, the client gets 503."""
         self._shutdown_timer = None
-        if not self.transport.is_closing():
-            logger.warning(
-                "shutting down: closed a connection whose request was still under way after "
-                "--shutdown-grace-s %g s",
-                self.shutdown_grace_s,
-            )
+        if self.transport.is_closing():
+            return
+        logger.warning(
+            "shutting down: closed a connection whose request was still under way after "
+            "--shutdown-grace-s %g s",
+            self.shutdown_grace_s,
+        )
+        cycle = self.cycle
+        if cycle is None or cycle.response_started or cycle.disconnected:
             self.transport.close()
+            return
+        cycle.disconnected = True  # what the app still sends goes nowhere; its receive() sees the end
+        cycle.message_event.set()
+        self._send_error_and_close(
+            503,
+            "The server is shutting down; this request was cut and nothing of it was kept. Send it again.",
+            "server_error",
+            "server_shutting_down",
+            ((b"retry-after", b"5"),),
+        )
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
