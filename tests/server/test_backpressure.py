@@ -32,6 +32,13 @@ def test_full_intake_pool_gives_429_then_accepts_after_draining(api_factory: Api
         "requests_failed_total": 0,
         "prompt_tokens_total": 0,
         "completion_tokens_total": 0,
+        "engine_running": 0,
+        "engine_waiting": 0,
+        "generated_tokens_total": 0,
+        "generated_tokens_counted": "when_finished",
+        "requests_per_second": 0.0,
+        "tokens_per_second": 0.0,
+        "rate_time_constant_s": 30.0,
     }
     first = _create(client, "first", 10)
     assert first.status_code == 200
@@ -50,8 +57,14 @@ def test_full_intake_pool_gives_429_then_accepts_after_draining(api_factory: Api
     assert done["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
     drained = client.get("/v1/pool/status").json()
     assert drained["requests_completed_total"] == 10 and drained["completion_tokens_total"] > 0
-    totals = ("requests_completed_total", "prompt_tokens_total", "completion_tokens_total")
-    assert drained | dict.fromkeys(totals, 0) == idle  # the rest as it was before the batch
+    totals = (
+        "requests_completed_total",
+        "prompt_tokens_total",
+        "completion_tokens_total",
+        "generated_tokens_total",
+    )
+    rates = dict.fromkeys(("requests_per_second", "tokens_per_second"), 0.0)
+    assert drained | dict.fromkeys(totals, 0) | rates == idle  # the rest as it was before the batch
     retried = _create(client, "third", 5)
     assert retried.status_code == 200
     assert wait_for_status(client, retried.json()["id"], {"completed"})["request_counts"]["completed"] == 5

@@ -70,6 +70,13 @@ def test_guide_curl_flow(live_server: LiveServer, tmp_path: Path) -> None:
         "requests_failed_total",
         "prompt_tokens_total",
         "completion_tokens_total",
+        "engine_running",
+        "engine_waiting",
+        "generated_tokens_total",
+        "generated_tokens_counted",
+        "requests_per_second",
+        "tokens_per_second",
+        "rate_time_constant_s",
     }
     assert pool["requests_completed_total"] == 5
     assert json.loads(curl(f"{base}/health")) == {"status": "healthy"}

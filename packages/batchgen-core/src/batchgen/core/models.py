@@ -271,6 +271,21 @@ class PoolStatus:
     requests_failed_total: int = 0
     prompt_tokens_total: int = 0
     completion_tokens_total: int = 0
+    #: Of the admitted requests (``scheduling_pool_active``), those the engines say they are
+    #: computing now, and the rest, waiting inside the backend for the engine; None when a
+    #: backend cannot tell (``backends.engine_activity``).
+    engine_running: int | None = None
+    engine_waiting: int | None = None
+    #: Tokens generated since the start: counted as the engine makes them where every backend
+    #: reports that (``generated_tokens_counted`` "as_generated"), else as requests finish
+    #: ("when_finished", the same as ``completion_tokens_total``).
+    generated_tokens_total: int = 0
+    generated_tokens_counted: str = "when_finished"
+    #: Requests finished and tokens generated per second, exponentially weighted with a time
+    #: constant of ``rate_time_constant_s`` seconds (``telemetry.Throughput``).
+    requests_per_second: float = 0.0
+    tokens_per_second: float = 0.0
+    rate_time_constant_s: float = 30.0
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

@@ -48,6 +48,7 @@ import anyio.abc
 import attrs
 
 from batchgen.core.backends.base import Backend
+from batchgen.core.backends.engine_activity import combined_activity
 from batchgen.core.batch_file import first_line_model
 from batchgen.core.batch_log import log_created
 from batchgen.core.batch_options import (
@@ -690,10 +691,17 @@ class BatchService:
     # --- monitoring -----------------------------------------------------------------------
     def pool_status(self) -> PoolStatus:
         counted = self.telemetry  # requests whose line was written since the process started
+        admitted = self.scheduling_pool.active
+        engines = combined_activity(model.backend for model in self.model_set)
+        running = None if engines.running is None else min(admitted, max(0, engines.running))
+        generated, counted_as = engines.generated_tokens, "as_generated"
+        if generated is None:
+            generated, counted_as = counted.generated_tokens, "when_finished"
+        requests_rate, tokens_rate = counted.throughput.read(counted.completed + counted.failed, generated)
         return PoolStatus(
             intake_pool_size=self.intake_pool.size,
             intake_pool_capacity=self.intake_pool.capacity,
-            scheduling_pool_active=self.scheduling_pool.active,
+            scheduling_pool_active=admitted,
             scheduling_pool_free=self.scheduling_pool.free,
             scheduling_pool_capacity=self.scheduling_pool.capacity,
             active_batches=0 if self._parts is None else len(self._parts.tracker),
@@ -701,6 +709,13 @@ class BatchService:
             requests_failed_total=counted.failed,
             prompt_tokens_total=counted.prompt_tokens,
             completion_tokens_total=counted.generated_tokens,
+            engine_running=running,
+            engine_waiting=None if running is None else admitted - running,
+            generated_tokens_total=generated,
+            generated_tokens_counted=counted_as,
+            requests_per_second=round(requests_rate, 3),
+            tokens_per_second=round(tokens_rate, 2),
+            rate_time_constant_s=counted.throughput.time_constant_s,
         )
 
     @property

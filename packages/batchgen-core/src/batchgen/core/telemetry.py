@@ -11,6 +11,10 @@ each process, as Prometheus counters may.
 - ``request_completed`` / ``request_failed``: its output or error line was written.
 - ``backend_calls(seconds, count)``: time a group's requests spent inside the backend
   (``backend_latency``).
+
+``throughput`` (a ``Throughput``) turns the running totals into smoothed rates for the pool
+status: requests finished and tokens generated per second, exponentially weighted over
+``RATE_TIME_CONSTANT_S``, read whenever someone asks.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 
+from batchgen.core.smoothed_rate import SmoothedRate
+
 #: Upper bounds (seconds) of the backend latency histogram: a few ms (simulated) to many minutes.
 BACKEND_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 #: Upper bounds (seconds) of the queue wait histogram: at once, up to a day (a batch's window).
 QUEUE_WAIT_BUCKETS_S = (0.01, 0.1, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+#: The time constant (seconds) of the pool status's requests/s and tokens/s.
+RATE_TIME_CONSTANT_S = 30.0
 
 
 class Histogram:
@@ -57,6 +65,29 @@ class Histogram:
         return pairs
 
 
+class Throughput:
+    """Requests finished and tokens generated per second, smoothed (``SmoothedRate``)."""
+
+    __slots__ = ("_clock", "_requests", "_tokens")
+
+    def __init__(
+        self, time_constant_s: float = RATE_TIME_CONSTANT_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        started = clock()
+        self._requests = SmoothedRate(time_constant_s, started)
+        self._tokens = SmoothedRate(time_constant_s, started)
+
+    @property
+    def time_constant_s(self) -> float:
+        return self._requests.time_constant_s
+
+    def read(self, requests_total: int, tokens_total: int) -> tuple[float, float]:
+        """(requests/s, tokens/s) with the running totals as they are now."""
+        moment = self._clock()
+        return self._requests.update(moment, requests_total), self._tokens.update(moment, tokens_total)
+
+
 class RequestTelemetry:
     """Counters and histograms of the requests this process ran."""
 
@@ -69,6 +100,7 @@ class RequestTelemetry:
         "generated_tokens",
         "prompt_tokens",
         "queue_wait",
+        "throughput",
     )
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -80,6 +112,7 @@ class RequestTelemetry:
         self.backend_latency = Histogram(BACKEND_LATENCY_BUCKETS_S)
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_S)
         self._queued_at: dict[str, float] = {}
+        self.throughput = Throughput(clock=clock)
 
     def batch_queued(self, batch_id: str) -> None:
         """The batch's requests were queued in the intake pool now."""

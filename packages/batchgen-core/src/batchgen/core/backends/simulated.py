@@ -27,6 +27,7 @@ from batchgen.core.backends.base import (
     context_length_exceeded,
     generate_each,
 )
+from batchgen.core.backends.engine_activity import EngineActivity
 from batchgen.core.backends.option_types import fraction, non_negative_float
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import flatten_content, trim_at_stop
@@ -115,6 +116,11 @@ class SimulatedBackend:
         if not self._started:
             return Health(False, "the simulated backend is not started")
         return Health(True)
+
+    def engine_activity(self) -> EngineActivity:
+        """The requests it is working on now (within ``capacity``, when set); its tokens come
+        whole at each request's end, so it reports no count of them as they are made."""
+        return EngineActivity(running=len(self._running))
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         if request.messages is not None:
