@@ -22,6 +22,7 @@ from litestar.testing import TestClient
 from batchgen.core import BatchService, ServiceSettings
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.webhook_outbox import GIVE_UP_AFTER_S, OutboxMessage
+from batchgen.server import webhooks
 from batchgen.server.cli import settings_from_args
 from batchgen.server.webhooks import WebhookDeliverer, signature, signing_key, webhook_headers
 from tests.helpers import CHAT, chat_line, create_batch, jsonl, post_batch, upload, wait_for_status
@@ -331,3 +332,24 @@ def test_a_urls_credentials_never_reach_the_logs_metrics_or_errors(
         assert not [line for line in logged if secret in line], f"{secret} reached the log"
         assert secret not in metrics_text
         assert secret not in str(bad_flag.value)
+
+
+def test_attempts_in_flight_are_bounded_across_targets(
+    api_factory: ApiFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room for two attempts at once, three stuck URLs get two attempts between them (none cut
+    off yet), and the third is tried once one of those has been cut off at the deadline."""
+    monkeypatch.setattr(webhooks, "MAX_TARGETS_IN_FLIGHT", 2)
+    with (
+        WebhookReceiver(drip="body") as one,
+        WebhookReceiver(drip="body") as two,
+        WebhookReceiver(drip="body") as three,
+    ):
+        stuck = (one, two, three)
+        flags = [flag for receiver in stuck for flag in ("--webhook-url", receiver.url)]
+        client = api_factory(*flags, "--webhook-timeout-s", "3", "--webhook-retry-initial-s", "60")
+        create_batch(client, upload(client, jsonl(chat_line("a")))["id"])
+        _wait(lambda: sum(len(r.received) for r in stuck) == 2, "two attempts did not start")
+        assert sum(r.hangups for r in stuck) == 0 and sum(len(r.received) for r in stuck) == 2
+        _wait(lambda: all(r.received for r in stuck), "the third URL was never tried")
+        _wait(lambda: sum(r.hangups for r in stuck) >= 1, "no attempt was cut off to make room")
