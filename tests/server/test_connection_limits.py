@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -34,29 +35,36 @@ Serve = Callable[..., str]
 BOUNDARY = "limits-boundary"
 
 
+def _serve_in_thread(
+    stack: ExitStack, storage: Path, *flags: str
+) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """The app with these flags, served by uvicorn in a thread until ``stack`` closes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    argv = ["--backend", "simulated", "--port", str(port), *flags]
+    settings = settings_from_args([*argv, "--storage-path", str(storage)])
+    app = in_process_app(storage, *argv)
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    stack.callback(listener.close)  # last: after the server stopped serving it
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    stack.callback(thread.join, 30)
+    stack.callback(setattr, server, "should_exit", True)
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
     """Serve the app with these flags in a uvicorn thread; returns its base URL."""
     with ExitStack() as stack:
 
         def start(*flags: str) -> str:
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            port = listener.getsockname()[1]
-            argv = ["--backend", "simulated", "--port", str(port), *flags]
-            settings = settings_from_args([*argv, "--storage-path", str(tmp_path / "storage")])
-            app = in_process_app(tmp_path / "storage", *argv)
-            server = uvicorn.Server(uvicorn_config(app, settings))
-            stack.callback(listener.close)  # last: after the server stopped serving it
-            thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-            thread.start()
-            stack.callback(thread.join, 30)
-            stack.callback(setattr, server, "should_exit", True)
-            deadline = time.monotonic() + 30
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert server.started
-            return f"http://127.0.0.1:{port}"
+            return _serve_in_thread(stack, tmp_path / "storage", *flags)[2]
 
         yield start
 
@@ -340,3 +348,39 @@ def test_requests_framed_one_way_still_share_a_connection(serve: Serve) -> None:
     sized = "POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
     answer = _answer_to(base_url, (chunked + sized).encode())
     assert answer.count(b"HTTP/1.1 400 ") == 2, answer  # both reached the app (no input_file_id)
+
+
+def test_a_request_under_way_at_shutdown_is_cut_with_503_when_the_grace_ends(tmp_path: Path) -> None:
+    """The server stops (as on SIGTERM): a finished request's connection closes at once, an upload
+    still arriving gets until ``--shutdown-grace-s``, then 503 and the close; its staging file goes."""
+    storage = tmp_path / "storage"
+    with ExitStack() as stack:
+        server, thread, base_url = _serve_in_thread(stack, storage, "--shutdown-grace-s", "1")
+        start = _multipart_start() + jsonl(chat_line("g1"))
+        slow = stack.enter_context(_connect(base_url))
+        slow.sendall(_upload_head(len(start) + 10_000) + start)  # then a byte now and then
+        idle = stack.enter_context(_connect(base_url))
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while not first.endswith(b"}"):  # the whole answer; the connection stays open (keep-alive)
+            first += idle.recv(65536)
+        assert _status(first) == 200
+        deadline = time.monotonic() + 10
+        while not list((storage / "staging").iterdir()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stopped_at = time.monotonic()
+        server.should_exit = True
+        assert _read_all(idle) == b"", "an idle connection is closed at once by the shutdown"
+        with contextlib.suppress(OSError):  # keep the upload going until the server answers
+            while thread.is_alive() and not select.select([slow], [], [], 0.2)[0]:
+                assert time.monotonic() - stopped_at < 15, "the shutdown waits for the upload"
+                slow.sendall(b" ")
+        answer = _read_all(slow)
+        thread.join(10)
+        assert not thread.is_alive(), "the shutdown did not end"
+        assert time.monotonic() - stopped_at >= 0.9, "the upload was cut before the grace ended"
+    error = _refused(answer, 503)
+    assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+    assert b"retry-after: 5" in answer.lower()
+    assert list((storage / "staging").iterdir()) == [], "the cut upload left its staging file"
