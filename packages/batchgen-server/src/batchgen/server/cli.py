@@ -27,7 +27,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
@@ -51,10 +51,14 @@ from batchgen.server.model_specs import (
 )
 from batchgen.server.priority import parse_api_nice
 from batchgen.server.settings import EMBEDDINGS_BACKEND, ServerSettings
+from batchgen.server.start_failures import StartFailures, port_taken
 
 _DEFAULTS = ServerSettings()
 #: Exit statuses: the service could not start (as uvicorn's own), or it stopped while serving.
 EXIT_STARTUP_FAILED = 3
+#: What the start banner says a transformers start takes (measured on a 2-core AMD EPYC, see README.md).
+FIRST_CONVERT_S = "20-30 s"
+CACHED_LOAD_S = "a second"
 EXIT_SERVICE_STOPPED = 1
 #: Read for --webhook-secret when the flag is not given (a secret on a command line is visible in ps).
 WEBHOOK_SECRET_VARIABLE = "BATCHGEN_WEBHOOK_SECRET"
@@ -377,7 +381,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ServerS
             models.extend(load_models_config(args.models_config, by_name))
         check_unique_names(models)
     except ValueError as exc:
-        parser.error(str(exc))
+        refuse(parser, str(exc))
     [spec] = [spec for spec in specs if spec.name == args.backend]
     server = {field.name for field in attrs.fields(ServerSettings)} - {
         "backend_options",
@@ -436,6 +440,29 @@ def refuse_held_folder(settings: ServerSettings, holder: FolderHolder) -> str:
     )
 
 
+def refuse(parser: argparse.ArgumentParser, paragraph: str) -> NoReturn:
+    """Exit 2 with one paragraph on stderr: a refusal after the flags parsed prints no usage."""
+    parser.exit(2, f"{parser.prog}: error: {paragraph}\n")
+
+
+def readiness(settings: ServerSettings) -> str:
+    """When a server with these settings answers, for its start banner."""
+    backends = {model.backend for model in settings.models} or {settings.backend}
+    waits = []
+    if "transformers" in backends:
+        waits.append(
+            f"a first transformers start converts the model once into the cache, about {FIRST_CONVERT_S} "
+            f"on 2 CPU cores, and later starts load it in about {CACHED_LOAD_S}"
+        )
+    if "sglang" in backends:
+        waits.append("SGLang loads the model onto the GPUs first")
+    if "openai" in backends:
+        waits.append("the openai backend waits for an upstream to answer")
+    if not waits:
+        return "it answers in a moment"
+    return "it answers once the backend is ready: " + "; ".join(waits)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     arguments = sys.argv[1:] if argv is None else list(argv)
     if arguments[:1] == ["keys"]:
@@ -444,13 +471,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(keys_main(arguments[1:]))
     parser, settings = _parse(arguments)
     if (settings.ssl_certfile is None) != (settings.ssl_keyfile is None):
-        parser.error("--ssl-certfile and --ssl-keyfile go together")
+        refuse(
+            parser,
+            "--ssl-certfile and --ssl-keyfile go together: pass both (a certificate and its key) or neither.",
+        )
     refusal = refuse_open_start(settings)
     if refusal is not None:
-        parser.error(refusal)
+        refuse(parser, refusal)
     holder = folder_holder(settings.storage_path)  # early and clear; the service's lock decides
     if holder is not None:
-        parser.exit(2, f"{parser.prog}: error: {refuse_held_folder(settings, holder)}\n")
+        refuse(parser, refuse_held_folder(settings, holder))
     import uvicorn
 
     from batchgen.server.app import create_app
@@ -471,7 +501,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         app = create_app(settings, on_service_stopped=service_stopped)
     except ValueError as exc:
-        parser.error(str(exc))
+        refuse(parser, str(exc))
+    except OSError as exc:  # the storage folder cannot be made or written
+        refuse(parser, refuse_storage(settings, exc))
     # What exists now (modules, the app) lives as long as the process: keep it out of the garbage
     # collector's full passes, which would walk all of it and stall the event loop under load.
     gc.freeze()
@@ -483,15 +515,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     scheme = "https" if settings.ssl_certfile else "http"
     banner = (
         f"BatchGen starting on {scheme}://{settings.host}:{settings.port} "
-        f"({_serving(settings)}, storage: {settings.storage_path}); it answers once the "
-        "backend is ready (the first transformers start converts the model once, about 20-30 s)"
+        f"({_serving(settings)}, storage: {settings.storage_path}); {readiness(settings)}"
     )
     if settings.log_format == "json":  # every line of a JSON log is JSON
         logging.getLogger("batchgen.server").warning(banner, extra={"event": "server.starting"})
     else:
         print(banner, file=sys.stderr, flush=True)
     max_connections = raise_open_file_limit(settings.max_connections)
-    config = uvicorn_config(app, settings, max_connections=max_connections)  # configures logging
+    start = StartFailures(app)  # a backend that cannot start says why in one paragraph
+    config = uvicorn_config(start, settings, max_connections=max_connections)  # configures logging
     limit_repeats(settings.log_repeat_limit, settings.log_repeat_interval_s)
     service = app.state.service
 
@@ -519,8 +551,42 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not server.started:
         holder = folder_holder(settings.storage_path)
         if holder is not None:  # another server took the folder after the check above
-            parser.exit(2, f"{parser.prog}: error: {refuse_held_folder(settings, holder)}\n")
+            refuse(parser, refuse_held_folder(settings, holder))
+        if start.reason is not None:
+            parser.exit(
+                EXIT_STARTUP_FAILED, f"{parser.prog}: error: {refuse_unavailable(settings, start.reason)}\n"
+            )
+        if port_taken(settings.host, settings.port):
+            parser.exit(EXIT_STARTUP_FAILED, f"{parser.prog}: error: {refuse_taken_port(settings)}\n")
         sys.exit(EXIT_STARTUP_FAILED)
+
+
+def refuse_storage(settings: ServerSettings, exc: OSError) -> str:
+    """Why the server cannot use its storage folder (one paragraph)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return (
+        f"refusing to start: the storage folder {settings.storage_path} cannot be used: "
+        f"{exc.strerror or exc}{where}. Give the server a folder it can create and write with "
+        "--storage-path DIR."
+    )
+
+
+def refuse_unavailable(settings: ServerSettings, reason: str) -> str:
+    """Why the server stopped at start: a backend could not start (one paragraph)."""
+    reason = reason.rstrip(".")
+    return (
+        f"refusing to start: a backend could not start ({_serving(settings)}): {reason}. Fix that and "
+        "start again, or serve another backend with --backend NAME ('batchgen-server --help' lists "
+        "them and their flags)."
+    )
+
+
+def refuse_taken_port(settings: ServerSettings) -> str:
+    """Why the server stopped at start: its port is taken (one paragraph)."""
+    return (
+        f"refusing to start: {settings.host}:{settings.port} is already in use (another server, or "
+        f"another program, listens there). Stop it, or serve on another port with --port N."
+    )
 
 
 def _serving(settings: ServerSettings) -> str:

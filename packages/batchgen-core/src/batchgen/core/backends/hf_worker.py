@@ -38,6 +38,7 @@ import attrs
 
 from batchgen.core.backends.hf_decode import DecodeEngine
 from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS, GrammarBounds
+from batchgen.core.backends.hf_model_files import ModelNotFound
 
 logger = logging.getLogger("batchgen.backends.transformers")
 
@@ -157,7 +158,8 @@ def serve(connection: Connection, options: WorkerOptions) -> None:
     try:
         info = engine.load()
     except Exception as exc:
-        logger.exception("the transformers worker could not load its model")
+        if not isinstance(exc, ModelNotFound):  # a wrong --model: the reason sent back says it all
+            logger.exception("the transformers worker could not load its model")
         link.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     link.send(("ready", info))

@@ -1,0 +1,137 @@
+"""Every refusal at start is one paragraph: what is wrong and how to fix it, with no traceback.
+
+A server that will not start (a key missing for an open address, an engine that is not installed,
+a model path that is not a model, a storage folder that is a file or already in use, a port that is
+taken, flags that do not go together) prints one ``batchgen-server: error: ...`` paragraph naming
+the fix, and exits non-zero. Refusals decided after the flags parsed print no usage (argparse's own
+errors for a malformed flag do, as argparse does). The start banner says what the backends actually
+configured wait for.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from batchgen.server.cli import readiness, settings_from_args
+from tests.live import LiveServer, free_port
+
+#: A refusal, with its traceback and usage gone, is a few lines besides the INFO log: the banner and uvicorn's
+#: own "startup failed" or bind error log line may come before the paragraph.
+MAX_LINES = 6
+
+
+def _start(storage: Path, *flags: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "batchgen.server.cli", "--storage-path", str(storage), *flags]
+    if "--port" not in flags:
+        command += ["--port", str(free_port())]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _assert_one_paragraph(result: subprocess.CompletedProcess[str], fix: str) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback" not in output, output
+    assert "usage:" not in output, output
+    # the server's INFO log lines (process started, startup steps) are its usual start log
+    lines = [line for line in output.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) <= MAX_LINES, output
+    [paragraph] = [line for line in lines if line.startswith("batchgen-server: error: ")]
+    assert fix in paragraph, paragraph
+    return paragraph
+
+
+REFUSALS: dict[str, tuple[tuple[str, ...], str]] = {
+    "open address without a key": (("--host", "0.0.0.0", "--backend", "simulated"), "keys create"),
+    "certificate without its key": (
+        ("--backend", "simulated", "--ssl-certfile", "cert.pem"),
+        "--ssl-keyfile",
+    ),
+    "an engine that is not installed": (("--backend", "sglang", "--model-path", "/nonexistent"), "--backend"),
+    "one model name twice": (
+        ("--model", "a=simulated", "--model", "a=simulated"),
+        "'a'",
+    ),
+}
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refusal_is_one_paragraph_naming_its_fix(tmp_path: Path, case: str) -> None:
+    flags, fix = REFUSALS[case]
+    _assert_one_paragraph(_start(tmp_path / "storage", *flags), fix)
+
+
+@pytest.mark.live
+def test_a_missing_engine_says_why_it_could_not_start(tmp_path: Path) -> None:
+    paragraph = _assert_one_paragraph(
+        _start(tmp_path / "storage", "--backend", "sglang", "--model-path", "/nonexistent"), "--backend"
+    )
+    assert "sglang package is not installed" in paragraph
+
+
+@pytest.mark.live
+def test_a_storage_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    paragraph = _assert_one_paragraph(_start(a_file, "--backend", "simulated"), "--storage-path")
+    assert str(a_file) in paragraph
+
+
+@pytest.mark.live
+def test_a_taken_port_is_refused(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _start(tmp_path / "storage", "--backend", "simulated", "--port", str(port))
+    paragraph = _assert_one_paragraph(result, "--port")
+    assert f"127.0.0.1:{port}" in paragraph
+
+
+@pytest.mark.live
+def test_a_storage_folder_in_use_is_refused(
+    tmp_path: Path, server_factory: Callable[..., LiveServer]
+) -> None:
+    server = server_factory()
+    _assert_one_paragraph(_start(server.storage_path, "--backend", "simulated"), "--storage-path")
+
+
+@pytest.mark.live
+@pytest.mark.model
+def test_a_model_path_that_is_no_model_is_refused(tmp_path: Path) -> None:
+    paragraph = _assert_one_paragraph(
+        _start(tmp_path / "storage", "--model-path", str(tmp_path / "no-model")), "--backend"
+    )
+    assert "no-model" in paragraph
+
+
+@pytest.mark.parametrize(
+    ("flags", "converts"),
+    [
+        (("--backend", "simulated"), False),
+        (("--backend", "sglang", "--model-path", "m"), False),
+        (("--backend", "openai", "--upstream", "http://127.0.0.1:1"), False),
+        (("--backend", "transformers"), True),
+        (("--model", "a=simulated", "--model", "b=simulated"), False),
+        (("--model", "a=simulated", "--model", "b=transformers"), True),
+    ],
+)
+def test_the_banner_speaks_of_converting_a_model_only_for_transformers(
+    tmp_path: Path, flags: tuple[str, ...], converts: bool
+) -> None:
+    text = readiness(settings_from_args(["--storage-path", str(tmp_path), *flags]))
+    assert ("converts the model" in text) is converts, text
+    assert ("SGLang" in text) is ("sglang" in flags), text
