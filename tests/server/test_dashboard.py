@@ -4,7 +4,10 @@ in test_dashboard_browser.py)."""
 
 from __future__ import annotations
 
+import html
+import json
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
+from batchgen.server.api_keys import KeyStore
 from tests.conftest import in_process_app
 from tests.helpers import api_error, chat_line, submit, wait_for_status
 from tests.live import LiveServer
@@ -28,6 +32,7 @@ from tests.live import LiveServer
 ApiFactory = Callable[..., TestClient[Litestar]]
 SERVER_PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "batchgen-server"
 DASHBOARD_FILES = ("page.html", "dashboard.js", "dashboard.css")
+SHIPPED_FILES = (*DASHBOARD_FILES, "favicon.ico")
 SLOW = ("--simulated-latency-s", "0.05", "--max-pool-size", "2")
 PACE_FIELDS = ("requests_per_second", "estimated_seconds_remaining", "estimated_completion_at")
 TOTAL_FIELDS = (
@@ -64,7 +69,7 @@ def test_the_page_names_the_model_and_backend_and_loads_only_its_own_files(api: 
     assert '<b id="backend">simulated</b>' in page
     parser = _Links()
     parser.feed(page)
-    assert sorted(parser.links) == ["/ui/dashboard.css", "/ui/dashboard.js"]
+    assert sorted(parser.links) == ["/favicon.ico", "/ui/dashboard.css", "/ui/dashboard.js"]
     for link in parser.links:  # each is served, and is the file shipped in the package
         asset = api.get(link)
         assert asset.status_code == 200
@@ -83,7 +88,7 @@ def test_the_wheel_ships_the_page_and_its_assets(tmp_path: Path) -> None:
     )  # fmt: skip
     (wheel,) = tmp_path.glob("batchgen_server-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        for name in DASHBOARD_FILES:
+        for name in SHIPPED_FILES:
             assert archive.read(f"batchgen/server/dashboard/{name}") == _packaged(name)
 
 
@@ -93,6 +98,94 @@ def test_the_page_and_its_assets_fetch_nothing_from_elsewhere() -> None:
         text = _packaged(name).decode()
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.IGNORECASE), name
         assert not re.search(r"^\s*import\b|\bimport\(", text, re.MULTILINE), name  # no modules loaded
+
+
+def test_the_favicon_is_served_without_a_key_as_an_icon_browsers_read(tmp_path: Path) -> None:
+    """Browsers ask for /favicon.ico on every page load, whatever the page links: never a 404,
+    with keys or without, GET or HEAD."""
+    storage = tmp_path / "storage"
+    with TestClient(in_process_app(storage)) as client:
+        for keyed in (False, True):
+            if keyed:
+                store = KeyStore(storage / "metadata.sqlite3")
+                store.create_key("alice")
+                store.close()
+                assert client.get("/v1/batches").status_code == 401
+            icon = client.get("/favicon.ico")
+            assert icon.status_code == 200, keyed
+            assert icon.headers["content-type"] == "image/x-icon"
+            assert icon.content == _packaged("favicon.ico")
+            reserved, kind, count = struct.unpack("<HHH", icon.content[:6])
+            assert (reserved, kind, count) == (0, 1, 1)  # an ICO file with one image
+            width, height, *_, size, offset = struct.unpack("<BBBBHHII", icon.content[6:22])
+            assert (width, height) == (32, 32) and offset + size == len(icon.content)
+            assert icon.content[offset : offset + 8] == b"\x89PNG\r\n\x1a\n"
+            assert client.head("/favicon.ico").status_code == 200
+
+
+def _snapshot(page: str) -> dict[str, Any]:
+    found = re.search(r'<script type="application/json" id="snapshot">(.*?)</script>', page, re.DOTALL)
+    assert found is not None, "the page carries its snapshot"
+    loaded: dict[str, Any] = json.loads(found.group(1))
+    return loaded
+
+
+def _text(page: str, element_id: str) -> str:
+    found = re.search(rf'id="{element_id}"[^>]*>(.*?)</', page, re.DOTALL)
+    assert found is not None, element_id
+    return html.unescape(found.group(1))
+
+
+def test_the_page_arrives_with_the_servers_state_in_it(api_factory: ApiFactory) -> None:
+    """No "checking…" or "loading…": health, the pools and the batches are in the page itself,
+    as text for the first paint and as JSON the script draws from before its first call."""
+    client = api_factory()
+    batch = wait_for_status(
+        client, submit(client, [chat_line(f"r{i}") for i in range(3)])["id"], {"completed"}
+    )
+    page = client.get("/").text
+    assert "checking" not in page and "loading" not in page
+    snapshot = _snapshot(page)
+    assert snapshot["health"] == client.get("/health").json()
+    assert _text(page, "health") == "healthy"
+    assert [b["id"] for b in snapshot["batches"]["data"]] == [batch["id"]]
+    assert snapshot["batches"]["data"][0]["request_counts"]["completed"] == 3
+    assert f'data-batch-id="{batch["id"]}"' in page and ">3/3<" in page
+    pool = client.get("/v1/pool/status").json()
+    assert snapshot["pool"]["requests_completed_total"] == pool["requests_completed_total"] == 3
+    assert _text(page, "intake-text").endswith("requests queued")
+    assert _text(page, "slots-text").startswith(
+        "running on the engine: 0 · admitted, waiting for the engine: 0"
+    )
+    assert "exponentially weighted over 30 s" in _text(page, "tokens-note")
+
+
+def test_with_api_keys_the_page_holds_health_but_no_tenants_data(tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    with TestClient(in_process_app(storage)) as client:
+        secret = submit(client, [chat_line("secret-line")], metadata={"job": "secret-job"})
+        store = KeyStore(storage / "metadata.sqlite3")
+        _, key = store.create_key("alice")
+        store.close()
+        for headers in ({}, {"Authorization": f"Bearer {key}"}, {"Authorization": "Bearer bg-nonsense"}):
+            response = client.get("/", headers=headers)
+            assert response.status_code == 200
+            page = response.text
+            snapshot = _snapshot(page)
+            assert snapshot["pool"] is None and snapshot["batches"] is None
+            assert snapshot["health"]["status"] == "healthy" and _text(page, "health") == "healthy"
+            assert secret["id"] not in page and "secret" not in page
+            assert "checking" not in page and "loading" not in page
+            assert "enter an API key" in _text(page, "slots-text")
+
+
+def test_the_snapshot_cannot_break_out_of_its_script_element(tmp_path: Path) -> None:
+    app = in_process_app(tmp_path / "storage")
+    with TestClient(app) as client:
+        submit(client, [chat_line("x")], metadata={"note": "</script><script>alert(1)</script>&"})
+        page = client.get("/").text
+    assert "</script><script>alert(1)" not in page
+    assert _snapshot(page)["batches"]["data"][0]["metadata"]["note"].startswith("</script>")
 
 
 def test_an_unknown_dashboard_file_is_an_openai_shaped_404(api: TestClient[Litestar]) -> None:

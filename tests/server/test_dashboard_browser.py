@@ -7,6 +7,7 @@ download its own browsers here: it launches the system's ``chromium`` (``.ci/run
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -166,7 +167,8 @@ def test_the_page_asks_for_an_api_key_and_sends_it_on_every_call(live_server: Li
     page.route("**/v1/**", guard)
     page.goto(live_server.base_url + "/")  # the page itself needs no key
     page.wait_for_selector("#key-prompt[open]")
-    assert page.locator("#batch-rows tr[data-batch-id]").count() == 0
+    # (this server has no keys, so its page arrives with its batches drawn; a server with keys
+    # sends none: test_with_api_keys_the_first_paint_holds_health_and_asks_for_a_key)
 
     page.fill("#key-input", "sk-wrong")
     page.click("#key-submit")
@@ -243,3 +245,193 @@ def test_the_batch_table_pages_newest_first(server_factory: Callable[..., LiveSe
     page.wait_for_function("() => document.getElementById('page-label').textContent === 'page 1'")
     page.wait_for_function("() => document.querySelectorAll('#batch-rows tr[data-batch-id]').length === 20")
     assert shown() == newest_first[:20]
+
+
+# --- the layout at phone and desktop widths, results, the icon, the first paint ---------------------
+
+WIDTHS = (360, 420, 1280)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """A PNG's width and height, from its IHDR chunk."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def _layout(page: Page) -> dict[str, Any]:
+    """What decides whether the page fits its width: the page's scroll width, the header band's
+    box, and each batch row's (or card's) box against the batch card's."""
+    layout: dict[str, Any] = page.evaluate(
+        """() => {
+            const box = (node) => { const r = node.getBoundingClientRect(); return [r.left, r.right]; };
+            const card = document.getElementById('batches');
+            const inside = (node) => {
+                const [left, right] = box(node), [cardLeft, cardRight] = box(card);
+                return left >= cardLeft - 0.5 && right <= cardRight + 0.5;
+            };
+            const header = document.querySelector('header');
+            const cells = [...document.querySelectorAll('#batch-rows tr, #batch-rows td, #detail .result')];
+            return {
+                viewport: window.innerWidth,
+                scrollWidth: document.scrollingElement.scrollWidth,
+                header: box(header),
+                outside: cells.filter((node) => !inside(node)).map((node) => node.outerHTML.slice(0, 120)),
+                cards: [...document.querySelectorAll('main > section, .card, .plots figure')]
+                    .filter((node) => box(node)[1] > window.innerWidth + 0.5).map((node) => node.id || node.className),
+                rows: document.querySelectorAll('#batch-rows tr[data-batch-id]').length,
+                // content that spills out of its own box (text that does not wrap)
+                spills: [...document.querySelectorAll('main *')]
+                    .filter((node) => node.clientWidth > 0 && node.scrollWidth > node.clientWidth + 1
+                            && getComputedStyle(node).overflowX === 'visible')
+                    .map((node) => `${node.tagName}.${node.className} ${node.scrollWidth}>${node.clientWidth}`),
+            };
+        }"""
+    )
+    return layout
+
+
+def test_the_page_fits_phone_and_desktop_widths_without_sideways_scrolling(
+    server_factory: Callable[..., LiveServer], browser: Browser, tmp_path: Path
+) -> None:
+    """At 360 and 420 px (phones) and 1280 px: the page never scrolls sideways, the header band
+    spans the width, the batch rows (cards on a phone) and result lines stay inside their card,
+    and a full-page screenshot is exactly as wide as the screen."""
+    server = server_factory(*FLAGS)
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        long_id = "a-rather-long-custom-id-" + "x" * 60
+        done = submit(api, [chat_line(long_id), chat_line("short")], metadata={"job": "y" * 120})
+        wait_for_status(api, done["id"], {"completed"})
+        submit(api, [chat_line(f"running-{i}") for i in range(400)])
+    for width in WIDTHS:
+        context = browser.new_context(viewport={"width": width, "height": 800})
+        try:
+            page = context.new_page()
+            page.set_default_timeout(WAIT_MS)
+            page.goto(server.base_url + "/")
+            page.wait_for_selector(f'tr[data-batch-id="{done["id"]}"]')
+            page.click(f'tr[data-batch-id="{done["id"]}"]')
+            page.wait_for_selector("#detail .result")
+            page.wait_for_timeout(300)  # the gauges' and bars' transitions
+            layout = _layout(page)
+            assert layout["viewport"] == width
+            assert layout["scrollWidth"] <= width, layout
+            assert layout["header"][0] <= 0.5 and layout["header"][1] >= width - 0.5, layout
+            assert layout["outside"] == [], layout
+            assert layout["cards"] == [], layout
+            assert layout["spills"] == [], layout
+            assert layout["rows"] == 2
+            shot = tmp_path / f"dashboard-{width}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert _png_size(shot)[0] == width
+            if width < 720:  # a phone: the table is a list of labelled cards
+                assert page.is_hidden("#batches thead")
+                label = page.evaluate(
+                    "() => getComputedStyle(document.querySelector('#batch-rows td'), '::before').content"
+                )
+                assert label == '"Batch"'
+            else:
+                assert page.is_visible("#batches thead")
+        finally:
+            context.close()
+
+
+def test_latest_results_show_id_status_and_first_words_with_the_raw_line_a_click_away(
+    server_factory: Callable[..., LiveServer], page: Page
+) -> None:
+    server = server_factory("--max-context-length", "50")
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        batch = submit(api, [chat_line("good-one"), chat_line("too-long", "word " * 200)])
+        output = wait_for_status(api, batch["id"], {"completed"})["output_file_id"]
+        records = [json.loads(line) for line in api.get(f"/v1/files/{output}/content").text.splitlines()]
+        lines = {record["custom_id"]: record for record in records}
+    page.goto(server.base_url + "/")
+    page.click(f'tr[data-batch-id="{batch["id"]}"]')
+    page.wait_for_selector('#detail .result[data-custom-id="too-long"]')
+    good = page.locator('#detail .result[data-custom-id="good-one"]')
+    bad = page.locator('#detail .result[data-custom-id="too-long"]')
+    assert good.get_attribute("data-status") == "completed"
+    assert bad.get_attribute("data-status") == "failed"
+    answer = lines["good-one"]["response"]["body"]["choices"][0]["message"]["content"]
+    summary = good.locator("summary").inner_text()
+    assert "good-one" in summary and "completed" in summary
+    assert " ".join(answer.split()[:3]) in summary
+    assert "context_length_exceeded" in bad.locator("summary").inner_text()
+    # the raw line is hidden until its summary is clicked, then shown whole, not cut off
+    assert not good.locator("pre.raw").is_visible()
+    good.locator("summary").click()
+    assert good.locator("pre.raw").is_visible()
+    assert json.loads(good.locator("pre.raw").inner_text()) == lines["good-one"]
+    box = page.eval_on_selector('#detail .result[data-custom-id="good-one"] pre.raw',
+                                "pre => [pre.scrollWidth, pre.clientWidth]")  # fmt: skip
+    assert box[0] <= box[1]  # wrapped, not cut off mid-line
+
+
+def test_no_request_of_the_page_is_refused_and_the_favicon_is_served(
+    live_server: LiveServer, page: Page
+) -> None:
+    failed: list[str] = []
+    page.on("response", lambda response: failed.append(f"{response.status} {response.url}")
+            if response.status >= 400 else None)  # fmt: skip
+    page.goto(live_server.base_url + "/")
+    page.wait_for_function("() => document.getElementById('updated').textContent.startsWith('updated')")
+    icon = page.evaluate(
+        """async () => {
+            const response = await fetch('/favicon.ico');
+            return [response.status, response.headers.get('content-type'), (await response.arrayBuffer()).byteLength];
+        }"""
+    )
+    assert icon[0] == 200 and icon[1] == "image/x-icon" and icon[2] > 0
+    assert page.get_attribute('link[rel="icon"]', "href") == "/favicon.ico"
+    assert failed == []
+
+
+PLACEHOLDERS = ("checking", "loading")
+
+
+def test_the_first_paint_holds_the_servers_state(
+    server_factory: Callable[..., LiveServer], browser: Browser, tmp_path: Path
+) -> None:
+    """A screenshot taken as soon as the page has loaded shows health, the pools and the batches,
+    never "checking…" or "loading…"; with scripts off (the HTML as it arrives) as well."""
+    server = server_factory(*FLAGS)
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        batch = submit(api, [chat_line(f"r{i}") for i in range(3)])
+        wait_for_status(api, batch["id"], {"completed"})
+    for scripts in (True, False):
+        context = browser.new_context(viewport={"width": 1280, "height": 900}, java_script_enabled=scripts)
+        try:
+            page = context.new_page()
+            page.goto(server.base_url + "/", wait_until="domcontentloaded")
+            shot = tmp_path / f"first-paint-{'scripts' if scripts else 'html'}.png"
+            page.screenshot(path=str(shot))
+            text = page.inner_text("body")
+            assert not [word for word in PLACEHOLDERS if word in text.lower()], text
+            assert page.inner_text("#health") == "healthy"
+            assert page.get_attribute("#health", "data-state") == "healthy"
+            assert page.locator(f'tr[data-batch-id="{batch["id"]}"]').count() == 1
+            assert "3/3" in page.inner_text(f'tr[data-batch-id="{batch["id"]}"]')
+            assert page.inner_text("#active-batches") == "0"
+            assert page.inner_text("#slots-text").startswith("running on the engine")
+        finally:
+            context.close()
+
+
+def test_with_api_keys_the_first_paint_holds_health_and_asks_for_a_key(
+    tmp_path: Path, server_factory: Callable[..., LiveServer], page: Page
+) -> None:
+    storage = tmp_path / "keyed"
+    storage.mkdir()
+    _, key = create_key(storage, "alice")
+    server = server_factory(storage="keyed")
+    with authorized(server.base_url, key) as alice:
+        own = submit(alice, [chat_line("alice-line")])
+    page.goto(server.base_url + "/", wait_until="domcontentloaded")
+    text = page.inner_text("body")
+    assert not [word for word in PLACEHOLDERS if word in text.lower()], text
+    assert page.inner_text("#health") == "healthy"
+    assert own["id"] not in page.content()
+    page.wait_for_selector("#key-prompt[open]")
+    page.fill("#key-input", key)
+    page.click("#key-submit")
+    page.wait_for_selector(f'tr[data-batch-id="{own["id"]}"]')

@@ -38,7 +38,7 @@ from tests.helpers import chat_line, jsonl, upload, wait_for_status
 from tests.live import start_server
 
 #: The routes that may be open; any other open route is a mistake (this list is deliberate).
-OPEN_PATHS = {"/", "/health", "/ui/{name:str}"}
+OPEN_PATHS = {"/", "/health", "/ui/{name:str}", "/favicon.ico"}
 OPEN_PREFIX = "/schema"
 
 
@@ -249,7 +249,7 @@ _SPELLINGS = [
     lambda path: path.replace("/", "/%252F", 1),
     lambda path: path + "//",
     lambda path: path + "/.",
-    lambda path: path.rsplit("/", 1)[0] + "/%2F" + path.rsplit("/", 1)[1],
+    lambda path: path.rsplit("/", 1)[0] + "/%2F" + path.rsplit("/", 1)[-1],
     lambda path: path.replace("/", "/\x00", 1),
 ]
 

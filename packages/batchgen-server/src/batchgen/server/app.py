@@ -36,7 +36,7 @@ from batchgen.server.auth import (
 )
 from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, handle_body_timeout
 from batchgen.server.controllers.batches import BatchesController
-from batchgen.server.controllers.dashboard import dashboard, dashboard_asset
+from batchgen.server.controllers.dashboard import dashboard, dashboard_asset, favicon
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.controllers.usage import usage
@@ -129,6 +129,7 @@ def create_app(
             metrics,
             dashboard,
             dashboard_asset,
+            favicon,
         ],
         dependencies={
             "service": Provide(_provide_service, sync_to_thread=False),

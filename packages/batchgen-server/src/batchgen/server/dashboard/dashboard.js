@@ -1,5 +1,6 @@
 // The BatchGen dashboard: polls the server's own API and draws what it answers.
-// Plain JavaScript, no build step and nothing fetched from elsewhere. With API keys configured,
+// Plain JavaScript, no build step and nothing fetched from elsewhere. The page arrives with the
+// server's state in it (the #snapshot JSON, and the same as text), drawn at once, then polled. With API keys configured,
 // /v1/* answers 401 without one: the page then asks for a key, keeps it in sessionStorage (this
 // tab only) and sends it as "Authorization: Bearer KEY" on every call.
 "use strict";
@@ -7,7 +8,7 @@
 (() => {
   const POLL_MS = 1500;
   const PLOT_SECONDS = 300; // the plots show the last five minutes
-  const RATE_SPAN_S = 3; // a plotted rate is measured over at least this many seconds
+  const ANSWER_WORDS = 12; // the words of an answer shown in a result's summary
   const PAGE_SIZE = 20;
   const RESULT_LINES = 5;
   const RESULT_BYTES = 16384; // the tail of the output file fetched with a Range request
@@ -115,49 +116,92 @@
 
   // --- health and pools ---------------------------------------------------------------------------
 
+  function drawHealth(body, status) {
+    const pill = $("health");
+    const state = body && body.status;
+    if (state === "healthy") {
+      pill.dataset.state = "healthy";
+      pill.textContent = "healthy";
+    } else {
+      const reason = (body && body.reason) || `HTTP ${status}`;
+      pill.dataset.state = state === "degraded" ? "degraded" : "unhealthy";
+      pill.textContent = `${state === "degraded" ? "degraded" : "unhealthy"}: ${reason}`;
+    }
+  }
+
   async function refreshHealth() {
     const response = await api("/health");
     const body = await response.json().catch(() => ({}));
-    const healthy = response.ok && body.status === "healthy";
-    const pill = $("health");
-    pill.dataset.state = healthy ? "healthy" : "unhealthy";
-    pill.textContent = healthy ? "healthy" : `unhealthy: ${body.reason || `HTTP ${response.status}`}`;
+    drawHealth(response.ok ? body : { ...body, status: body.status === "degraded" ? "degraded" : "unhealthy" },
+      response.status);
+  }
+
+  function fillTo(fill, share) {
+    fill.style.width = `${(Math.max(0, Math.min(1, share)) * 100).toFixed(1)}%`;
   }
 
   function gauge(fillId, textId, used, capacity, noun) {
     const share = capacity > 0 ? Math.min(1, used / capacity) : 0;
     const fill = $(fillId);
-    fill.style.width = `${(share * 100).toFixed(1)}%`;
+    fillTo(fill, share);
     fill.dataset.level = share >= 0.8 ? "high" : share >= 0.5 ? "mid" : "low";
     $(textId).textContent = `${used.toLocaleString()} of ${capacity.toLocaleString()} ${noun}`;
   }
 
+  // The engine: what it is computing versus what was admitted to a slot and waits for it. Only
+  // the backend can tell the first (engine_running); where it cannot, the page says "admitted".
+  function engineGauge(pool) {
+    const admitted = pool.scheduling_pool_active;
+    const capacity = pool.scheduling_pool_capacity;
+    const running = pool.engine_running;
+    const waiting = pool.engine_waiting;
+    const share = (n) => (capacity > 0 ? n / capacity : 0);
+    const fill = $("slots-fill");
+    const queued = $("waiting-fill");
+    const text = $("slots-text");
+    const card = text.closest(".card");
+    if (running === null || running === undefined || waiting === null || waiting === undefined) {
+      fillTo(fill, share(admitted));
+      fillTo(queued, 0);
+      fill.dataset.level = "unknown";
+      text.textContent = `admitted: ${admitted.toLocaleString()} · slots: ${capacity.toLocaleString()} ` +
+        "(this backend cannot tell how many of them its engine is computing)";
+    } else {
+      fillTo(fill, share(running));
+      fillTo(queued, share(waiting));
+      fill.dataset.level = "low";
+      text.textContent = `running on the engine: ${running.toLocaleString()} · admitted, waiting for the ` +
+        `engine: ${waiting.toLocaleString()} · slots: ${capacity.toLocaleString()}`;
+    }
+    card.dataset.running = running === null || running === undefined ? "" : String(running);
+    card.dataset.waiting = waiting === null || waiting === undefined ? "" : String(waiting);
+    card.dataset.admitted = String(admitted);
+  }
+
   // --- the throughput plots -------------------------------------------------------------------------
 
-  const samples = []; // {t, requests, tokens}: the server's running totals as read
-  const series = { tokens: [], requests: [] }; // {t, value}: rates derived from them
+  // The rates are the server's (GET /v1/pool/status: requests_per_second, tokens_per_second),
+  // exponentially weighted over rate_time_constant_s; tokens are counted as the engine makes
+  // them where the backend reports that (generated_tokens_counted), else as requests finish.
+  const series = { tokens: [], requests: [] }; // {t, value}
+
+  function rateNotes(pool) {
+    const window = `exponentially weighted over ${Math.round(pool.rate_time_constant_s)} s`;
+    const counted = pool.generated_tokens_counted === "as_generated" ? "counted as generated" : "counted as requests finish";
+    $("tokens-note").textContent = `${counted}, ${window}`;
+    $("requests-note").textContent = `ended requests, ${window}`;
+  }
 
   function addSample(pool) {
     const t = performance.now() / 1000;
-    const requests = (pool.requests_completed_total || 0) + (pool.requests_failed_total || 0);
-    const tokens = pool.completion_tokens_total || 0;
-    const last = samples[samples.length - 1];
-    if (last && (requests < last.requests || tokens < last.tokens)) {
-      samples.length = 0; // the server restarted: its totals began again
-    }
-    samples.push({ t, requests, tokens });
-    while (samples.length > 2 && samples[1].t <= t - RATE_SPAN_S) samples.shift();
-    const first = samples[0];
-    if (t - first.t >= 0.5) {
-      series.tokens.push({ t, value: (tokens - first.tokens) / (t - first.t) });
-      series.requests.push({ t, value: (requests - first.requests) / (t - first.t) });
-    }
+    series.tokens.push({ t, value: pool.tokens_per_second || 0 });
+    series.requests.push({ t, value: pool.requests_per_second || 0 });
     for (const points of Object.values(series)) {
       while (points.length && points[0].t < t - PLOT_SECONDS) points.shift();
     }
-    const latest = (points) => (points.length ? points[points.length - 1].value : null);
-    $("tokens-rate").textContent = number(latest(series.tokens));
-    $("requests-rate").textContent = number(latest(series.requests), 2);
+    $("tokens-rate").textContent = number(pool.tokens_per_second || 0);
+    $("requests-rate").textContent = number(pool.requests_per_second || 0, 2);
+    rateNotes(pool);
     drawPlot($("tokens-plot"), series.tokens, t);
     drawPlot($("requests-plot"), series.requests, t);
   }
@@ -229,12 +273,15 @@
     context.globalAlpha = 1;
   }
 
-  async function refreshPool() {
-    const pool = await apiJSON("/v1/pool/status");
+  function drawPool(pool) {
     gauge("intake-fill", "intake-text", pool.intake_pool_size, pool.intake_pool_capacity, "requests queued");
-    gauge("slots-fill", "slots-text", pool.scheduling_pool_active, pool.scheduling_pool_capacity, "slots busy");
+    engineGauge(pool);
     $("active-batches").textContent = pool.active_batches.toLocaleString();
     addSample(pool);
+  }
+
+  async function refreshPool() {
+    drawPool(await apiJSON("/v1/pool/status"));
   }
 
   // --- the batch table ----------------------------------------------------------------------------
@@ -267,13 +314,14 @@
     if (batch.id === selected) row.classList.add("selected");
     const rate = batch.requests_per_second;
     row.append(
-      element("td", {}, element("code", { text: batch.id })),
-      element("td", {}, element("span", { class: `status ${batch.status}`, text: batch.status })),
-      element("td", {}, progressBar(batch)),
-      element("td", { class: "number", text: rate === null || rate === undefined ? "–" : `${number(rate, 2)}/s` }),
-      element("td", { class: "number", text: duration(batch.estimated_seconds_remaining) }),
-      element("td", { text: clock(batch.created_at) }),
-      element("td", { text: clock(finishedAt(batch)) }),
+      element("td", { "data-label": "Batch" }, element("code", { text: batch.id })),
+      element("td", { "data-label": "Status" }, element("span", { class: `status ${batch.status}`, text: batch.status })),
+      element("td", { "data-label": "Progress" }, progressBar(batch)),
+      element("td", { class: "number", "data-label": "Rate",
+        text: rate === null || rate === undefined ? "–" : `${number(rate, 2)}/s` }),
+      element("td", { class: "number", "data-label": "ETA", text: duration(batch.estimated_seconds_remaining) }),
+      element("td", { "data-label": "Created", text: clock(batch.created_at) }),
+      element("td", { "data-label": "Finished", text: clock(finishedAt(batch)) }),
     );
     row.addEventListener("click", () => select(batch.id));
     return row;
@@ -288,6 +336,10 @@
     if (after) query.set("after", after);
     const page = await apiJSON(`/v1/batches?${query}`);
     if (asked !== batchesAsked) return;
+    drawBatches(page);
+  }
+
+  function drawBatches(page) {
     const rows = $("batch-rows");
     if (!page.data.length) {
       rows.replaceChildren(element("tr", {}, element("td", { colspan: "7", class: "muted", text: "no batches yet" })));
@@ -309,7 +361,7 @@
     resultsSeen = null;
     $("detail").hidden = false;
     $("detail-id").textContent = batchId;
-    $("detail-results").textContent = "…";
+    $("detail-results").replaceChildren(element("p", { class: "muted", text: "…" }));
     $("detail-notice").textContent = "";
     for (const row of document.querySelectorAll("#batch-rows tr")) {
       row.classList.toggle("selected", row.dataset.batchId === batchId);
@@ -364,6 +416,63 @@
     return lines.slice(-RESULT_LINES);
   }
 
+  // One result line: its custom_id, status and the answer's first words; the raw line one click away.
+  function answerText(body) {
+    if (!body || typeof body !== "object") return "";
+    if (Array.isArray(body.choices) && body.choices.length) {
+      const choice = body.choices[0];
+      if (choice.message) {
+        const content = choice.message.content;
+        if (typeof content === "string") return content;
+        if (Array.isArray(content)) return content.map((part) => part.text || "").join(" ");
+        if (choice.message.refusal) return `refused: ${choice.message.refusal}`;
+        return "";
+      }
+      return typeof choice.text === "string" ? choice.text : "";
+    }
+    if (Array.isArray(body.output)) { // a Responses answer
+      return body.output.flatMap((item) => (Array.isArray(item.content) ? item.content : []))
+        .map((part) => part.text || "").join(" ");
+    }
+    if (Array.isArray(body.data) && body.data.length && body.data[0].embedding) {
+      const size = body.data[0].embedding.length;
+      return `${body.data.length} embedding${body.data.length > 1 ? "s" : ""} of ${size} dimensions`;
+    }
+    return "";
+  }
+
+  function firstWords(text) {
+    const words = text.trim().split(/\s+/).filter(Boolean);
+    const shown = words.slice(0, ANSWER_WORDS).join(" ");
+    return words.length > ANSWER_WORDS || shown.length > 120 ? `${shown.slice(0, 120)}…` : shown;
+  }
+
+  function summarize(line) {
+    let record;
+    try {
+      record = JSON.parse(line);
+    } catch {
+      return { id: "?", status: "unreadable", words: "this line is not JSON" };
+    }
+    const id = record && record.custom_id !== undefined ? String(record.custom_id) : "?";
+    if (record && record.error) {
+      return { id, status: "failed", words: `${record.error.code || "error"}: ${record.error.message || ""}` };
+    }
+    const response = (record && record.response) || {};
+    const ok = response.status_code === undefined || response.status_code < 400;
+    return { id, status: ok ? "completed" : `HTTP ${response.status_code}`, words: firstWords(answerText(response.body)) };
+  }
+
+  function resultItem(line) {
+    const found = summarize(line);
+    const summary = element("summary", {},
+      element("code", { class: "custom-id", text: found.id }),
+      element("span", { class: `status ${found.status === "completed" ? "completed" : "failed"}`, text: found.status }),
+      element("span", { class: "answer", text: found.words || "(empty answer)" }));
+    return element("details", { class: "result", "data-custom-id": found.id, "data-status": found.status },
+      summary, element("pre", { class: "raw", text: line }));
+  }
+
   async function refreshDetail() {
     if (!selected) return;
     const batchId = selected;
@@ -386,12 +495,14 @@
     const counts = batch.request_counts || {};
     const seen = `${counts.completed}/${counts.failed}/${batch.status}`;
     if (seen === resultsSeen) return;
+    const results = $("detail-results");
     if (!batch.output_file_id) {
-      $("detail-results").textContent = "no results yet";
+      results.replaceChildren(element("p", { class: "muted", text: "no results yet" }));
     } else {
       const lines = await latestLines(batch.output_file_id);
       if (batchId !== selected) return;
-      $("detail-results").textContent = lines.length ? lines.join("\n") : "no results yet";
+      results.replaceChildren(...(lines.length ? lines.map(resultItem)
+        : [element("p", { class: "muted", text: "no results yet" })]));
     }
     resultsSeen = seen;
   }
@@ -449,7 +560,23 @@
       showKeyButton();
     });
     showKeyButton();
+    drawSnapshot();
     tick();
+  }
+
+  // The state the page arrived with: drawn before the first call answers.
+  function drawSnapshot() {
+    const holder = $("snapshot");
+    let snapshot = null;
+    try {
+      snapshot = holder ? JSON.parse(holder.textContent || "null") : null;
+    } catch {
+      return;
+    }
+    if (!snapshot) return;
+    drawHealth(snapshot.health, snapshot.healthy ? 200 : 503);
+    if (snapshot.pool) drawPool(snapshot.pool);
+    if (snapshot.batches) drawBatches(snapshot.batches);
   }
 
   start();
