@@ -325,7 +325,7 @@ def test_the_heartbeat_says_how_long_the_loop_has_been_in_one_turn(
             pass
         idle = [server_end.recv() for _ in range(3)]
         assert all(message[0] == "heartbeat" and message[1] < 0.5 for message in idle), idle
-        assert idle[-1] == ("heartbeat", 0.0), idle
+        assert idle[-1] == ("heartbeat", 0.0, 0, 0), idle  # idle: no turn, no rows, no tokens yet
         server_end.send(("submit", _request("a", max_tokens=2)))
         turn = 0.0
         while turn < 1.0:  # heartbeats keep coming, each saying the turn has lasted longer

@@ -153,6 +153,8 @@ class DecodeEngine:
         self._next_ids: Any = None
         self._positions: Any = None
         self._can_merge = True
+        #: Tokens generated since the engine was made, every row's, counted as each step makes them.
+        self.tokens_generated = 0
 
     # --- loading --------------------------------------------------------------------------
     def load(self) -> EngineInfo:
@@ -205,6 +207,11 @@ class DecodeEngine:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def running_requests(self) -> int:
+        """Requests with a row in the running batch (a request with ``n`` choices has ``n`` rows)."""
+        return len({row.request_id for row in self._running})
 
     def add(self, request: GenerationRequest) -> None:
         """Queue a request; one that can never run ends at the next ``step`` with its reason."""
@@ -510,6 +517,7 @@ class DecodeEngine:
             for index in sampled:
                 chosen[index] = _sample(scores[index], rows[index])
         tokens = chosen.tolist()
+        self.tokens_generated += len(tokens)
         for row, token in zip(rows, tokens, strict=True):
             row.generated.append(token)
             if row.matcher is not None:

@@ -45,6 +45,7 @@ from batchgen.core.backends.base import (
     TransientBackendError,
 )
 from batchgen.core.backends.capabilities import CHOICES, LOGPROBS, RESPONSE_FORMAT, Capabilities
+from batchgen.core.backends.engine_activity import EngineActivity
 from batchgen.core.backends.hf_choices import MAX_CHOICES
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
 from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
@@ -157,6 +158,11 @@ class TransformersBackend:
         self._stopping = False
         self._last_heard = 0.0
         self._turn_s = 0.0  # how long the worker's model loop was in its turn, at its last heartbeat
+        # From the heartbeats: requests in the worker's running batch, tokens it generated, and
+        # the tokens of the workers before it (a restarted worker counts from 0 again).
+        self._engine_running = 0
+        self._worker_tokens = 0
+        self._earlier_tokens = 0
         self._loading: _Worker | None = None  # a worker still loading its model
 
     @property
@@ -222,6 +228,8 @@ class TransformersBackend:
             self._loading = None
 
     def _ready(self, info: EngineInfo, pid: int) -> None:
+        self._earlier_tokens += self._worker_tokens  # a new worker counts its tokens from 0
+        self._worker_tokens = self._engine_running = 0
         self.info = info
         self.model_name = info.model_name
         self.context_length = info.context_length
@@ -278,6 +286,13 @@ class TransformersBackend:
                 False, f"the transformers worker's model loop has been in one step for {self._turn_s:.0f} s"
             )
         return Health(True)
+
+    def engine_activity(self) -> EngineActivity:
+        """The requests in the worker's running batch and the tokens generated since start, as of
+        its last heartbeat (once a second): ``backends.engine_activity``."""
+        # A request that ended since the last heartbeat is not running any more.
+        running = 0 if self._worker is None else min(self._engine_running, len(self._pending))
+        return EngineActivity(running=running, generated_tokens=self._earlier_tokens + self._worker_tokens)
 
     # --- requests -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -360,6 +375,8 @@ class TransformersBackend:
                     self._deliver(message[1])
                 elif message[0] == "heartbeat":
                     self._turn_s = float(message[1]) if len(message) > 1 else 0.0
+                    if len(message) > 3:
+                        self._engine_running, self._worker_tokens = int(message[2]), int(message[3])
         except (EOFError, OSError):
             return
 

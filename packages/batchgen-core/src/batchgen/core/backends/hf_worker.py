@@ -9,9 +9,11 @@ with one end of a socket pair as file descriptor N, and talks to it with pickled
     worker -> server   ("ready", EngineInfo)           the model is loaded; requests may come
                        ("failed", message)             the model could not be loaded; it exits
                        ("done", [Outcome, ...])        requests that ended in one step
-                       ("heartbeat", busy_s)           alive (every HEARTBEAT_S, busy or not), and
-                                                       how long the model loop has been in its
-                                                       current turn (0 while it waits for work)
+                       ("heartbeat", busy_s,           alive (every HEARTBEAT_S, busy or not), and
+                        running, tokens)               how long the model loop has been in its
+                                                       current turn (0 while it waits for work); the
+                                                       requests in its running batch and the tokens
+                                                       it has generated so far, as of its last step
 
 The model loop runs on the worker's main thread; a reader thread moves messages into a queue that
 the loop drains between steps, and a heartbeat thread says it is alive and how long the loop's
@@ -115,6 +117,9 @@ class _Link:
         self.closed = threading.Event()
         #: When the model loop's current turn began (None while it waits for work).
         self.turn_began: float | None = None
+        #: As of the loop's last step: requests in the running batch, tokens generated so far.
+        self.running = 0
+        self.tokens = 0
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
@@ -134,7 +139,8 @@ class _Link:
     def beat_forever(self) -> None:
         while not self.closed.wait(HEARTBEAT_S):
             began = self.turn_began
-            self.send(("heartbeat", 0.0 if began is None else time.monotonic() - began))
+            busy_s = 0.0 if began is None else time.monotonic() - began
+            self.send(("heartbeat", busy_s, self.running, self.tokens))
 
 
 def serve(connection: Connection, options: WorkerOptions) -> None:
@@ -174,6 +180,7 @@ def serve(connection: Connection, options: WorkerOptions) -> None:
         except Exception as exc:  # e.g. out of memory: this attempt failed; the service retries
             logger.exception("a decode step failed")
             finished = engine.fail_all(f"generate failed: {exc!r}")
+        link.running, link.tokens = engine.running_requests, engine.tokens_generated
         if finished:
             link.send(("done", finished))
 
