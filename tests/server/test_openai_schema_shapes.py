@@ -10,6 +10,7 @@ instructions and input items) is covered.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -17,6 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchgen.core.models import GenerationResult
+from batchgen.core.results import output_line
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
@@ -202,3 +205,29 @@ def test_an_upload_refused_for_bad_lines_validates(api: httpx.Client) -> None:
     response = post_file(api, jsonl(chat_line("a", max_tokens=0)))
     assert response.status_code == 400
     _valid("ErrorResponse", response.json())
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_backend_choices_get_the_refusal_fields(with_logprobs: bool) -> None:
+    """A backend's own choices (several, with logprobs: the transformers backend's shape, without
+    the refusal fields) are written with them."""
+    entry = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    choices = tuple(
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": "Hi"},
+            "logprobs": {"content": [entry]} if with_logprobs else None,
+            "finish_reason": "stop",
+        }
+        for index in range(2)
+    )
+    result = GenerationResult("Hi", "stop", 3, 2, choices=choices)
+    line = json.loads(output_line("c", "req_1", CHAT, "m", result, 1))
+    assert not result_line_errors(line, CHAT), result_line_errors(line, CHAT)
+    completion = {"index": 0, "text": "Hi", "logprobs": None, "finish_reason": "length"}
+    legacy = json.loads(
+        output_line(
+            "p", "req_2", COMPLETIONS, "m", GenerationResult("Hi", "length", 1, 1, choices=(completion,)), 1
+        )
+    )
+    assert not result_line_errors(legacy, COMPLETIONS)

@@ -76,11 +76,14 @@ def _response_body(
 
 
 def _with_refusal(choice: dict[str, Any]) -> dict[str, Any]:
-    """A backend's chat choice with the ``message.refusal`` OpenAI's schema requires (null: no
-    model here refuses), when the backend left it out."""
-    message = choice.get("message")
+    """A backend's chat choice with the ``refusal`` fields OpenAI's schema requires where the
+    backend left them out (null: no model here refuses): ``message.refusal``, and
+    ``logprobs.refusal`` beside the ``logprobs.content`` of the answer's tokens."""
+    message, logprobs = choice.get("message"), choice.get("logprobs")
     if isinstance(message, dict) and "refusal" not in message:
-        return {**choice, "message": {**message, "refusal": None}}
+        choice = {**choice, "message": {**message, "refusal": None}}
+    if isinstance(logprobs, dict) and "refusal" not in logprobs:
+        choice = {**choice, "logprobs": {**logprobs, "refusal": None}}
     return choice
 
 
