@@ -698,6 +698,8 @@ class BatchService:
         if generated is None:
             generated, counted_as = counted.generated_tokens, "when_finished"
         requests_rate, tokens_rate = counted.throughput.read(counted.completed + counted.failed, generated)
+        if admitted == 0 and self.intake_pool.size == 0:  # nothing queued or running: no rate now
+            requests_rate = tokens_rate = 0.0  # (and an idle server's status stays the same: 304s)
         return PoolStatus(
             intake_pool_size=self.intake_pool.size,
             intake_pool_capacity=self.intake_pool.capacity,
