@@ -3,9 +3,11 @@
 A new batch queues every line; a batch resumed after a restart queues only the lines whose
 custom_id has no result line yet. The room a batch was given when it was accepted (its intake
 reservation) becomes its queued requests here; a batch that ends before that gives it back.
-Whatever goes wrong while starting one batch (its input cannot be read, its output file cannot be
-registered on a full disk, a bug) fails that batch with the reason and is logged with its
-traceback; it never reaches the service's other tasks.
+While another process holds the database locked, the batch's output file record and its move to
+in_progress wait in memory and are saved once the lock is gone (``BatchTracker.record_file``);
+the batch runs meanwhile. Whatever else goes wrong while starting one batch (its input cannot be
+read, its output file cannot be recorded on a full disk, a bug) fails that batch with the reason
+and is logged with its traceback; it never reaches the service's other tasks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 from collections.abc import Callable, Sequence
 
 import anyio
-import attrs
 import msgspec
 
 from batchgen.core.batch_file import LineIndex, index_batch_file
@@ -23,7 +24,6 @@ from batchgen.core.batch_tracker import ActiveBatch, BatchTracker
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
-from batchgen.core.storage_faults import LOCKED_RETRY_AFTER_S, is_database_locked
 
 _decode = msgspec.json.Decoder().decode
 logger = logging.getLogger("batchgen.service")
@@ -82,27 +82,6 @@ class BatchStarter:
         self._intake_pool.reserve(active.id, requests, active.batch.owner)
         return True
 
-    async def _register_output(self, active: ActiveBatch) -> FileObject | None:
-        """Register the batch's output file; while another process holds the database locked, wait
-        and try again (a lock passes; it does not fail the batch). None if the batch ended meanwhile."""
-        waiting = False
-        while active.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
-            try:
-                return self._files.register_result_file(
-                    active.id,
-                    active.output.path,
-                    "output",
-                    expires_after_s=active.batch.output_expires_after_s,
-                )
-            except Exception as exc:
-                if not is_database_locked(exc):
-                    raise
-                if not waiting:
-                    logger.warning("batch %s waits to start: %s", active.id, exc)
-                waiting = True
-                await anyio.sleep(LOCKED_RETRY_AFTER_S)
-        return None
-
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
             index = await anyio.to_thread.run_sync(index_batch_file, file.path)
@@ -134,10 +113,14 @@ class BatchStarter:
         if active.input_fd is None:
             active.input_fd = os.open(file.path, os.O_RDONLY)
         if active.batch.output_file_id is None:
-            output = await self._register_output(active)
-            if output is None:
-                return  # cancelled or ended while the database was locked
-            active.batch = attrs.evolve(active.batch, output_file_id=output.id)
+            self._tracker.record_file(
+                active, self._files.result_file(active.batch, active.output.path, "output"), "output"
+            )
+        if active.batch.error_file_id is None and _has_lines(active.errors.path):
+            # error lines written before the previous run could record their file (a restart)
+            self._tracker.record_file(
+                active, self._files.result_file(active.batch, active.errors.path, "error"), "error"
+            )
         if active.status is BatchStatus.VALIDATING:
             self._tracker.move(active, BatchStatus.IN_PROGRESS)
         else:
@@ -147,3 +130,10 @@ class BatchStarter:
             self._on_queued(active.id)
         self._wake_scheduler()
         self._tracker.settle(active)
+
+
+def _has_lines(path: os.PathLike[str] | str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False

@@ -10,6 +10,11 @@ status only once it is saved. When the metadata store refuses a save (a full dis
 the batch goes on in memory (a failed batch stops working at once), callers keep seeing its last
 saved status, and ``flush`` retries the save until it lands; ``unsaved`` says what waits meanwhile.
 A restart before it lands resumes the batch from the status callers saw.
+
+A batch's result files are recorded at once, but a database another process holds locked only
+delays a record (``record_file``): it waits in ``unrecorded`` and is saved just before the batch
+itself, so the batch's saved row never names a file the store does not hold, and the lock fails
+nothing (the lines are on disk already).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import attrs
 from batchgen.core.batch_lifecycle import advance
 from batchgen.core.batch_log import log_transition
 from batchgen.core.batch_progress import ProgressWindow
-from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, RequestCounts, Usage
+from batchgen.core.errors import StorageUnavailable
+from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts, Usage
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage_faults import is_database_locked, storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
@@ -61,6 +67,9 @@ class ActiveBatch:
     unsaved_reason: str | None = None
     #: Recent samples of ``finished``, for the pace a running batch's snapshot shows.
     progress: ProgressWindow = attrs.Factory(ProgressWindow)
+    #: Records of result files that ``batch`` names and the store does not hold yet (saved first
+    #: by the next ``persist``).
+    unrecorded: list[FileObject] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         if self.saved is None:
@@ -126,6 +135,8 @@ class BatchTracker:
         self._intake_pool = intake_pool
         self._abort_request = abort_request
         self._active: dict[str, ActiveBatch] = {}
+        #: The storage fault behind the latest refused save (what ``flush`` raises while one waits).
+        self._last_fault: StorageUnavailable | None = None
 
     # --- membership ------------------------------------------------------------------------
     def track(self, batch: Batch) -> ActiveBatch:
@@ -204,10 +215,33 @@ class BatchTracker:
             self._abort_request(request_id)
 
     # --- persistence -----------------------------------------------------------------------
+    def record_file(self, active: ActiveBatch, file: FileObject, kind: str) -> None:
+        """Save the record of the batch's ``kind`` ("output" or "error") result file, which the
+        batch names from now on. While another process holds the database locked the record
+        waits in ``unrecorded`` for the batch's next save; any other storage fault (a full disk)
+        is raised, and the caller fails the batch, as on a line that cannot be written."""
+        try:
+            self._metadata.insert_file(file)
+        except Exception as exc:
+            if not is_database_locked(exc):
+                raise
+            logger.info(
+                "batch %s: its %s file is recorded once the database is free: %s", active.id, kind, exc
+            )
+            active.unrecorded.append(file)
+        if kind == "output":
+            active.batch = attrs.evolve(active.batch, output_file_id=file.id)
+        else:
+            active.batch = attrs.evolve(active.batch, error_file_id=file.id)
+
     def persist(self, active: ActiveBatch) -> bool:
-        """Save the batch; on a storage fault keep it unsaved (``flush`` retries) and return False."""
+        """Save the batch (its unrecorded result files first); on a storage fault keep it unsaved
+        (``flush`` retries) and return False."""
         state = active.state()
         try:
+            while active.unrecorded:
+                self._metadata.insert_file(active.unrecorded[0])
+                active.unrecorded.pop(0)
             self.save(state, first_terminal=state.status.is_terminal and not active.saved_terminal)
         except Exception as exc:
             fault = storage_fault(exc, f"save batch {active.id}")
@@ -216,6 +250,7 @@ class BatchTracker:
             if active.unsaved_reason is None:
                 logger.warning("batch %s (%s) is not saved yet: %s", active.id, state.status.value, fault)
             active.unsaved_reason = fault.message
+            self._last_fault = fault
             return False
         if active.unsaved_reason is not None:
             logger.info("batch %s (%s) is saved again", active.id, state.status.value)
@@ -234,7 +269,8 @@ class BatchTracker:
 
     def flush(self) -> None:
         """Save every batch whose counters moved or whose last save failed; a batch that ended is
-        forgotten once saved. Raise if a save still fails, so the maintenance job reports it."""
+        forgotten once saved. Raise ``StorageUnavailable`` if a save still fails, so the maintenance
+        job reports it as the storage fault it is."""
         failures: list[str] = []
         for active in self:
             if not (active.dirty or active.unsaved_reason is not None):
@@ -245,7 +281,12 @@ class BatchTracker:
             else:
                 failures.append(f"batch {active.id}: {active.unsaved_reason}")
         if failures:
-            raise OSError(f"{len(failures)} batch(es) not saved: {failures[0]}")
+            fault = self._last_fault
+            raise StorageUnavailable(
+                f"{len(failures)} batch(es) not saved: {failures[0]}",
+                disk_full=fault is not None and fault.disk_full,
+                **({} if fault is None else {"retry_after_s": fault.retry_after_s}),
+            )
 
     def unsaved(self) -> dict[str, str]:
         """Batches whose latest status or counters the store has not taken yet, with the reason."""

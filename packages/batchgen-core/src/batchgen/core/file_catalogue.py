@@ -22,7 +22,7 @@ from batchgen.core.batch_tracker import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
-from batchgen.core.models import DEFAULT_TENANT, OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
+from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
 from batchgen.core.storage import BlobStore, MetadataStore
 from batchgen.core.tenancy import EMBEDDED, Caller
 
@@ -166,29 +166,26 @@ class FileCatalogue:
         return file
 
     # --- result files ----------------------------------------------------------------------
-    def register_result_file(
-        self, batch_id: str, path: Path, kind: str, *, expires_after_s: int | None = None
-    ) -> FileObject:
-        """Record a batch's output or error file (its lines are appended as requests finish).
+    def result_file(self, batch: Batch, path: Path, kind: str) -> FileObject:
+        """The record of a batch's output or error file (its lines are appended as requests
+        finish), not saved yet: ``BatchTracker.record_file`` saves it (later, while another
+        process holds the database locked).
 
-        It expires ``expires_after_s`` after now (the batch's ``output_expires_after``), else
-        after the server's ``file_expiry_s``, else never. It belongs to the batch's owner.
+        It expires the batch's ``output_expires_after`` after now, else the server's
+        ``file_expiry_s``, else never. It belongs to the batch's owner.
         """
-        batch = self._metadata.get_batch(batch_id)
         created = now()
-        lifetime = expires_after_s or self._file_expiry_s
-        file = FileObject(
+        lifetime = batch.output_expires_after_s or self._file_expiry_s
+        return FileObject(
             id=new_object_id("file-"),
             bytes=0,
             created_at=created,
             expires_at=None if lifetime is None else created + lifetime,
-            filename=f"{batch_id}_{kind}.jsonl",
+            filename=f"{batch.id}_{kind}.jsonl",
             purpose=OUTPUT_PURPOSE,
             path=str(path),
-            owner=DEFAULT_TENANT if batch is None else batch.owner,
+            owner=batch.owner,
         )
-        self._metadata.insert_file(file)
-        return file
 
     # --- reading and deleting --------------------------------------------------------------
     def record(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:

@@ -1,9 +1,14 @@
 """Periodic maintenance under supervision: counter flushes, grouped fsyncs, expiry.
 
-Each job runs every ``interval_s`` in its own loop. A job that raises is logged with its traceback
-and runs again at its next interval; one that fails ``unhealthy_after`` times in a row is reported
-by ``failing()`` (the service's health then says so) until it succeeds again. A failing job
-never stops silently.
+Each job runs every ``interval_s`` in its own loop. A job that raises runs again at its next
+interval; one that fails ``unhealthy_after`` times in a row is reported by ``failing()`` (the
+service's health then says so) until it succeeds again. A failing job never stops silently.
+
+How a failure is logged depends on what it is. A bug is logged with its traceback each time. A
+storage fault (a full disk, a database another process holds locked: ``storage_faults``) is not a
+bug and passes by itself: the job logs one warning when it starts failing and one line when it
+works again, with no traceback, and ``storage_faults()`` names the fault while it lasts, so the
+service can report it as the storage being unavailable.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import anyio
 import anyio.abc
 import attrs
 
+from batchgen.core.errors import StorageUnavailable
+from batchgen.core.storage_faults import storage_fault
+
 logger = logging.getLogger("batchgen.service")
 
 Job = Callable[[], Awaitable[None] | None]
@@ -25,6 +33,8 @@ Job = Callable[[], Awaitable[None] | None]
 class _JobState:
     consecutive_failures: int = 0
     last_error: str | None = None
+    #: The storage fault behind the latest failure, while the failures are storage faults.
+    storage_fault: StorageUnavailable | None = None
 
 
 class Maintenance:
@@ -51,6 +61,15 @@ class Maintenance:
             if state.consecutive_failures >= self._unhealthy_after
         }
 
+    def storage_faults(self) -> dict[str, StorageUnavailable]:
+        """Jobs whose latest run failed on a storage fault, with the fault (reported at once: a
+        storage fault is known for what it is on its first failure)."""
+        return {
+            name: state.storage_fault
+            for name, state in self._states.items()
+            if state.consecutive_failures and state.storage_fault is not None
+        }
+
     async def run_once(self, name: str) -> bool:
         """Run one job now; return whether it succeeded (a failure is logged and counted)."""
         _, job = self._jobs[name]
@@ -60,15 +79,34 @@ class Maintenance:
             if inspect.isawaitable(outcome):
                 await outcome
         except Exception as exc:
-            state.consecutive_failures += 1
-            state.last_error = f"{type(exc).__name__}: {exc}"
-            logger.exception("maintenance job %r failed (%d in a row)", name, state.consecutive_failures)
+            self._failed(name, state, exc)
             return False
-        if state.consecutive_failures >= self._unhealthy_after:
+        if state.storage_fault is not None:
+            logger.info("maintenance job %r works again: the storage takes writes again", name)
+        elif state.consecutive_failures >= self._unhealthy_after:
             logger.info("maintenance job %r works again", name)
         state.consecutive_failures = 0
         state.last_error = None
+        state.storage_fault = None
         return True
+
+    def _failed(self, name: str, state: _JobState, exc: Exception) -> None:
+        fault = storage_fault(exc)
+        first_of_kind = state.consecutive_failures == 0 or (fault is None) != (state.storage_fault is None)
+        state.consecutive_failures += 1
+        state.storage_fault = fault
+        if fault is None:
+            state.last_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("maintenance job %r failed (%d in a row)", name, state.consecutive_failures)
+            return
+        state.last_error = fault.message
+        if first_of_kind:  # once: it is retried every interval until the storage takes it
+            logger.warning(
+                "maintenance job %r waits for the storage (retried every %.1f s): %s",
+                name,
+                self._jobs[name][0],
+                fault.message,
+            )
 
     async def _run(self, name: str) -> None:
         interval_s, _ = self._jobs[name]

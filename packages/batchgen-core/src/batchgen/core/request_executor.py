@@ -398,13 +398,10 @@ class RequestExecutor:
         if self._separate_error_file:
             writer = active.errors
             if active.batch.error_file_id is None:
-                errors = self._files.register_result_file(
-                    active.id,
-                    active.errors.path,
-                    "error",
-                    expires_after_s=active.batch.output_expires_after_s,
-                )
-                active.batch = attrs.evolve(active.batch, error_file_id=errors.id)
+                # recorded now; while another process holds the database locked, with the batch's
+                # next save once the lock is gone (the line goes to disk now either way)
+                errors = self._files.result_file(active.batch, active.errors.path, "error")
+                self._tracker.record_file(active, errors, "error")
                 self._tracker.persist(active)
         lines.add(active, writer, error_line(custom_id, code, message, active.batch.endpoint), None)
 

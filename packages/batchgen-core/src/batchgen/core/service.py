@@ -59,7 +59,14 @@ from batchgen.core.batch_options import (
 )
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
-from batchgen.core.errors import Conflict, IntakeFull, InvalidRequest, NotFound, ServiceUnavailable
+from batchgen.core.errors import (
+    Conflict,
+    IntakeFull,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    StorageUnavailable,
+)
 from batchgen.core.file_catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
@@ -86,6 +93,7 @@ from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
+from batchgen.core.url_redaction import redacted_repr
 from batchgen.core.webhook_outbox import WebhookTargets
 
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
@@ -143,7 +151,7 @@ class ServiceSettings:
     unhealthy_retry_after_s: int = 5
     #: Where each batch's terminal webhook event goes (saved in the outbox with the status), and
     #: whether a batch may name its own URL in its metadata (``webhook_outbox``).
-    webhook_urls: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    webhook_urls: tuple[str, ...] = attrs.field(default=(), converter=_names, repr=redacted_repr)
     webhook_batch_urls: bool = False
 
 
@@ -458,7 +466,9 @@ class BatchService:
         ``output_expires_after_s`` deletes the batch's output and error files that long after
         each is created. With ``idempotency_key``, a repeat of the same call returns the batch the
         first call created, and the same key with different arguments raises Conflict. While the
-        service is unhealthy, a new batch is refused with ServiceUnavailable.
+        service is unhealthy, a new batch is refused with ServiceUnavailable; while only the
+        storage fails (a database locked by another process), the write itself decides
+        (StorageUnavailable if it still fails).
 
         The batch belongs to the caller's tenant, and its input file must be one the caller sees
         (else NotFound, as for a file that does not exist). Over the tenant's own limits the call
@@ -474,7 +484,9 @@ class BatchService:
             if earlier is not None:
                 return await self.get_batch(earlier, caller=caller)
         health = self.health()
-        if not health.healthy:
+        # Only the storage failing (another process holds the database locked, a full disk): the
+        # write below says whether it works now (else 503 storage_unavailable, or 507 when full).
+        if not health.healthy and self._storage_fault() is None:
             raise ServiceUnavailable(
                 f"The server is unhealthy and accepts no new batch until it recovers: {health.reason}",
                 retry_after_s=self.settings.unhealthy_retry_after_s,
@@ -793,8 +805,19 @@ class BatchService:
         failing = self.maintenance.failing()
         if failing:
             problems = "; ".join(f"{name}: {error}" for name, error in failing.items())
+            if self._storage_fault() is not None:  # every failing job waits for the storage
+                return Health(False, f"storage unavailable: {problems}")
             return Health(False, f"background job failing: {problems}")
         return self.model_set.health()
+
+    def _storage_fault(self) -> StorageUnavailable | None:
+        """The storage fault that every failing maintenance job waits on (a database another
+        process holds locked, a full disk), or None when none fails or one fails otherwise."""
+        failing = self.maintenance.failing()
+        faults = self.maintenance.storage_faults()
+        if not failing or not set(failing) <= set(faults):
+            return None
+        return faults[next(iter(failing))]
 
     def health_report(self) -> dict[str, Any]:
         """``GET /health``'s body: the status, and with several models each model's state.
