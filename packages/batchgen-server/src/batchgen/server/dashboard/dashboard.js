@@ -378,7 +378,8 @@
       const n = (value) => (value || 0).toLocaleString();
       return `${n(c.completed)} completed, ${n(c.failed)} failed, ${n(c.total)} in all`;
     }],
-    ["rate", (b) => (b.requests_per_second === null ? "–" : `${number(b.requests_per_second, 2)} requests/s`)],
+    ["rate", (b) => (b.requests_per_second === null ? "–"
+      : `${number(b.requests_per_second, 2)} requests/s (exponentially weighted over about two minutes)`)],
     ["time left", (b) => duration(b.estimated_seconds_remaining)],
     ["expected done", (b) => clock(b.estimated_completion_at)],
     ["tokens", (b) => (b.usage ? `${b.usage.input_tokens} in, ${b.usage.output_tokens} out` : "–")],
