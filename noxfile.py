@@ -24,14 +24,25 @@ CONSTRAINTS = ("-c", "constraints.txt")
 #: What every test module imports; enough for the tests that need no model (`nox -s unit`).
 #: schemathesis fuzzes the server's published OpenAPI schema (tests/server/test_openapi_fuzz.py); pyyaml
 #: reads the shipped Prometheus alert rules (tests/server/test_operations_docs.py); trustme makes the
-#: throwaway certificate authority of the HTTPS test (tests/server/test_server_security.py).
-UNIT_DEPS = ("pytest", "hypothesis", "schemathesis", "anyio", "openai", "httpx", "pyyaml", "trustme")
+#: throwaway certificate authority of the HTTPS test (tests/server/test_server_security.py); jsonschema
+#: validates result lines against OpenAI's schema (tests/server/test_openai_schema_shapes.py) and
+#: structured output against its schema (tests/server/test_structured_output.py).
+UNIT_DEPS = (
+    "pytest",
+    "hypothesis",
+    "schemathesis",
+    "anyio",
+    "openai",
+    "httpx",
+    "pyyaml",
+    "trustme",
+    "jsonschema",
+)
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive; hatchling builds the example backend package that the
 #: tests install (examples/batchgen-backend-echo); playwright drives the system's Chromium
-#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests;
-#: jsonschema validates structured output against its schema (tests/server/test_structured_output.py).
-TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright", "jsonschema")
+#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests.
+TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright")
 #: Tests that need neither torch nor another process, and take well under 2 s each.
 UNIT_MARKERS = "not model and not live and not fuzz and not slow"
 #: pytest-xdist: the fast loop spreads its test modules over the CPU cores (one module's tests run
@@ -69,7 +80,7 @@ def _install(session: nox.Session, what: str, *args: str) -> None:
     session.install(*args, silent=False)
     # nox --no-install (-R) makes session.install a no-op in a reused environment: nothing to stamp
     if stamp is not None and not session._runner.global_config.no_install:
-        stamp.parent.mkdir(exist_ok=True)
+        stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(" ".join(args) + "\n")
 
 
