@@ -151,7 +151,7 @@ def test_every_line_the_real_models_write_validates_against_openais_schema(model
         ],
         "/v1/embeddings": [
             {
-                "custom_id": f"e-{encoding}",
+                "custom_id": f"e-{index}-{encoding}",
                 "method": "POST",
                 "url": "/v1/embeddings",
                 "body": {
@@ -161,7 +161,9 @@ def test_every_line_the_real_models_write_validates_against_openais_schema(model
                     **extra,
                 },
             }
-            for encoding, extra in (("float", {}), ("base64", {}), ("float", {"dimensions": 64}))
+            for index, (encoding, extra) in enumerate(
+                (("float", {}), ("base64", {}), ("float", {"dimensions": 64}))
+            )
         ],
     }
     with httpx.Client(base_url=model_server.base_url, timeout=60) as client:
