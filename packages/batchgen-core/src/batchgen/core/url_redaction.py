@@ -6,7 +6,8 @@ userinfo (``https://user:password@host/``) and query parameters such as ``?token
 one URL from another (scheme, host, port, path, the other parameters); ``redact_urls_in`` does
 the same for each of some URLs inside a text (an error message that quotes one). Every log line,
 metric label, error message and page that names such a URL uses them; the URL itself is used
-unchanged to connect. ``redact_logger`` makes a library's logger (httpx logs each request's full
+unchanged to connect. ``redacted_repr`` is the repr of a settings field that may hold one (or an
+API key: a mapping's value under a secret name is hidden whole). ``redact_logger`` makes a library's logger (httpx logs each request's full
 URL at INFO) redact what it logs.
 
 A query parameter is secret when its name (case-insensitive, ``-`` and ``_`` ignored) contains
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 REDACTED = "***"
@@ -33,6 +34,22 @@ SECRET_PARAMETER_WORDS = (
     "credential",
     "session",
     "cookie",
+    "jwt",
+    "bearer",
+)
+#: How the name of an option whose value is a secret ends (``redacted_repr``).
+SECRET_OPTION_ENDINGS = (
+    "key",
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "pwd",
+    "credential",
+    "credentials",
+    "cookie",
+    "auth",
+    "authorization",
     "jwt",
     "bearer",
 )
@@ -116,3 +133,39 @@ def redact_logger(name: str) -> None:
     target = logging.getLogger(name)
     if not any(isinstance(existing, RedactingFilter) for existing in target.filters):
         target.addFilter(RedactingFilter())
+
+
+def redacted_repr(value: object) -> str:
+    """``repr(value)`` with no credential in it, for the repr of a settings field (``attrs.field(
+    repr=redacted_repr)``): URLs in it redacted (also inside tuples, lists and mappings), and the
+    value of a mapping's key that names a secret (``api_key``, ``client_secret``, ``token``, ...)
+    shown as ``'***'`` whatever it holds."""
+    if isinstance(value, str):
+        return repr(redact_url(value) if "//" in value else value)
+    if isinstance(value, Mapping):
+        items = (
+            f"{key!r}: {_secret_repr(item) if _names_a_secret(key) else redacted_repr(item)}"
+            for key, item in value.items()
+        )
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, tuple | list):
+        inner = ", ".join(redacted_repr(item) for item in value)
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    return repr(value)  # numbers, paths, attrs classes (whose own repr redacts what they hold)
+
+
+def _names_a_secret(key: object) -> bool:
+    """Whether an option's name says its value is a secret: it ends with one of
+    ``SECRET_OPTION_ENDINGS`` (``api_key``, ``apiKey``, ``client_secret``, ``access_token``), so
+    ``token_latency_s`` or ``max_tokens`` is shown."""
+    if not isinstance(key, str):
+        return False
+    folded = key.lower().replace("-", "").replace("_", "")
+    return folded.endswith(SECRET_OPTION_ENDINGS)
+
+
+def _secret_repr(value: object) -> str:
+    """A secret's repr: ``'***'``, or ``None`` for one not set (that much is no secret)."""
+    return "None" if value is None else repr(REDACTED)

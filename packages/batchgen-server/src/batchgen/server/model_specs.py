@@ -39,6 +39,7 @@ import attrs
 
 from batchgen.core.backends import BackendOption, BackendSpec
 from batchgen.core.served_models import names_tuple
+from batchgen.core.url_redaction import redacted_repr
 
 _SPEC = re.compile(r"^(?P<name>[^=\s,]+)=(?P<backend>[a-z][a-z0-9_-]*)(?::(?P<options>.*))?$", re.DOTALL)
 #: Option keys that name another option (``path`` for ``model``).
@@ -51,7 +52,8 @@ class ModelEntry:
 
     name: str
     backend: str
-    options: Mapping[str, Any] = attrs.field(factory=dict)
+    #: Its repr hides credentials (an upstream's userinfo, an API key): settings get logged.
+    options: Mapping[str, Any] = attrs.field(factory=dict, repr=redacted_repr)
     aliases: tuple[str, ...] = attrs.field(default=(), converter=names_tuple)
 
 

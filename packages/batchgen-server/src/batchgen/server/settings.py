@@ -11,6 +11,7 @@ import attrs
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
 from batchgen.core.served_models import ServedModel
 from batchgen.core.service import ServiceSettings
+from batchgen.core.url_redaction import redacted_repr
 from batchgen.server.model_specs import ModelEntry, check_unique_names
 from batchgen.server.priority import AUTO, ApiNice
 
@@ -41,7 +42,7 @@ class ServerSettings:
     port: int = 10900
     storage_path: Path = attrs.field(default=Path("batchgen-data"), converter=Path)
     backend: str = "transformers"
-    backend_options: Mapping[str, Any] = attrs.field(factory=dict)
+    backend_options: Mapping[str, Any] = attrs.field(factory=dict, repr=redacted_repr)
     max_intake_capacity: int = 1_000_000
     max_pool_size: int = 10_240
     max_context_length: int | None = None
@@ -66,7 +67,7 @@ class ServerSettings:
     #: Logs (``log_format``) and webhooks (``webhooks``).
     log_format: str = "text"
     access_log: bool = False
-    webhook_url: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    webhook_url: tuple[str, ...] = attrs.field(default=(), converter=tuple, repr=redacted_repr)
     webhook_secret: str | None = attrs.field(default=None, repr=False)
     webhook_batch_urls: bool = False
     webhook_timeout_s: float = 10.0
@@ -78,7 +79,7 @@ class ServerSettings:
     ssl_keyfile: str | None = None
     models: tuple[ModelEntry, ...] = attrs.field(default=(), converter=_entries)
     default_embeddings: bool = True
-    embedding_options: Mapping[str, Any] = attrs.field(factory=dict)
+    embedding_options: Mapping[str, Any] = attrs.field(factory=dict, repr=redacted_repr)
 
     def service_settings(self) -> ServiceSettings:
         return ServiceSettings(

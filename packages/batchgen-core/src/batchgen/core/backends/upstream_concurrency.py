@@ -22,6 +22,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from batchgen.core.url_redaction import redact_url
+
 
 @attrs.frozen
 class Ticket:
@@ -132,7 +134,7 @@ class UpstreamHealth:
 class UpstreamState:
     """One upstream as the scheduler of the ``openai`` backend sees it."""
 
-    url: str
+    url: str = attrs.field(repr=redact_url)
     limit: AdaptiveLimit
     health: UpstreamHealth
     in_flight: int = 0
