@@ -55,11 +55,13 @@ LIVE_TESTS = frozenset(
 )
 
 
-#: In-process modules whose tests each take seconds (webhook deliveries and their retries, engines
-#: kept busy on purpose): ``slow``, in ``nox -s tests`` and out of the fast loop.
+#: In-process modules whose tests each take seconds (webhook deliveries and their retries, batches
+#: run under a real database lock, engines kept busy on purpose): ``slow``, in ``nox -s tests`` and
+#: out of the fast loop.
 SLOW_MODULES = frozenset(
     {
         "tests/server/test_webhooks.py",
+        "tests/server/test_locked_running_batch.py",
         "tests/core/test_engine_activity.py",
     }
 )
