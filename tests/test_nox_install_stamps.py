@@ -1,4 +1,5 @@
-"""noxfile.py installs a step's requirements once, and again only when what they depend on changes.
+"""noxfile.py installs a step's requirements once (again only when what they depend on changes), and
+serve waits for the server's clean stop on Ctrl-C.
 
 ``_install`` skips pip in a reused environment whose stamp for the step (a hash of its pip
 arguments, constraints.txt and the packages' pyproject.toml files) matches, and shows pip's own
@@ -119,3 +120,23 @@ def test_no_install_stamps_nothing(project: Path, monkeypatch: pytest.MonkeyPatc
     session = Session(project / "venv")
     noxfile._install(session, "step", "pytest")
     assert len(session.installs) == 1
+
+
+@pytest.mark.parametrize(
+    ("posargs", "grace_s"),
+    [([], 10.0), (["--port", "8000", "--shutdown-grace-s", "30"], 30.0), (["--shutdown-grace-s=2.5"], 2.5)],
+)
+def test_serve_waits_for_the_servers_clean_stop(
+    project: Path, monkeypatch: pytest.MonkeyPatch, posargs: list[str], grace_s: float
+) -> None:
+    """On Ctrl-C nox gives the server (which got the signal too) its whole shutdown before it would
+    send SIGTERM, so a clean stop, exit 0, is the session's result (nox's default is 0.3 s)."""
+    noxfile = _load_noxfile(monkeypatch)
+    runs: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+    session = Session(project / "venv")
+    session.posargs = posargs  # type: ignore[attr-defined]
+    session.run = lambda *args, **options: runs.append((args, options))  # type: ignore[attr-defined]
+    noxfile.serve(session)
+    [(args, options)] = runs
+    assert args == ("batchgen-server", *posargs)
+    assert options["interrupt_timeout"] > grace_s and options["terminate_timeout"] > grace_s
