@@ -65,9 +65,13 @@ SLOW_MODULES = frozenset(
         "tests/core/test_engine_activity.py",
     }
 )
-#: Single in-process tests of 2 s or more on two CPU cores (pytest --durations): ``slow`` too.
+#: Single in-process tests of 2 s or more on two CPU cores (pytest --durations): ``slow`` too. A
+#: test class (a Hypothesis state machine's TestCase) is named by its class.
 SLOW_TESTS = frozenset(
     {
+        "tests/core/test_scheduling_state_machines.py::TestSchedulerMachine",
+        "tests/core/test_model_shares.py::TestModelSharesMachine",
+        "tests/core/test_service_totals.py::test_the_totals_equal_the_sum_of_every_batch_s_counts",
         "tests/core/test_batch_file_validation.py::test_accepting_lines_at_once_decides_as_the_exact_way",
         "tests/core/test_backend_contract.py::test_aborting_requests_of_a_group_aborts_exactly_those",
         "tests/core/test_guide_conventions.py::test_a_batch_out_of_time_ends_as_the_convention_says",
@@ -90,7 +94,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.live)
         if fixtures & MODEL_FIXTURES:
             item.add_marker(pytest.mark.model)
-        if module in SLOW_MODULES or test_id in SLOW_TESTS:
+        parts = item.nodeid.split("::")  # module::Class::test for a test in a class
+        test_class = f"{module}::{parts[1]}" if len(parts) > 2 else None
+        if module in SLOW_MODULES or test_id in SLOW_TESTS or test_class in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
 
 

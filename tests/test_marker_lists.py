@@ -26,6 +26,7 @@ def test_a_listed_module_exists(module: str) -> None:
 def test_a_listed_test_is_defined_in_its_module(test_id: str) -> None:
     module, name = test_id.split("::")
     source = (ROOT / module).read_text(encoding="utf-8")
-    assert re.search(rf"^(?:async )?def {re.escape(name)}\(", source, re.MULTILINE), (
+    definition = rf"^(?:(?:async )?def {re.escape(name)}\(|class {re.escape(name)}\b|{re.escape(name)} = )"
+    assert re.search(definition, source, re.MULTILINE), (
         f"tests/conftest.py lists {test_id}, which {module} does not define"
     )
