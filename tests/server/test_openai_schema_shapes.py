@@ -160,7 +160,8 @@ def test_error_lines_validate(api_factory: ApiFactory, convention: str, endpoint
         assert done["error_file_id"] is not None
 
 
-def test_files_and_batches_objects_validate(api: httpx.Client) -> None:
+def test_files_and_batches_objects_validate(api_factory: ApiFactory) -> None:
+    api = api_factory("--simulated-latency-s", "2")  # so that the cancel finds the batch running
     created = upload(api, jsonl(chat_line("a"), chat_line("b")))
     _valid("OpenAIFile", created)
     _valid("OpenAIFile", api.get(f"/v1/files/{created['id']}").json())
