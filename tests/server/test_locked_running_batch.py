@@ -28,6 +28,7 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from tests.helpers import chat_line, file_lines, jsonl, post_batch, upload, wait_for_status
+from tests.webhook_receiver import WebhookReceiver
 
 #: Requests take long enough that the batch is still running when the lock is taken.
 FLAGS = ("--simulated-latency-s", "0.6", "--max-pool-size", "2")
@@ -86,10 +87,16 @@ def _wait_for_health(client: TestClient[Litestar], status: int, timeout_s: float
     ids=["some fail", "one fails", "the last fail"],
 )
 def test_a_batch_running_under_a_lock_completes_with_every_line_once(
-    api_factory: Callable[..., TestClient[Litestar]], tmp_path: Path, error_file: str, failing: set[int]
+    api_factory: Callable[..., TestClient[Litestar]],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    error_file: str,
+    failing: set[int],
 ) -> None:
     total = 8
-    client = api_factory(*FLAGS, "--error-file", error_file)
+    receiver = WebhookReceiver()
+    request.addfinalizer(receiver.close)
+    client = api_factory(*FLAGS, "--error-file", error_file, "--webhook-url", receiver.url)
     storage = tmp_path / "storage"
     input_file = upload(client, jsonl(*_lines(failing, total)))
     spare = upload(client, jsonl(chat_line("spare")))
@@ -132,6 +139,32 @@ def test_a_batch_running_under_a_lock_completes_with_every_line_once(
     assert failed == {f"r{index}" for index in failing}
     assert _wait_for_health(client, 200) == {"status": "healthy"}
     assert post_batch(client, spare["id"]).status_code == 200
+    [event] = receiver.wait_for_deliveries(1)  # the webhook event saved with the status, once
+    assert event.event()["type"] == "batch.completed" and event.event()["data"]["id"] == batch_id
+
+
+@pytest.mark.parametrize(("error_file", "ends"), [("output", "failed"), ("openai", "expired")])
+def test_a_batch_whose_window_ends_under_a_lock_ends_once_the_lock_is_gone(
+    api_factory: Callable[..., TestClient[Litestar]], tmp_path: Path, error_file: str, ends: str
+) -> None:
+    """Expiry under the lock: the batch ends as its convention says, with the lines written
+    before it ended, each once, and counts that match them."""
+    client = api_factory("--simulated-latency-s", "0.3", "--max-pool-size", "1", "--error-file", error_file)
+    storage = tmp_path / "storage"
+    input_file = upload(client, jsonl(*_lines({3, 6}, 40)))
+    batch = post_batch(client, input_file["id"], completion_window="1s").json()
+    wait_for_status(client, batch["id"], {"in_progress"})
+    with exclusive_lock(storage / "metadata.sqlite3"):
+        time.sleep(2.5)  # the window ends meanwhile
+        assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
+    ended = wait_for_status(client, batch["id"], {"completed", "failed", "expired", "cancelled"})
+    assert ended["status"] == ends, ended
+    lines = file_lines(client, ended["output_file_id"]) + file_lines(client, ended["error_file_id"])
+    custom_ids = [line["custom_id"] for line in lines]
+    assert len(custom_ids) == len(set(custom_ids)) and len(custom_ids) < 40
+    failed = sum(1 for line in lines if line["error"] is not None)
+    counts = ended["request_counts"]
+    assert counts == {"total": 40, "completed": len(lines) - failed, "failed": failed}, (counts, len(lines))
 
 
 @pytest.mark.parametrize("error_file", ["output", "openai"])
