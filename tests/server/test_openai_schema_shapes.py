@@ -1,6 +1,7 @@
 """Everything the server writes validates against OpenAI's published schema (``tests/openai_schema``):
 every output and error line of chat, completions and Responses batches (both error-file
-conventions), the bodies in them, the Files and Batches objects and lists, and error bodies.
+conventions), the bodies in them, the Files and Batches objects and lists, the model list, and
+error bodies.
 
 The simulated backend answers here; ``test_transformers_model`` checks the real model's lines
 (logprobs, several choices, embeddings) against the same schema. Hypothesis varies the lines'
@@ -176,6 +177,10 @@ def test_files_and_batches_objects_validate(api_factory: ApiFactory) -> None:
     _valid("ListBatchesResponse", api.get("/v1/batches", params={"after": ended["id"], "limit": 1}).json())
     spare = upload(api, jsonl(chat_line("c")))
     _valid("DeleteFileResponse", api.delete(f"/v1/files/{spare['id']}").json())
+
+
+def test_the_model_list_validates(api: httpx.Client) -> None:
+    _valid("ListModelsResponse", api.get("/v1/models").json())
 
 
 def test_a_failed_batch_validates(api_factory: ApiFactory) -> None:
