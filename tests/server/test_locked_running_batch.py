@@ -193,9 +193,9 @@ def test_a_lock_is_logged_once_as_a_storage_fault_with_no_traceback(
 ) -> None:
     """During a 3 s lock with a batch running, the server logs a few lines about it, none with a
     traceback, and says in one line when it works again; its core never stops."""
-    client = api_factory("--simulated-latency-s", "0.5", "--max-pool-size", "1")
+    client = api_factory("--simulated-latency-s", "0.5", "--max-pool-size", "1", "--error-file", "openai")
     storage = tmp_path / "storage"
-    batch_id = post_batch(client, upload(client, jsonl(*_lines(set(), 10)))["id"]).json()["id"]
+    batch_id = post_batch(client, upload(client, jsonl(*_lines({2}, 10)))["id"]).json()["id"]
     wait_for_status(client, batch_id, {"in_progress"})
     caplog.clear()
     with caplog.at_level(logging.INFO), exclusive_lock(storage / "metadata.sqlite3"):
@@ -205,9 +205,13 @@ def test_a_lock_is_logged_once_as_a_storage_fault_with_no_traceback(
     assert health.status_code == 503 and "storage" in health.json()["reason"], health.text
     with_traceback = [record.getMessage() for record in locked_records if record.exc_info]
     assert not with_traceback, with_traceback
-    about_it = [record.getMessage() for record in locked_records if record.levelno >= logging.WARNING]
-    assert 1 <= len(about_it) <= 3, about_it
+    about_it = [
+        record.getMessage()
+        for record in locked_records
+        if record.levelno >= logging.INFO and record.name.startswith("batchgen")  # the server's
+    ]
+    assert 1 <= len(about_it) <= 2, about_it  # the batch waits to be saved; the flush job waits
     assert _wait_for_health(client, 200) == {"status": "healthy"}
     batch = wait_for_status(client, batch_id, {"completed", "failed", "cancelled"})
-    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 10, batch
+    assert batch["status"] == "completed" and batch["request_counts"]["failed"] == 1, batch
     assert not [record.getMessage() for record in caplog.records if record.exc_info]

@@ -225,7 +225,8 @@ class BatchTracker:
         except Exception as exc:
             if not is_database_locked(exc):
                 raise
-            logger.info(
+            # said once for the batch by its refused save (``persist``), which comes next
+            logger.debug(
                 "batch %s: its %s file is recorded once the database is free: %s", active.id, kind, exc
             )
             active.unrecorded.append(file)
