@@ -19,7 +19,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
+from tests.conftest import in_process_app
 from tests.helpers import chat_line, file_lines, jsonl, post_batch, upload, wait_for_status
 from tests.webhook_receiver import WebhookReceiver
 
@@ -215,3 +216,25 @@ def test_a_lock_is_logged_once_as_a_storage_fault_with_no_traceback(
     batch = wait_for_status(client, batch_id, {"completed", "failed", "cancelled"})
     assert batch["status"] == "completed" and batch["request_counts"]["failed"] == 1, batch
     assert not [record.getMessage() for record in caplog.records if record.exc_info]
+
+
+def test_an_error_file_still_unrecorded_at_a_stop_is_recorded_on_the_next_start(tmp_path: Path) -> None:
+    """The server stops while the lock still holds its batch's first error line unrecorded: the
+    next start records the error file it finds on disk, and the batch ends with every line once."""
+    storage = tmp_path / "storage"
+    flags = ("--simulated-latency-s", "0.4", "--max-pool-size", "1", "--error-file", "openai")
+    with ExitStack() as lock, TestClient(in_process_app(storage, *flags), timeout=30) as first:
+        batch_id = post_batch(first, upload(first, jsonl(*_lines({1}, 6)))["id"]).json()["id"]
+        wait_for_status(first, batch_id, {"in_progress"})
+        lock.enter_context(exclusive_lock(storage / "metadata.sqlite3"))
+        _wait_for_lines(storage, batch_id, 2)  # r0's output line and r1's error line
+        assert (storage / "incremental" / f"{batch_id}.errors.jsonl").stat().st_size > 0
+        # stopped under the lock: the error file's record and the batch's counters are not saved
+    with TestClient(in_process_app(storage, *flags), timeout=30) as again:
+        batch = wait_for_status(again, batch_id, {"completed", "failed", "cancelled", "expired"})
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+        errors = file_lines(again, batch["error_file_id"])
+        assert [line["custom_id"] for line in errors] == ["r1"]
+        output = file_lines(again, batch["output_file_id"])
+        assert sorted(line["custom_id"] for line in output) == ["r0", "r2", "r3", "r4", "r5"]
