@@ -31,8 +31,9 @@ from tests.conftest import in_process_app
 from tests.helpers import chat_line, file_lines, jsonl, post_batch, upload, wait_for_status
 from tests.webhook_receiver import WebhookReceiver
 
-#: Requests take long enough that the batch is still running when the lock is taken.
-FLAGS = ("--simulated-latency-s", "0.6", "--max-pool-size", "2")
+#: Requests take long enough that the batch is still running when the lock is taken (with room
+#: for a slow machine: the first lines end a second after the batch starts).
+FLAGS = ("--simulated-latency-s", "1.0", "--max-pool-size", "2")
 #: Words in a prompt longer than the simulated model's context (8,192 tokens): an error line.
 TOO_LONG = " ".join(["word"] * 9000)
 
@@ -153,10 +154,11 @@ def test_a_batch_whose_window_ends_under_a_lock_ends_once_the_lock_is_gone(
     client = api_factory("--simulated-latency-s", "0.3", "--max-pool-size", "1", "--error-file", error_file)
     storage = tmp_path / "storage"
     input_file = upload(client, jsonl(*_lines({3, 6}, 40)))
-    batch = post_batch(client, input_file["id"], completion_window="1s").json()
+    # whole seconds: the window ends 2 to 3 s after the create, so after the lock is taken
+    batch = post_batch(client, input_file["id"], completion_window="3s").json()
     wait_for_status(client, batch["id"], {"in_progress"})
     with exclusive_lock(storage / "metadata.sqlite3"):
-        time.sleep(2.5)  # the window ends meanwhile
+        time.sleep(4.5)  # the window ends meanwhile
         assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
     ended = wait_for_status(client, batch["id"], {"completed", "failed", "expired", "cancelled"})
     assert ended["status"] == ends, ended
