@@ -93,6 +93,19 @@ def test_many_problems_are_summarised(api: httpx.Client) -> None:
     assert "(and 15 more)" in message
 
 
+def test_every_problem_of_a_line_is_reported_in_field_order(api: httpx.Client) -> None:
+    bad = {**chat_line("a", max_tokens=0, temperature=9, seed="x"), "method": "GET"}
+    bad["body"]["messages"].append({"content": "no role"})
+    error = api_error(post_file(api, jsonl(chat_line("ok"), bad)), 400)
+    message = str(error["message"])
+    assert error["code"] == "invalid_batch_file" and error["param"] == "file"
+    fields = ["'method'", "'body.messages[1].role'", "'body.max_tokens'", "'body.temperature'", "'body.seed'"]
+    entries = message.removeprefix("Invalid batch input file: ").split("; ")
+    assert len(entries) == len(fields)
+    for entry, field in zip(entries, fields, strict=True):
+        assert entry.startswith(f"line 2: {field}") or entry.startswith(f"line 2: missing {field}")
+
+
 def test_oversized_upload_is_413(api_factory: ApiFactory, tmp_path: Path) -> None:
     client = api_factory("--max-upload-bytes", "2000", storage="small")
     near = jsonl(*[chat_line(f"r{i}") for i in range(30)])  # a few KB: refused while streaming

@@ -15,6 +15,7 @@ in the clients' send path; the httpx exception is kept as `__cause__`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx
@@ -54,7 +55,10 @@ class APIStatusError(BatchGenClientError):
 
     `body` is the decoded JSON body (or the text, if it was not JSON). For the server's
     OpenAI-shaped errors, `{"error": {"message", "type", "param", "code"}}`, the four fields are
-    also available as `message`, `error_type`, `param` and `code`.
+    also available as `message`, `error_type`, `param` and `code`. For an uploaded batch file the
+    server refused (`code` `invalid_batch_file`), `line_problems` lists its message's problems,
+    one `"line N: ..."` string each (several for one line that has several), and the summary of
+    those not listed (`"and 12 more"`) last; it is empty for other errors.
     """
 
     def __init__(
@@ -75,6 +79,9 @@ class APIStatusError(BatchGenClientError):
         self.error_type: str | None = _str_or_none(error.get("type"))
         self.param: str | None = _str_or_none(error.get("param"))
         self.code: str | None = _str_or_none(error.get("code"))
+        self.line_problems: list[str] = (
+            _line_problems(self.message) if self.code == "invalid_batch_file" and self.message else []
+        )
 
 
 class RetriesExhausted(APIStatusError):
@@ -139,6 +146,23 @@ def _describe(error: dict[str, Any]) -> str:
     if code and message:
         return f"{code}: {message}"
     return str(message or code or "")
+
+
+_FILE_PREFIX = "Invalid batch input file: "
+_NEXT_LINE = re.compile(r"; (?=line \d+: )")
+_MORE = re.compile(r" \((and \d+ more)\)$")
+
+
+def _line_problems(message: str) -> list[str]:
+    """The problems of an `invalid_batch_file` message: `"line N: ..."` each, then `"and N more"`."""
+    if not message.startswith(_FILE_PREFIX):
+        return []
+    text = message[len(_FILE_PREFIX) :]
+    more = _MORE.search(text)
+    if more is not None:
+        text = text[: more.start()]
+    problems = _NEXT_LINE.split(text)
+    return problems + ([more[1]] if more is not None else [])
 
 
 def _error_object(body: object) -> dict[str, Any]:

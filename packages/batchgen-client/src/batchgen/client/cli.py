@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.status_code == 401:
             _say(f"error: {_unauthorized(api_key, exc)}")
             return EXIT_UNAUTHORIZED
-        _say(f"error: {exc}")
+        _say(f"error: {_status_error(exc)}")
         return EXIT_SERVER_ERROR
     except APIConnectionError as exc:
         _say(f"error: cannot reach the server at {base_url}: {exc}")
@@ -363,6 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _status_error(exc: APIStatusError) -> str:
+    """The error as the user reads it: a refused batch file's problems one per line, indented."""
+    if not exc.line_problems:
+        return str(exc)
+    head = str(exc).split(": Invalid batch input file: ")[0]
+    listed = "\n".join(f"  {problem}" for problem in exc.line_problems)
+    return f"{head}: invalid batch input file:\n{listed}"
 
 
 def _unauthorized(api_key: str | None, exc: APIStatusError) -> str:

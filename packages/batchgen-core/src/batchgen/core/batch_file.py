@@ -2,7 +2,8 @@
 
 Validation reads the file once, in blocks of whole lines, checks each line against the request
 schema (``request_schema``, the same code that reads a line when it runs) and the server's models,
-and reports the first problems by 1-based line number. Lines are accepted a few hundred at a time
+and reports every problem of the first lines with problems by 1-based line number (bounded:
+``MAX_REPORTED_LINES`` lines, ``MAX_LINE_PROBLEMS`` problems each, the rest counted). Lines are accepted a few hundred at a time
 where they can be (``_Validation``): each line's rules are judged once per shape of body, since a
 line then costs about a microsecond. Indexing records where each request line starts and how long it is, so the intake pool can
 queue requests as (offset, length) pairs and read a body only when its request is admitted.
@@ -24,17 +25,19 @@ from batchgen.core.json_bounds import lines_within_bounds
 from batchgen.core.models import RESPONSES
 from batchgen.core.request_schema import (
     Body,
-    Envelope,
     block_reader,
     check_body,
     line_decoder,
+    line_problems,
     read_body,
     read_envelope,
 )
 from batchgen.core.responses_api import responses_terms
 
-#: How many problems a validation error lists before summarising the rest.
-MAX_REPORTED_PROBLEMS = 10
+#: How many lines with problems a validation error lists before counting the rest, and how many
+#: problems of one line (a line's problems are all found, as a compiler finds a file's).
+MAX_REPORTED_LINES = 10
+MAX_LINE_PROBLEMS = 20
 #: Bytes of the file validation reads and checks at a time.
 VALIDATION_BLOCK_BYTES = 1 << 20
 #: Lines validation tries to accept at once (``_Validation.accept_at_once``): few enough that the
@@ -76,16 +79,14 @@ class LineRouter(Protocol):
         ...
 
 
-def _check_line(raw: bytes, served_models: Collection[str] | LineRouter | None) -> tuple[Envelope, object]:
-    """The line's envelope and model once the request schema and the model accept the whole line;
-    InvalidRequest otherwise."""
-    envelope = read_envelope(raw)
-    body = read_body(envelope)
+def _line_model(url: str, body: Body, served_models: Collection[str] | LineRouter | None) -> object:
+    """The model a line of a readable body runs on (None without a ``LineRouter``); InvalidRequest
+    when it cannot run there or names a model not served."""
     if isinstance(served_models, LineRouter):
         try:
-            return envelope, served_models.check_line(envelope.url, body)
+            return served_models.check_line(url, body)
         except InvalidRequest as exc:
-            if envelope.url != RESPONSES:
+            if url != RESPONSES:
                 raise
             raise InvalidRequest(responses_terms(exc.message), param=exc.param) from None
     if served_models is not None and body.model is not None and body.model not in served_models:
@@ -93,7 +94,7 @@ def _check_line(raw: bytes, served_models: Collection[str] | LineRouter | None) 
             f"'body.model' {body.model!r} is not served here; use one of {', '.join(map(repr, served_models))}",
             param="body.model",
         )
-    return envelope, None
+    return None
 
 
 def validate_batch_file(
@@ -162,6 +163,7 @@ class _Validation:
             self.served_names = served_models
         self.problems: list[LineProblem] = []
         self.total_problems = 0
+        self.reported_lines = 0
         self.seen_ids: set[str] = set()
         self.file_url: str | None = None
         self.file_model: object = None
@@ -170,10 +172,17 @@ class _Validation:
         #: file's url.
         self.shape_verdicts: dict[object, bool] = {}
 
-    def report(self, line_number: int, message: str) -> None:
-        self.total_problems += 1
-        if len(self.problems) < MAX_REPORTED_PROBLEMS:
-            self.problems.append(LineProblem(line_number, message))
+    def report(self, line_number: int, messages: list[str]) -> None:
+        """Record the problems of one line: every one of them counts; those of the first
+        ``MAX_REPORTED_LINES`` lines with problems are listed, at most ``MAX_LINE_PROBLEMS`` each
+        (the last one listed saying how many more the line has)."""
+        self.total_problems += len(messages)
+        if self.reported_lines >= MAX_REPORTED_LINES:
+            return
+        self.reported_lines += 1
+        shown = messages[:MAX_LINE_PROBLEMS]
+        self.problems.extend(LineProblem(line_number, message) for message in shown[:-1])
+        self.problems.append(LineProblem(line_number, shown[-1], left_out=len(messages) - len(shown)))
 
     def check_block(self, first_line_number: int, block: bytes) -> int:
         """Check the lines of ``block``, the first numbered ``first_line_number``; how many lines
@@ -280,41 +289,45 @@ class _Validation:
             return False
 
     def check_line(self, line_number: int, raw: bytes) -> None:
-        """Check one line the exact way, reporting what is wrong with it."""
+        """Check one line the exact way, reporting every problem of it."""
         if not raw.strip():
             return
         self.count += 1
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError:
-            self.report(line_number, "not valid UTF-8")
+            self.report(line_number, ["not valid UTF-8"])
             return
-        try:
-            envelope, model = _check_line(raw, self.served_models)
-        except InvalidRequest as exc:
-            self.report(line_number, exc.message)
-            return
-        if self.file_model is None:
+        reading = line_problems(raw)
+        problems = [problem.message for problem in reading.problems]
+        model: object = None
+        body = reading.body
+        if body is not None and reading.url is not None:
+            model_named = not any(problem.param == "body.model" for problem in reading.problems)
+            try:
+                model = _line_model(reading.url, body, self.served_models) if model_named else None
+            except InvalidRequest as exc:
+                problems.append(exc.message)
+        if not problems and self.file_model is None:
             self.file_model = model
-        elif model is not self.file_model:
-            self.report(
-                line_number,
-                f"'body.model' {read_body(envelope).model!r} is another model than the lines before; "
-                "a batch file's lines must all use one model (as in OpenAI's Batch API)",
+        elif not problems and model is not self.file_model:
+            assert body is not None
+            problems.append(
+                f"'body.model' {body.model!r} is another model than the lines before; "
+                "a batch file's lines must all use one model (as in OpenAI's Batch API)"
             )
+        custom_id = reading.custom_id
+        if custom_id is not None and custom_id in self.seen_ids:
+            problems.append(f"duplicate custom_id {custom_id!r}")
+        if reading.url is not None and self.file_url is not None and reading.url != self.file_url:
+            problems.append(f"'url' {reading.url!r} differs from {self.file_url!r}; a file must use one url")
+        if problems:
+            self.report(line_number, problems)
             return
-        custom_id = envelope.custom_id
-        if custom_id in self.seen_ids:
-            self.report(line_number, f"duplicate custom_id {custom_id!r}")
-            return
+        assert custom_id is not None
         self.seen_ids.add(custom_id)
         if self.file_url is None:
-            self.file_url = envelope.url
-        elif envelope.url != self.file_url:
-            self.report(
-                line_number,
-                f"'url' {envelope.url!r} differs from {self.file_url!r}; a file must use one url",
-            )
+            self.file_url = reading.url
 
 
 _CUSTOM_ID = operator.attrgetter("custom_id")

@@ -52,24 +52,36 @@ class InvalidRequest(BatchGenError, ValueError):
 
 @attrs.frozen
 class LineProblem:
-    """One problem found in one line of a batch input file (1-based line number)."""
+    """One problem found in one line of a batch input file (1-based line number).
+
+    A line with several problems has one ``LineProblem`` each, in the order of its fields;
+    ``left_out`` (on the last one listed for a line) counts that line's problems not listed.
+    """
 
     line: int
     message: str
+    left_out: int = 0
 
     def __str__(self) -> str:
-        return f"line {self.line}: {self.message}"
+        text = f"line {self.line}: {self.message}"
+        if self.left_out:
+            text += f"; line {self.line}: ... and {self.left_out} more problems on this line"
+        return text
 
 
 class InvalidBatchFile(InvalidRequest):
-    """A batch input file failed validation; ``problems`` lists the first few, by line."""
+    """A batch input file failed validation; ``problems`` lists the first few, by line.
+
+    ``total_problems`` counts every problem found, those listed, those left out of a listed line
+    (``LineProblem.left_out``) and those of lines not listed."""
 
     code = "invalid_batch_file"
 
     def __init__(self, problems: list[LineProblem], total_problems: int | None = None) -> None:
-        total = total_problems if total_problems is not None else len(problems)
+        accounted = len(problems) + sum(problem.left_out for problem in problems)
+        total = total_problems if total_problems is not None else accounted
         shown = "; ".join(str(p) for p in problems)
-        more = f" (and {total - len(problems)} more)" if total > len(problems) else ""
+        more = f" (and {total - accounted} more)" if total > accounted else ""
         super().__init__(f"Invalid batch input file: {shown}{more}", param="file")
         self.problems = problems
         self.total_problems = total

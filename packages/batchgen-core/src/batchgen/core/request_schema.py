@@ -7,9 +7,11 @@ decoded into the endpoint's struct: ``ChatBody`` (a non-empty ``messages`` list,
 object with a string ``role`` and ``content`` that is a string, null or a list of content parts,
 a text part having a string ``text``) or ``CompletionBody`` (a string ``prompt``). Both read the
 sampling fields of ``RequestBody``, whose types the structs fix and whose ranges
-``sampling_ranges`` checks, as for a batch. Other body fields (OpenAI bodies have many) are
-allowed and ignored, except the other endpoint's input field, which would be ambiguous. Every
-line must also stay within the ``json_bounds`` (nesting depth, integer size).
+``sampling_ranges`` checks, as for a batch. OpenAI's fields that change the answer and that not
+every backend runs (``logit_bias``, the penalties, tools, audio, ``echo``, ...) are typed here and
+run or refused by ``backends.capabilities``, never ignored. Other body fields (OpenAI bodies have
+many) are allowed and ignored, except the other endpoint's input field, which would be ambiguous.
+Every line must also stay within the ``json_bounds`` (nesting depth, integer size).
 
 ``/v1/embeddings`` bodies are ``EmbeddingsBody`` (``embeddings_api`` checks ``input``,
 ``encoding_format`` and ``dimensions``); ``/v1/responses`` bodies are ``ResponsesBody``
@@ -22,13 +24,16 @@ To check many lines fast, ``block_reader`` decodes whole lines with the envelope
 types, and groups them by the body fields other than the input, whose verdict they share.
 
 Problems are ``InvalidRequest`` whose message names the field (``'body.top_p' must be ...``) and
-whose ``param`` is that field's path.
+whose ``param`` is that field's path. ``read_envelope`` and ``read_body`` raise a line's first
+problem; ``line_problems`` finds all of them (upload validation reports every one).
 """
 
 from __future__ import annotations
 
 import operator
 import re
+import types
+import typing
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -80,6 +85,10 @@ class RequestBody(Struct):
     stop: str | list[str] | None = None
     n: int | None = None
     response_format: Any = None
+    # OpenAI sampling fields a backend applies only where it declares them (backends.capabilities)
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
 
 
 class ChatBody(RequestBody):
@@ -89,6 +98,14 @@ class ChatBody(RequestBody):
     prompt: Any = None  # refused: it belongs to /v1/completions
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # OpenAI fields no built-in backend runs: refused (backends.capabilities) unless they ask nothing
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionBody(RequestBody):
@@ -97,6 +114,10 @@ class CompletionBody(RequestBody):
     prompt: str | UnsetType = UNSET
     messages: Any = None  # refused: it belongs to /v1/chat/completions
     logprobs: int | None = None
+    # OpenAI fields no built-in backend runs: refused (backends.capabilities) unless they ask nothing
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class EmbeddingsBody(Struct):
@@ -155,6 +176,9 @@ SAMPLING_FIELDS = (
     "n",
     "top_logprobs",
     "max_output_tokens",
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
 )
 
 _envelope_decoder = msgspec.json.Decoder(Envelope)
@@ -262,21 +286,34 @@ def read_body(envelope: Envelope) -> Body:
 
 
 def check_body(body: Body) -> Body:
-    """``body`` once the checks its struct cannot state pass; InvalidRequest naming the field."""
+    """``body`` once the checks its struct cannot state pass; InvalidRequest naming the field (the
+    first problem ``body_problems`` finds)."""
+    for problem in body_problems(body):
+        raise problem
+    return body
+
+
+def body_problems(body: Body) -> Iterator[InvalidRequest]:
+    """Every problem of a decoded body that its struct cannot state, in the order of the checks."""
     if isinstance(body, EmbeddingsBody):
         from batchgen.core.embeddings_api import check_embeddings_body
 
-        check_embeddings_body(body)
-        return body
+        try:
+            check_embeddings_body(body)
+        except InvalidRequest as exc:
+            yield exc
+        return
     if isinstance(body, ResponsesBody):
         from batchgen.core.responses_api import check_responses_body, responses_terms
 
-        check_responses_body(body)
         try:
-            return _check_generation_body(body)
-        except InvalidRequest as exc:  # name the Responses fields, not the chat ones they became
-            raise InvalidRequest(responses_terms(exc.message), param=_responses_param(exc.param)) from None
-    return _check_generation_body(body)
+            check_responses_body(body)
+        except InvalidRequest as exc:
+            yield exc
+        for problem in _generation_problems(body):  # name the Responses fields, not the chat ones
+            yield InvalidRequest(responses_terms(problem.message), param=_responses_param(problem.param))
+        return
+    yield from _generation_problems(body)
 
 
 def _responses_param(param: str | None) -> str | None:
@@ -285,28 +322,28 @@ def _responses_param(param: str | None) -> str | None:
     return None if param is None else responses_terms(f"'{param}'").strip("'")
 
 
-def _check_generation_body(body: ChatBody | CompletionBody | ResponsesBody) -> Body:
+def _generation_problems(body: ChatBody | CompletionBody | ResponsesBody) -> Iterator[InvalidRequest]:
     """The checks a chat, completion or Responses body shares (its struct decoded it)."""
     if body.stream:
-        raise InvalidRequest(
+        yield InvalidRequest(
             "'body.stream' must be false or absent: batches do not stream (streaming_unsupported)",
             param="body.stream",
         )
     if isinstance(body, ChatBody):
         if not body.messages:
-            raise InvalidRequest(
+            yield InvalidRequest(
                 "'body.messages' must be a non-empty list for /v1/chat/completions", param="body.messages"
             )
         if body.prompt is not None:
-            raise InvalidRequest(
+            yield InvalidRequest(
                 "'body.prompt' belongs to /v1/completions; a /v1/chat/completions body takes 'messages'",
                 param="body.prompt",
             )
     elif isinstance(body, CompletionBody):
         if body.prompt is UNSET:
-            raise InvalidRequest("'body.prompt' must be a string for /v1/completions", param="body.prompt")
+            yield InvalidRequest("'body.prompt' must be a string for /v1/completions", param="body.prompt")
         if body.messages is not None:
-            raise InvalidRequest(
+            yield InvalidRequest(
                 "'body.messages' belongs to /v1/chat/completions; a /v1/completions body takes 'prompt'",
                 param="body.messages",
             )
@@ -318,19 +355,205 @@ def _check_generation_body(body: ChatBody | CompletionBody | ResponsesBody) -> B
                 continue
             problem = range_problem(name, value)
             if problem is not None:
-                raise InvalidRequest(f"'body.{name}' {problem}", param=f"body.{name}")
+                yield InvalidRequest(f"'body.{name}' {problem}", param=f"body.{name}")
     if isinstance(body, CompletionBody) and body.logprobs is not None and not 0 <= body.logprobs <= 5:
-        raise InvalidRequest(
+        yield InvalidRequest(
             f"'body.logprobs' must be an integer from 0 to 5 for /v1/completions, got {body.logprobs}",
             param="body.logprobs",
         )
     if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
-        raise InvalidRequest("'body.top_logprobs' needs 'body.logprobs': true", param="body.top_logprobs")
+        yield InvalidRequest("'body.top_logprobs' needs 'body.logprobs': true", param="body.top_logprobs")
     if body.response_format is not None:
         problem = response_format_problem(body.response_format)
         if problem is not None:
-            raise InvalidRequest(f"'body.response_format' {problem}", param="body.response_format")
-    return body
+            yield InvalidRequest(f"'body.response_format' {problem}", param="body.response_format")
+
+
+@attrs.frozen
+class LineReading:
+    """What the request schema finds in one line (``line_problems``).
+
+    ``problems`` is every problem, in the order of the line's fields (a missing field after the
+    fields of its object that are there). ``custom_id`` and ``url`` are the line's when they are
+    valid, else None; ``body`` holds the body's valid fields (every field when there is no problem
+    in the body), or None when the body cannot be read at all.
+    """
+
+    custom_id: str | None
+    url: str | None
+    body: Body | None
+    problems: tuple[InvalidRequest, ...]
+
+
+_ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
+_MISSING_FIELD = 1 << 30  # where a missing field's problem sorts among its object's fields
+
+
+def line_problems(raw: bytes) -> LineReading:
+    """Every problem of the line ``raw`` that ``read_envelope`` and ``read_body`` would find one
+    at a time; they accept the line exactly when ``problems`` is empty."""
+    try:
+        envelope = read_envelope(raw)
+    except InvalidRequest as exc:
+        first = exc
+    else:
+        try:
+            return LineReading(envelope.custom_id, envelope.url, read_body(envelope), ())
+        except InvalidRequest as exc:
+            body = _any_decoder.decode(envelope.body)  # the envelope is right: the body is not
+            if not isinstance(body, dict):
+                return LineReading(envelope.custom_id, envelope.url, None, (exc,))
+            return _body_reading(envelope.custom_id, envelope.url, body, ())
+    if first.param is None or bounds_problem(raw) is not None:  # not JSON, not an object, too big
+        return LineReading(None, None, None, (first,))
+    line = _any_decoder.decode(raw)
+    if not isinstance(line, dict):
+        return LineReading(None, None, None, (first,))
+    problems: list[tuple[int, InvalidRequest]] = []
+    order = {key: index for index, key in enumerate(line)}
+    values: dict[str, Any] = {}
+    for name in _ENVELOPE_FIELDS:
+        position = order.get(name, _MISSING_FIELD)
+        if name not in line:
+            problems.append((position, InvalidRequest(f"missing '{name}'", param=name)))
+            continue
+        value = line[name]
+        problem = _envelope_field_problem(name, value)
+        if problem is None:
+            values[name] = value
+        else:
+            problems.append((position, problem))
+    problems.sort(key=_FIRST)
+    found = tuple(problem for _, problem in problems)
+    url = values.get("url")
+    if url is None or "body" not in values:
+        return LineReading(values.get("custom_id"), url, None, found)
+    return _body_reading(values.get("custom_id"), url, values["body"], found)
+
+
+_FIRST = operator.itemgetter(0)
+
+
+def _envelope_field_problem(name: str, value: Any) -> InvalidRequest | None:
+    if name == "body":
+        if not isinstance(value, dict):
+            return InvalidRequest("'body' must be a JSON object", param="body")
+        return None
+    if not isinstance(value, str):
+        return InvalidRequest(f"'{name}' must be a string, got {_json_kind(value)}", param=name)
+    if name == "custom_id" and not value:
+        return InvalidRequest("'custom_id' must be a non-empty string", param="custom_id")
+    if name == "method" and value != "POST":
+        return InvalidRequest(f"'method' must be \"POST\", got {value!r}", param="method")
+    if name == "url" and value not in SUPPORTED_ENDPOINTS:
+        return InvalidRequest(
+            f"'url' must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {value!r}", param="url"
+        )
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    for kind, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (list, "array")):
+        if isinstance(value, kind):
+            return _KINDS[name]
+    return _KINDS["null"] if value is None else _KINDS["object"]
+
+
+_BODY_TYPES: dict[str, type[Struct]] = {
+    CHAT_COMPLETIONS: ChatBody,
+    COMPLETIONS: CompletionBody,
+    EMBEDDINGS: EmbeddingsBody,
+    RESPONSES: ResponsesBody,
+}
+
+
+def _body_reading(
+    custom_id: str | None, url: str, body: Any, before: tuple[InvalidRequest, ...]
+) -> LineReading:
+    """The reading of a line whose ``url`` is valid and whose ``body`` is a JSON object (decoded
+    as plain values), after the envelope's problems ``before``."""
+    body_type = _BODY_TYPES[url]
+    fields = {field.encode_name: field for field in msgspec.structs.fields(body_type)}
+    order = {key: index for index, key in enumerate(body)}
+    problems: list[tuple[int, InvalidRequest]] = []
+    good: dict[str, Any] = {}
+    for key, value in body.items():
+        field = fields.get(key)
+        if field is None:
+            continue  # other fields are allowed and ignored
+        found = list(_value_problems(value, field.type, f"body.{key}"))
+        if found:
+            problems.extend((order[key], problem) for problem in found)
+        else:
+            good[key] = value
+    for field in fields.values():
+        if field.required and field.encode_name not in body:
+            name = f"body.{field.encode_name}"
+            problems.append((_MISSING_FIELD, InvalidRequest(f"missing '{name}'", param=name)))
+    try:
+        decoded: Body = msgspec.convert(good, body_type)  # type: ignore[assignment]
+    except msgspec.ValidationError:  # not expected: every field in it converted on its own
+        return LineReading(custom_id, url, None, before + tuple(problem for _, problem in problems))
+    wrong = {_top_field(problem.param) for _, problem in problems}
+    for problem in body_problems(decoded):
+        top = _top_field(problem.param)
+        if top in wrong:
+            continue  # its value was not of its type, which is said already
+        problems.append((order.get(top, _MISSING_FIELD), problem))
+    problems.sort(key=_FIRST)
+    return LineReading(custom_id, url, decoded, before + tuple(problem for _, problem in problems))
+
+
+def _top_field(param: str | None) -> str:
+    """The body field a problem's ``param`` is in (``body.messages[0].role``: ``messages``)."""
+    return (param or "").removeprefix("body.").split(".")[0].split("[")[0]
+
+
+def _value_problems(value: Any, kind: Any, path: str) -> Iterator[InvalidRequest]:
+    """Every problem of ``value`` as a value of type ``kind``: inside a list or a struct (a
+    message, a content part), each element's and each field's, not only the first."""
+    try:
+        msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        first = _problem(exc, path)
+    else:
+        return
+    inner = list(_inner_problems(value, kind, path))
+    yield from inner or (first,)
+
+
+def _inner_problems(value: Any, kind: Any, path: str) -> Iterator[InvalidRequest]:
+    """The problems of the parts of ``value`` where ``kind`` is a list, a struct or a union holding
+    one of those and ``value`` is of that shape; nothing otherwise."""
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        for member in typing.get_args(kind):
+            member_origin = typing.get_origin(member) or member
+            if (isinstance(value, list) and member_origin is list) or (
+                isinstance(value, dict) and isinstance(member, type) and issubclass(member, Struct)
+            ):
+                yield from _inner_problems(value, member, path)
+                return
+        return
+    if origin is list and isinstance(value, list):
+        (item_kind,) = typing.get_args(kind)
+        for index, item in enumerate(value):
+            yield from _value_problems(item, item_kind, f"{path}[{index}]")
+        return
+    if isinstance(kind, type) and issubclass(kind, Struct) and isinstance(value, dict):
+        fields = {field.encode_name: field for field in msgspec.structs.fields(kind)}
+        found = False
+        for key, item in value.items():
+            if key in fields:
+                for problem in _value_problems(item, fields[key].type, f"{path}.{key}"):
+                    found = True
+                    yield problem
+        for name, field in fields.items():
+            if field.required and name not in value:
+                found = True
+                yield InvalidRequest(f"missing '{path}.{name}'", param=f"{path}.{name}")
+        if not found:  # the fields are right: a rule of the struct's own (a text part's text)
+            return
 
 
 class ChatLine(Struct):

@@ -7,14 +7,20 @@ request line can run on a backend: upload validation asks it for every line, and
 passes a backend only the options it declares.
 
 Features are body fields a backend must honour rather than ignore: ``response_format``
-(structured output), ``logprobs`` (also ``top_logprobs``), ``n`` (several choices) and
-``dimensions`` (embeddings). A line that uses one on a backend that does not declare it is
-refused at upload with a 400 naming the line, never run with the field silently dropped.
+(structured output), ``logprobs`` (also ``top_logprobs``), ``n`` (several choices),
+``dimensions`` (embeddings), and OpenAI's fields that no built-in model runs itself:
+``logit_bias``, ``frequency_penalty``, ``presence_penalty``, ``tools`` (also ``functions``,
+``tool_choice``, ``function_call``), ``echo``, ``suffix`` and ``best_of`` (completions), ``audio``
+(also ``modalities`` other than text) and ``web_search_options``. A line that uses one (with a
+value that changes the answer: a penalty of 0, ``logit_bias: {}`` or ``tool_choice: "none"`` use
+none) on a backend that does not declare it is refused at upload with a 400 naming the line, never
+run with the field silently dropped.
 ``/v1/responses`` lines run on the chat path, so a backend serving chat serves them too.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import attrs
@@ -25,7 +31,32 @@ RESPONSE_FORMAT = "response_format"
 LOGPROBS = "logprobs"
 CHOICES = "n"
 DIMENSIONS = "dimensions"
-FEATURES = (RESPONSE_FORMAT, LOGPROBS, CHOICES, DIMENSIONS)
+LOGIT_BIAS = "logit_bias"
+FREQUENCY_PENALTY = "frequency_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+TOOLS = "tools"
+ECHO = "echo"
+SUFFIX = "suffix"
+BEST_OF = "best_of"
+AUDIO = "audio"
+WEB_SEARCH = "web_search_options"
+FEATURES = (
+    RESPONSE_FORMAT,
+    LOGPROBS,
+    CHOICES,
+    DIMENSIONS,
+    LOGIT_BIAS,
+    FREQUENCY_PENALTY,
+    PRESENCE_PENALTY,
+    TOOLS,
+    ECHO,
+    SUFFIX,
+    BEST_OF,
+    AUDIO,
+    WEB_SEARCH,
+)
+#: The sampling features an OpenAI-compatible upstream applies when they are passed on.
+UPSTREAM_SAMPLING = frozenset({LOGIT_BIAS, FREQUENCY_PENALTY, PRESENCE_PENALTY})
 
 
 @attrs.frozen
@@ -75,7 +106,64 @@ def features_used(endpoint: str, body: Any) -> list[str]:
         used.append(LOGPROBS)
     if getattr(body, "n", None) not in (None, 1):
         used.append(CHOICES)
+    others = _other_fields(body)
+    if others.count(None) != len(others):  # most bodies set none of them
+        used.extend(feature for feature, fields in _FIELDS.items() if _fields_set(feature, fields, body))
     return used
+
+
+def _other_fields(body: Any) -> tuple[Any, ...]:
+    """The values of the body's fields of the features in ``_FIELDS`` (one look per body type)."""
+    kind = type(body)
+    getter = _getters.get(kind)
+    if getter is None:
+        present = getattr(kind, "__struct_fields__", None)
+        names = [name for fields in _FIELDS.values() for name in fields]
+        if present is not None:
+            names = [name for name in names if name in present]
+        getter = _getters[kind] = lambda body: tuple(getattr(body, name, None) for name in names)
+        if present is not None and len(names) > 1:
+            getter = _getters[kind] = operator.attrgetter(*names)
+    return getter(body)
+
+
+_getters: dict[type, Any] = {}
+
+
+#: The body fields of each feature below ``n``, and the values that ask for nothing.
+_FIELDS: dict[str, tuple[str, ...]] = {
+    LOGIT_BIAS: (LOGIT_BIAS,),
+    FREQUENCY_PENALTY: (FREQUENCY_PENALTY,),
+    PRESENCE_PENALTY: (PRESENCE_PENALTY,),
+    TOOLS: ("tools", "functions", "tool_choice", "function_call"),
+    ECHO: (ECHO,),
+    SUFFIX: (SUFFIX,),
+    BEST_OF: (BEST_OF,),
+    AUDIO: ("audio", "modalities"),
+    WEB_SEARCH: (WEB_SEARCH,),
+}
+
+
+def _asks(name: str, value: Any, body: Any) -> bool:
+    """Whether field ``name`` holding ``value`` asks for something (a default asks for nothing)."""
+    if value is None:
+        return False
+    if name == BEST_OF:
+        return bool(value != (getattr(body, "n", None) or 1))
+    if name in ("tool_choice", "function_call"):
+        return value not in ("none", "auto")
+    if name == "modalities":
+        return bool(value != ["text"])
+    if name in (FREQUENCY_PENALTY, PRESENCE_PENALTY):
+        return bool(value != 0)
+    if name in ("audio", WEB_SEARCH):
+        return True  # even {} turns them on
+    return bool(value)  # logit_bias {}, tools [], functions [], suffix "", echo false: nothing
+
+
+def _fields_set(feature: str, fields: tuple[str, ...], body: Any) -> list[str]:
+    """The fields of ``feature`` the body sets to a value that asks for something."""
+    return [name for name in fields if _asks(name, getattr(body, name, None), body)]
 
 
 def unsupported_problem(
@@ -87,7 +175,12 @@ def unsupported_problem(
         return f"model {model!r} ({backend_name} backend) does not serve {endpoint}; it serves {served}"
     missing = [feature for feature in features_used(endpoint, body) if feature not in capabilities.features]
     if missing:
-        fields = ", ".join(f"'body.{feature}'" for feature in missing)
+        named = [
+            name
+            for feature in missing
+            for name in (_fields_set(feature, _FIELDS[feature], body) if feature in _FIELDS else [feature])
+        ]
+        fields = ", ".join(f"'body.{name}'" for name in named)
         return (
             f"{fields}: model {model!r} ({backend_name} backend) does not support "
             f"{' or '.join(missing)}; remove the field or use a model whose backend supports it"

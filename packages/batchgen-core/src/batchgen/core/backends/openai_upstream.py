@@ -53,7 +53,14 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
-from batchgen.core.backends.capabilities import CHOICES, DIMENSIONS, LOGPROBS, RESPONSE_FORMAT, Capabilities
+from batchgen.core.backends.capabilities import (
+    CHOICES,
+    DIMENSIONS,
+    LOGPROBS,
+    RESPONSE_FORMAT,
+    UPSTREAM_SAMPLING,
+    Capabilities,
+)
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import trim_at_stop
@@ -312,7 +319,7 @@ class OpenAIUpstreamBackend:
     name = "openai"
     capabilities = Capabilities(
         endpoints=frozenset({CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS}),
-        features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES, DIMENSIONS}),
+        features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES, DIMENSIONS}) | UPSTREAM_SAMPLING,
     )
 
     def __init__(
