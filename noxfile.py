@@ -79,7 +79,8 @@ def _install(session: nox.Session, what: str, *args: str) -> None:
     session.log(f"installing {what}")
     session.install(*args, silent=False)
     # nox --no-install (-R) makes session.install a no-op in a reused environment: nothing to stamp
-    if stamp is not None and not session._runner.global_config.no_install:
+    config = getattr(getattr(session, "_runner", None), "global_config", None)  # nox's own options
+    if stamp is not None and not getattr(config, "no_install", False):
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(" ".join(args) + "\n")
 
