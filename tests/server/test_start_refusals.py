@@ -11,9 +11,11 @@ configured wait for.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -135,3 +137,36 @@ def test_the_banner_speaks_of_converting_a_model_only_for_transformers(
     text = readiness(settings_from_args(["--storage-path", str(tmp_path), *flags]))
     assert ("converts its model" in text) is converts, text
     assert ("SGLang" in text) is ("sglang" in flags), text
+
+
+@pytest.mark.live
+@pytest.mark.model
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_stop_while_the_model_loads_is_a_clean_stop(tmp_path: Path, stop_signal: signal.Signals) -> None:
+    """Ctrl-C reaches the whole process group, the transformers worker that converts the model
+    included: the server exits 0, with no traceback, as a stop after its start does."""
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "batchgen.server.cli", "--storage-path", str(tmp_path / "storage")]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [*command, "--port", str(free_port())],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while b"Waiting for application startup" not in log_path.read_bytes():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(1)  # the worker process is converting the model now (about 25 s on 2 cores)
+        os.killpg(process.pid, stop_signal)
+        assert process.wait(timeout=120) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = log_path.read_text()
+    assert "Traceback" not in output, output
+    assert "stopped before the backend was ready" in output, output

@@ -524,13 +524,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         print(banner, file=sys.stderr, flush=True)
     max_connections = raise_open_file_limit(settings.max_connections)
-    start = StartFailures(app)  # a backend that cannot start says why in one paragraph
+    stop_asked: list[int] = []  # the signals that asked this server to stop
+    # a backend that cannot start says why in one paragraph; a start cut by a stop is no failure
+    start = StartFailures(app, stopping=lambda: bool(stop_asked))
     config = uvicorn_config(start, settings, max_connections=max_connections)  # configures logging
     limit_repeats(settings.log_repeat_limit, settings.log_repeat_interval_s)
     service = app.state.service
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
+            stop_asked.append(sig)
             service.begin_shutdown()  # the grace period starts now, for the model and HTTP alike
             super().handle_exit(sig, frame)
 
@@ -550,6 +553,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if stopped:
         print(f"batchgen-server: the batch service stopped: {stopped[0]}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SERVICE_STOPPED)
+    if not server.started and stop_asked:
+        # Ctrl-C reaches the transformers worker too, which ends the model's load: a stop all the same
+        print("batchgen-server: stopped before the backend was ready", file=sys.stderr, flush=True)
+        return
     if not server.started:
         holder = folder_holder(settings.storage_path)
         if holder is not None:  # another server took the folder after the check above

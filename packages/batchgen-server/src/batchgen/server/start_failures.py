@@ -4,8 +4,9 @@ A backend that cannot start (its engine is not installed, its model cannot be lo
 ``BackendUnavailable`` from the service's start, inside the ASGI lifespan. Litestar hands uvicorn
 the whole formatted traceback (exception groups included, some 50 lines with the reason at the
 bottom). ``StartFailures`` wraps the app, keeps the reason and blanks the traceback, so the command
-can print the reason as its one-paragraph refusal. Any other exception is a bug and keeps its
-traceback. ``port_taken`` says whether another program already listens where the server would.
+can print the reason as its one-paragraph refusal. A start cut short because the server was
+asked to stop (Ctrl-C reaches a backend's worker process too, which ends its model's load) is no
+failure either: its traceback goes too. Any other exception is a bug and keeps its traceback. ``port_taken`` says whether another program already listens where the server would.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def unavailable_reason(exc: BaseException | None) -> str | None:
 class StartFailures:
     """An ASGI app that passes everything to ``app`` and keeps why its lifespan failed to start."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+    def __init__(
+        self, app: Callable[..., Awaitable[None]], stopping: Callable[[], bool] = lambda: False
+    ) -> None:
         self.app = app
+        #: Whether the server was asked to stop (a failed start is then no failure).
+        self.stopping = stopping
         self.reason: str | None = None
 
     async def __call__(
@@ -59,7 +64,7 @@ class StartFailures:
             if message["type"] == "lifespan.startup.failed":
                 # sent from inside the except block that caught the start's exception
                 reason = unavailable_reason(sys.exc_info()[1])
-                if reason is not None:
+                if reason is not None or self.stopping():
                     self.reason = reason
                     message = {**message, "message": ""}
             await send(message)
