@@ -170,3 +170,4 @@ def test_a_stop_while_the_model_loads_is_a_clean_stop(tmp_path: Path, stop_signa
     output = log_path.read_text()
     assert "Traceback" not in output, output
     assert "stopped before the backend was ready" in output, output
+    assert "startup failed" not in output, output

@@ -529,6 +529,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = StartFailures(app, stopping=lambda: bool(stop_asked))
     config = uvicorn_config(start, settings, max_connections=max_connections)  # configures logging
     limit_repeats(settings.log_repeat_limit, settings.log_repeat_interval_s)
+    # a start cut by a stop is no failure: uvicorn's "Application startup failed" would say it is
+    logging.getLogger("uvicorn.error").addFilter(
+        lambda record: not (stop_asked and record.getMessage().startswith("Application startup failed"))
+    )
     service = app.state.service
 
     class Server(uvicorn.Server):
