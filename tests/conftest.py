@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 from litestar import Litestar
 from litestar.testing import TestClient
 
@@ -32,6 +33,14 @@ from batchgen.server.app import create_app
 from batchgen.server.cli import settings_from_args
 from tests.live import LiveServer, start_server
 from tests.tiny_model import build_tiny_model
+
+# Hypothesis judges what a test asserts, never how long one example takes: on two shared cores
+# (CI, or a suite beside other work) an example can take seconds, and a per-example deadline or a
+# "too slow" health check would fail a correct test. Each test's own settings still apply on top.
+settings.register_profile(
+    "batchgen", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("batchgen")
 
 #: Fixtures that start ``batchgen-server`` processes: a test using one is ``live``.
 LIVE_FIXTURES = frozenset({"live_server", "server_factory", "echo_site"})
