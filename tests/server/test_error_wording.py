@@ -45,7 +45,12 @@ def _upload_problem(api: httpx.Client, line: dict[str, object]) -> str:
     return str(error["message"])
 
 
-@given(value=st.integers(max_value=0) | st.text(max_size=5) | st.floats(allow_nan=False) | st.booleans())
+@given(
+    value=st.integers(max_value=0)
+    | st.text(max_size=5)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.booleans()
+)
 @_FUZZ
 def test_a_bad_max_output_tokens_is_named_as_such(api: httpx.Client, value: object) -> None:
     message = _upload_problem(api, _responses_line(max_output_tokens=value))
