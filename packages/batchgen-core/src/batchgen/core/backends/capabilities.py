@@ -8,8 +8,9 @@ passes a backend only the options it declares.
 
 Features are body fields a backend must honour rather than ignore: ``response_format``
 (structured output), ``logprobs`` (also ``top_logprobs``), ``n`` (several choices),
-``dimensions`` (embeddings), and OpenAI's fields that no built-in model runs itself:
-``logit_bias``, ``frequency_penalty``, ``presence_penalty``, ``tools`` (also ``functions``,
+``dimensions`` (embeddings), ``logit_bias`` (transformers applies it; an openai upstream gets it),
+and OpenAI's fields that no built-in model runs itself (an openai upstream gets the penalties):
+``frequency_penalty``, ``presence_penalty``, ``tools`` (also ``functions``,
 ``tool_choice``, ``function_call``), ``echo``, ``suffix`` and ``best_of`` (completions), ``audio``
 (also ``modalities`` other than text) and ``web_search_options``. A line that uses one (with a
 value that changes the answer: a penalty of 0, ``logit_bias: {}`` or ``tool_choice: "none"`` use
@@ -56,6 +57,7 @@ FEATURES = (
     WEB_SEARCH,
 )
 #: The sampling features an OpenAI-compatible upstream applies when they are passed on.
+#: (The transformers backend applies ``logit_bias`` itself.)
 UPSTREAM_SAMPLING = frozenset({LOGIT_BIAS, FREQUENCY_PENALTY, PRESENCE_PENALTY})
 
 

@@ -7,7 +7,8 @@
    the running batch's cache (both left-padded to the same length, with an attention mask);
 2. decodes one token for every running row, each row with its own sampling settings (greedy,
    or temperature / top-k / top-p with its own random generator when it has a ``seed``), its
-   logits first masked by its structured-output grammar when it has one (``hf_grammar``), and
+   ``logit_bias`` first added to its logits, which are then masked by its structured-output
+   grammar when it has one (``hf_grammar``), and
    its token's log-probabilities recorded when the line asked for them;
 3. ends the rows that are done (end of sequence, their own output limit, a stop string, an abort)
    and drops them from the batch at once, so their places are free for the next step.
@@ -101,6 +102,7 @@ class _Row:
     top_logprobs: int | None = None  # None: no logprobs asked for
     matcher: Any = None  # the structured-output grammar's matcher (``hf_grammar``), if any
     grammar: Any = None  # a Future of the compiled grammar, while the row waits for it
+    bias: tuple[list[int], list[float]] | None = None  # ``logit_bias``: token ids and their biases
     generated: list[int] = attrs.Factory(list)
     logprobs: list[TokenLogprob] = attrs.Factory(list)
 
@@ -254,6 +256,13 @@ class DecodeEngine:
                 Outcome(request.request_id, failure=Failure(REJECTED, message, "invalid_request"))
             )
             return
+        try:
+            bias = _logit_bias(request.options.get("logit_bias"), self._vocab_size)
+        except RequestRejected as exc:
+            self._finished.append(
+                Outcome(request.request_id, failure=Failure(REJECTED, exc.message, exc.code))
+            )
+            return
         top_logprobs = logprobs_asked(request.endpoint, request.options)
         self._groups[request.request_id] = _Group(request, choices)
         for choice in range(choices):
@@ -263,7 +272,17 @@ class DecodeEngine:
 
                 # Each choice its own stream: the same seed gives the same n answers, not n copies.
                 generator = torch.Generator(device=self._device).manual_seed(request.sampling.seed + choice)
-            row = _Row(request, ids, limit, opens_reasoning, generator, choice, top_logprobs, grammar=grammar)
+            row = _Row(
+                request,
+                ids,
+                limit,
+                opens_reasoning,
+                generator,
+                choice,
+                top_logprobs,
+                grammar=grammar,
+                bias=bias,
+            )
             (self._waiting if grammar is None else self._compiling).append(row)
 
     def _grammar(self, request: GenerationRequest) -> Any:
@@ -506,8 +525,12 @@ class DecodeEngine:
 
         raw = logits
         constrained = [index for index, row in enumerate(rows) if row.matcher is not None]
-        if constrained:
+        biased = [index for index, row in enumerate(rows) if row.bias is not None]
+        if constrained or biased:
             logits = logits.to(torch.float32, copy=True)
+            for index in biased:  # added to the logits, as OpenAI does, before the grammar's mask
+                ids, values = rows[index].bias  # type: ignore[misc]
+                logits[index, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
             for index in constrained:
                 rows[index].matcher.mask(logits[index])
         chosen = logits.argmax(dim=-1)
@@ -624,6 +647,24 @@ class DecodeEngine:
                 low = middle + 1
         text, _ = trim_at_stop(self._tokenizer.decode(generated[:high], skip_special_tokens=True), stops)
         return generated[:high], text, True
+
+
+def _logit_bias(bias: Any, vocab_size: int) -> tuple[list[int], list[float]] | None:
+    """A line's ``logit_bias`` (token id strings to biases; the schema bounded its size and
+    values) as token ids and biases; RequestRejected naming an id the model does not have."""
+    if not bias:
+        return None
+    by_id: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise RequestRejected(
+                "invalid_request",
+                f"'body.logit_bias' names token {key}, which the model's vocabulary (ids 0 to "
+                f"{vocab_size - 1}) does not have",
+            )
+        by_id[token] = float(value)
+    return list(by_id), list(by_id.values())
 
 
 def _cache_of(output: Any) -> Any:
