@@ -69,6 +69,14 @@ def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
                 {"metadata": {"x": [1, 2, {"y": None}]}},
                 {"logprobs": True, "top_logprobs": 2},
                 {"response_format": {"type": "json_object"}},
+                {"max_tokens": 0, "temperature": 3, "top_p": 2},  # several problems on one line
+                {"stop": "x" * 2000},
+                {"logit_bias": {"5": 1}},
+                {"logit_bias": {}},
+                {"logit_bias": {"a": 500}},
+                {"frequency_penalty": 0, "tools": []},
+                {"tools": [{"type": "function"}]},
+                {"messages": [{"role": "robot", "content": "x"}, {"role": "tool", "content": None}]},
             ]
         )
     )

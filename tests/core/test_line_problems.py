@@ -2,7 +2,7 @@
 
 Hypothesis builds a chat line with k independent problems drawn from a set of kinds (a bad
 envelope field, a body field out of range or of the wrong type, a message whose role is of the
-wrong type or missing, a content part without its text, ...) and checks that validation lists
+wrong type, not one of OpenAI's roles or missing, a content part without its text, ...) and checks that validation lists
 exactly min(k, MAX_LINE_PROBLEMS) of them for that line, each naming its field, in the line's
 field order, and counts the rest (``... and N more problems on this line``); a file of many such
 lines lists the first ``MAX_REPORTED_LINES`` of them and counts every problem.
@@ -74,7 +74,8 @@ def _build(kinds: list[tuple[str, str]]) -> tuple[dict[str, Any], list[str]]:
             message["content"] = [{"type": "text"}]
             message_params.append(f"{path}.content[0]")
         if ("role", str(index)) in chosen and ("no-role", str(index)) not in chosen:
-            message = {"role": 5, **{k: v for k, v in message.items() if k != "role"}}
+            role = 5 if index % 2 else "robot"  # of the wrong type, or not a role
+            message = {"role": role, **{k: v for k, v in message.items() if k != "role"}}
             message_params.insert(len(message_params) - (("no-text", str(index)) in chosen), f"{path}.role")
         elif ("no-role", str(index)) in chosen:
             del message["role"]

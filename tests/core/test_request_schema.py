@@ -49,6 +49,11 @@ def _refusal(line: Any) -> InvalidRequest:
         (chat_line("a", [{"text": "hi"}]), "body.messages[0].content[0].type", "missing"),
         (chat_line("a", 7), "body.messages[0].content", "must be a string or a list or null"),
         (chat_line("a", messages=[{"content": "hi"}]), "body.messages[0].role", "missing"),
+        (
+            chat_line("a", messages=[{"role": "robot", "content": "hi"}]),
+            "body.messages[0].role",
+            "must be one of",
+        ),
         (chat_line("a", messages=[]), "body.messages", "non-empty list"),
         (chat_line("a", max_tokens=0), "body.max_tokens", "at least 1"),
         (chat_line("a", max_completion_tokens=1.5), "body.max_completion_tokens", "an integer"),

@@ -4,7 +4,7 @@ Upload validation (``batch_file``) and execution (``request_executor``, ``parame
 line only through ``read_envelope`` and ``read_body``, so a line that is accepted is exactly a
 line that can run. A line is ``{"custom_id", "method": "POST", "url", "body"}``; its body is
 decoded into the endpoint's struct: ``ChatBody`` (a non-empty ``messages`` list, each message an
-object with a string ``role`` and ``content`` that is a string, null or a list of content parts,
+object with a ``role`` of OpenAI's (``ROLES``) and ``content`` that is a string, null or a list of content parts,
 a text part having a string ``text``) or ``CompletionBody`` (a string ``prompt``). Both read the
 sampling fields of ``RequestBody``, whose types the structs fix and whose ranges
 ``sampling_ranges`` checks, as for a batch. OpenAI's fields that change the answer and that not
@@ -64,11 +64,20 @@ class ContentPart(Struct):
             raise ValueError("a text part needs a string 'text'")
 
 
-class Message(Struct):
-    """One chat message: a string ``role`` and its content (a string, null or content parts)."""
+#: The roles a chat message may have, as in OpenAI's API.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
-    role: str
+
+class Message(Struct):
+    """One chat message: its ``role`` (one of ``ROLES``) and its content (a string, null or
+    content parts)."""
+
+    role: Role
     content: str | list[ContentPart] | None = None
+
+
+assert typing.get_args(Role) == ROLES
 
 
 class RequestBody(Struct):
@@ -242,6 +251,11 @@ def _problem(error: msgspec.MsgspecError, prefix: str) -> InvalidRequest:
         return InvalidRequest(f"'{field}' must be {wanted}, got {_kinds(expected['got'])}", param=field)
     if not field:
         return InvalidRequest(text, param=None)
+    if text.startswith("Invalid enum value ") and field.endswith(".role"):
+        got = text.removeprefix("Invalid enum value ")
+        return InvalidRequest(
+            f"'{field}' must be one of {', '.join(map(repr, ROLES))}, got {got}", param=field
+        )
     return InvalidRequest(f"'{field}': {text}", param=field)
 
 
