@@ -4,6 +4,9 @@ of the in-process app."""
 
 from __future__ import annotations
 
+import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +100,51 @@ def test_limits_changed_elsewhere_reach_the_server_and_its_weights(tmp_path: Pat
     finally:
         server.close()
         command.close()
+
+
+def test_the_servers_last_use_save_never_waits_for_a_lock_and_keeps_what_it_could_not_save(
+    store: KeyStore, tmp_path: Path
+) -> None:
+    """The server saves last-use times on its event loop: a database another connection holds
+    locked is not waited for (the save gives up at once, keeping the times), and the next save
+    after the lock is gone writes them."""
+    made = [store.create_key(tenant) for tenant in ("alpha", "beta")]
+    key_ids = [key_id for key_id, _ in made]
+    assert all(store.authenticate(key) is not None for _, key in made)
+    holder = sqlite3.connect(tmp_path / "metadata.sqlite3", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        started = time.monotonic()
+        assert store.save_last_use() is False
+        assert time.monotonic() - started < 1.0, "the save waited for the lock"
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    saved = {
+        row[0]: row[1]
+        for row in sqlite3.connect(tmp_path / "metadata.sqlite3").execute(
+            "SELECT id, last_used_at FROM api_keys"
+        )
+    }
+    assert all(saved[key_id] is None for key_id in key_ids), "nothing could be saved under the lock"
+    assert store.save_last_use() is True
+    assert all(record.last_used_at is not None for record in store.list_keys())
+
+
+def test_the_server_writes_the_database_through_no_second_connection_of_its_own(tmp_path: Path) -> None:
+    """A second writing connection in the server (a last-use writer thread, say) can hold the write
+    lock while the store writes, and then an upload is a 503 on a busy machine: the server saves
+    last use through its maintenance, with no thread of its own."""
+    storage = tmp_path / "storage"
+    _, key = KeyStore(storage / "metadata.sqlite3").create_key("alpha")
+    before = {thread.name for thread in threading.enumerate()}
+    with TestClient(app=in_process_app(storage)) as client:
+        client.headers["Authorization"] = f"Bearer {key}"
+        assert client.get("/v1/files").status_code == 200
+        started = {thread.name for thread in threading.enumerate()} - before
+    assert not any("key" in name for name in started), started
+    [record] = KeyStore(storage / "metadata.sqlite3").list_keys()
+    assert record.last_used_at is not None, "the server saved the key's last use before it stopped"
 
 
 def test_last_use_is_written_at_most_once_a_minute(store: KeyStore, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,12 +12,15 @@ and a version counter that every key and tenant change bumps tells it the keys a
 So a revoked key stops working on the next request, at no per-request query cost.
 
 No request waits for the database's write lock. ``last_used_at`` is written at most once a minute
-per key, and never on the request path: ``authenticate`` notes the time and a writer thread with
-its own connection saves it (a database locked by another process delays that write, retried
-later, and no request). The connection the server reads with has a short busy timeout; if a read
-cannot be made (the database locked in a way that stops readers too), the server keeps answering
-from the rows it loaded last. The key commands' own changes wait up to ``CHANGE_BUSY_TIMEOUT_S``
-for a lock.
+per key, and never on the request path: ``authenticate`` notes the time, and the server saves the
+times noted so far once a second (``save_last_use``, a maintenance job on the event loop) in one
+short transaction that never waits: while another process holds the database locked, the times
+stay noted for a later save. The server has no second writing connection of its own, so its own
+writes never find the database locked by itself (a writer thread preempted inside its transaction
+on a busy machine made uploads 503). The connection the server reads with has a short busy
+timeout; if a read cannot be made (the database locked in a way that stops readers too), the
+server keeps answering from the rows it loaded last. The key commands' own changes wait up to
+``CHANGE_BUSY_TIMEOUT_S`` for a lock.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import logging
 import re
 import secrets
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,10 +50,10 @@ _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 LAST_USED_WRITE_INTERVAL_S = 60
 #: How long a read of the server's (on the event loop) waits for another connection's lock.
 READ_BUSY_TIMEOUT_S = 0.05
-#: How long a change made by the key commands, and the last-use writer thread, wait for a lock.
+#: How long a change made by the key commands (and ``list_keys``'s save) waits for a lock.
 CHANGE_BUSY_TIMEOUT_S = 30.0
-#: Seconds before the writer thread tries again to save last-use times it could not save.
-LAST_USED_RETRY_S = 5.0
+#: Seconds between the server's saves of the last-use times noted (``save_last_use``).
+LAST_USED_SAVE_INTERVAL_S = 1.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -128,13 +130,13 @@ class KeyStore:
         self._keys: dict[str, KeyRecord] = {}
         self._tenants: dict[str, TenantRecord] = {}
         self._last_written: dict[str, int] = {}
-        self._last_use = _LastUseWriter(path)
+        self._unsaved_use: dict[str, int] = {}  # key id -> last use noted, not yet saved
         self._stale = False  # the last reload failed: answering from the rows loaded before
         #: Called with every tenant's limits whenever the rows are (re)loaded.
         self.on_reload: Callable[[dict[str, TenantLimits]], object] | None = None
 
     def close(self) -> None:
-        self._last_use.close()
+        self.save_last_use()  # what cannot be saved now is dropped: last use is a hint
         self._db.close()
 
     # --- changes (the ``keys`` command) ------------------------------------------------------
@@ -202,8 +204,8 @@ class KeyStore:
 
     # --- reading ---------------------------------------------------------------------------
     def list_keys(self) -> list[KeyRecord]:
-        """Every key, with the last-use times noted so far saved first (the writer is waited for)."""
-        self._last_use.drain(CHANGE_BUSY_TIMEOUT_S)
+        """Every key, with the last-use times noted so far saved first (waiting for a lock)."""
+        self.save_last_use(wait=True)
         return self._read_keys()
 
     def _read_keys(self) -> list[KeyRecord]:
@@ -282,79 +284,31 @@ class KeyStore:
         if moment - self._last_written.get(key_id, 0) < LAST_USED_WRITE_INTERVAL_S:
             return
         self._last_written[key_id] = moment
-        self._last_use.note(key_id, moment)
+        self._unsaved_use[key_id] = max(moment, self._unsaved_use.get(key_id, moment))
 
-
-class _LastUseWriter:
-    """Saves keys' last-use times from its own thread and connection (started on the first use), so
-    that no request waits for the database. A save that fails (busy, read-only) is tried again
-    after ``LAST_USED_RETRY_S``; at close what is still unsaved is dropped (last use is a hint)."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._pending: dict[str, int] = {}
-        self._writing = False
-        self._closed = False
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def note(self, key_id: str, moment: int) -> None:
-        with self._changed:
-            if self._closed:
-                return
-            self._pending[key_id] = max(moment, self._pending.get(key_id, moment))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="api-key-last-use", daemon=True)
-                self._thread.start()
-            self._changed.notify_all()
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every noted time is saved (or ``timeout_s`` passed); whether it was."""
-        with self._changed:
-            return self._changed.wait_for(lambda: not self._pending and not self._writing, timeout_s)
-
-    def close(self, timeout_s: float = 1.0) -> None:
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-
-    def _run(self) -> None:
-        db = sqlite3.connect(str(self._path), isolation_level=None, timeout=CHANGE_BUSY_TIMEOUT_S)
-        db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit holds the write lock for no fsync
+    def save_last_use(self, *, wait: bool = False) -> bool:
+        """Save the last-use times noted since the last save, in one short transaction; whether
+        none is left unsaved. Without ``wait`` (the server, on its event loop) a database another
+        connection holds locked is not waited for: the times stay noted for the next save."""
+        if not self._unsaved_use:
+            return True
+        batch = dict(self._unsaved_use)
+        self._db.execute(f"PRAGMA busy_timeout = {int(CHANGE_BUSY_TIMEOUT_S * 1000) if wait else 0}")
+        self._db.execute("PRAGMA synchronous = NORMAL")  # WAL: this commit makes no fsync (a hint)
         try:
-            while True:
-                with self._changed:
-                    self._changed.wait_for(lambda: self._pending or self._closed)
-                    if self._closed:
-                        self._pending.clear()
-                        self._changed.notify_all()
-                        return
-                    batch, self._pending, self._writing = self._pending, {}, True
-                saved = self._save(db, batch)
-                with self._changed:
-                    self._writing = False
-                    if not saved:
-                        for key_id, moment in batch.items():
-                            self._pending[key_id] = max(moment, self._pending.get(key_id, moment))
-                    self._changed.notify_all()
-                    if not saved:
-                        self._changed.wait(LAST_USED_RETRY_S)
-        finally:
-            db.close()
-
-    @staticmethod
-    def _save(db: sqlite3.Connection, batch: dict[str, int]) -> bool:
-        try:
-            with db:
-                db.execute("BEGIN IMMEDIATE")
-                db.executemany(
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany(
                     "UPDATE api_keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
                     [(moment, key_id) for key_id, moment in batch.items()],
                 )
         except sqlite3.Error as exc:
             logger.debug("last use of %d API key(s) not saved yet: %s", len(batch), exc)
             return False
-        return True
+        finally:
+            self._db.execute("PRAGMA synchronous = FULL")
+            self._db.execute(f"PRAGMA busy_timeout = {int(READ_BUSY_TIMEOUT_S * 1000)}")
+        for key_id, moment in batch.items():
+            if self._unsaved_use.get(key_id) == moment:
+                del self._unsaved_use[key_id]
+        return not self._unsaved_use

@@ -25,7 +25,7 @@ from litestar.openapi import OpenAPIConfig
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
-from batchgen.server.api_keys import KeyStore
+from batchgen.server.api_keys import LAST_USED_SAVE_INTERVAL_S, KeyStore
 from batchgen.server.auth import (
     OPEN_ROUTE,
     ApiKeyRefused,
@@ -93,6 +93,11 @@ def create_app(
             service.set_tenant_weight(tenant, tenant_limits.weight)
 
     keys.on_reload = apply_weights
+
+    def save_last_use() -> None:
+        keys.save_last_use()
+
+    service.maintenance.add("save API keys' last use", LAST_USED_SAVE_INTERVAL_S, save_last_use)
     key_check = KeyCheck(keys)
 
     def stopped(reason: str) -> None:
