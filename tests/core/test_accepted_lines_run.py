@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine, Outcome
+from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.batch_file import validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
@@ -32,6 +32,7 @@ from batchgen.core.models import BatchParameters, GenerationRequest, SamplingPar
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.request_schema import read_body, read_envelope
 from batchgen.core.served_models import ModelSet, Route, ServedModel
+from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
 
@@ -44,17 +45,8 @@ _OWN_FAULTS = ("invalid_request", "context_length_exceeded")
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecodeEngine]:
-    engine = DecodeEngine(
-        model=str(tiny_model),
-        cache_dir=tmp_path_factory.mktemp("cache"),
-        device="cpu",
-        dtype="float32",
-        max_batch_size=4,
-        context_length=None,
-    )
-    engine.load()
-    yield engine
-    engine.close()
+    with tiny_engine(tiny_model, tmp_path_factory.mktemp("cache"), max_batch_size=4) as engine:
+        yield engine
 
 
 _text = st.text(max_size=30)
@@ -138,16 +130,6 @@ def _request(request_id: str, url: str, body: dict[str, Any]) -> GenerationReque
     )
 
 
-def _run(engine: DecodeEngine, *requests: GenerationRequest) -> dict[str, Outcome]:
-    for request in requests:
-        engine.add(request)
-    outcomes: dict[str, Outcome] = {}
-    while engine.busy:
-        for outcome in engine.step():
-            outcomes[outcome.request_id] = outcome
-    return outcomes
-
-
 _ORDINARY = GenerationRequest(
     request_id="ordinary",
     endpoint="/v1/completions",
@@ -165,7 +147,7 @@ def test_an_accepted_line_runs_or_is_refused_for_its_own_reason(
     if not _accepted(tmp_path, url, body):
         return
     request = _request("line", url, body)
-    outcomes = _run(engine, request) if alone else _run(engine, request, _ORDINARY)
+    outcomes = run_to_end(engine, request) if alone else run_to_end(engine, request, _ORDINARY)
     outcome = outcomes["line"]
     if outcome.failure is not None:
         assert outcome.failure.kind == REJECTED and outcome.failure.code in _OWN_FAULTS, outcome.failure
@@ -198,11 +180,13 @@ def test_an_accepted_line_runs_or_is_refused_for_its_own_reason(
     ],
     ids=["assistant-null-content-with-tool-calls", "empty-prompt"],
 )
-def test_the_reported_lines_run(engine: DecodeEngine, tmp_path: Path, url: str, body: dict[str, Any]) -> None:
+def test_the_reported_linesrun_to_end(
+    engine: DecodeEngine, tmp_path: Path, url: str, body: dict[str, Any]
+) -> None:
     assert _accepted(tmp_path, url, body)
     for outcomes in (
-        _run(engine, _request("line", url, body)),
-        _run(engine, _request("line", url, body), _ORDINARY),
+        run_to_end(engine, _request("line", url, body)),
+        run_to_end(engine, _request("line", url, body), _ORDINARY),
     ):
         assert outcomes["line"].failure is None, outcomes["line"].failure
         assert outcomes["line"].result is not None and outcomes["line"].result.completion_tokens == 2

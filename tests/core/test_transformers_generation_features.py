@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine, Outcome
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
 
@@ -36,16 +37,8 @@ COLOR_SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecodeEngine]:
-    engine = DecodeEngine(
-        model=str(tiny_model),
-        cache_dir=tmp_path_factory.mktemp("cache"),
-        device="cpu",
-        dtype="float32",
-        max_batch_size=8,
-        context_length=None,
-    )
-    engine.load()
-    yield engine
+    with tiny_engine(tiny_model, tmp_path_factory.mktemp("cache"), max_batch_size=8) as engine:
+        yield engine
 
 
 def _chat(request_id: str, max_tokens: int, options: dict[str, Any], **sampling: Any) -> GenerationRequest:
@@ -70,17 +63,6 @@ def _completion(
     )
 
 
-def _run(engine: DecodeEngine, *requests: GenerationRequest) -> dict[str, Outcome]:
-    for request in requests:
-        engine.add(request)
-    outcomes: dict[str, Outcome] = {}
-    while engine.busy:
-        for outcome in engine.step():
-            assert outcome.request_id not in outcomes, "each request ends once"
-            outcomes[outcome.request_id] = outcome
-    return outcomes
-
-
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     choices=st.integers(1, 4),
@@ -91,8 +73,10 @@ def test_n_choices_are_indexed_and_counted(
     engine: DecodeEngine, choices: int, max_tokens: int, endpoint: str
 ) -> None:
     make = _chat if endpoint == CHAT_COMPLETIONS else _completion
-    alone = _run(engine, make("one", max_tokens, {}))["one"].result
-    result = _run(engine, make("many", max_tokens, {"n": choices}, temperature=1.0, seed=5))["many"].result
+    alone = run_to_end(engine, make("one", max_tokens, {}))["one"].result
+    result = run_to_end(engine, make("many", max_tokens, {"n": choices}, temperature=1.0, seed=5))[
+        "many"
+    ].result
     assert alone is not None and result is not None
     assert result.prompt_tokens == alone.prompt_tokens, "the prompt is counted once"
     assert result.completion_tokens == choices * max_tokens
@@ -106,21 +90,23 @@ def test_n_choices_are_indexed_and_counted(
 
 def test_seeded_choices_differ_and_repeat(engine: DecodeEngine) -> None:
     def texts(request_id: str) -> list[str]:
-        result = _run(engine, _chat(request_id, 6, {"n": 3}, temperature=1.0, seed=11))[request_id].result
+        result = run_to_end(engine, _chat(request_id, 6, {"n": 3}, temperature=1.0, seed=11))[
+            request_id
+        ].result
         assert result is not None and result.choices is not None
         return [choice["message"]["content"] for choice in result.choices]
 
     first, again = texts("first"), texts("again")
     assert first == again, "the same seed gives the same choices"
     assert len(set(first)) == 3, "each choice draws its own tokens"
-    greedy = _run(engine, _chat("greedy", 6, {"n": 2}))["greedy"].result
+    greedy = run_to_end(engine, _chat("greedy", 6, {"n": 2}))["greedy"].result
     assert greedy is not None and greedy.choices is not None
     assert greedy.choices[0]["message"] == greedy.choices[1]["message"]
 
 
 @pytest.mark.parametrize("top", [0, 1, 5, 20])
 def test_chat_logprobs_are_the_models_own(engine: DecodeEngine, top: int) -> None:
-    result = _run(engine, _chat("lp", 5, {"logprobs": True, "top_logprobs": top}))["lp"].result
+    result = run_to_end(engine, _chat("lp", 5, {"logprobs": True, "top_logprobs": top}))["lp"].result
     assert result is not None and result.choices is not None
     [choice] = result.choices
     content = choice["logprobs"]["content"]
@@ -136,7 +122,7 @@ def test_chat_logprobs_are_the_models_own(engine: DecodeEngine, top: int) -> Non
 
 
 def test_completion_logprobs_have_the_legacy_shape(engine: DecodeEngine) -> None:
-    result = _run(engine, _completion("lp", 4, {"logprobs": 3}))["lp"].result
+    result = run_to_end(engine, _completion("lp", 4, {"logprobs": 3}))["lp"].result
     assert result is not None and result.choices is not None
     logprobs = result.choices[0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 4
@@ -153,7 +139,7 @@ def test_completion_logprobs_have_the_legacy_shape(engine: DecodeEngine) -> None
 @pytest.mark.live  # grammars compile in a probe process (hf_grammar_probe)
 def test_structured_output_follows_the_schema_and_a_bad_schema_fails_alone(engine: DecodeEngine) -> None:
     schema_format = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOR_SCHEMA}}
-    outcomes = _run(
+    outcomes = run_to_end(
         engine,
         _chat("schema", 40, {"response_format": schema_format, "n": 2}, temperature=1.0, seed=3),
         _chat("object", 40, {"response_format": {"type": "json_object"}}),

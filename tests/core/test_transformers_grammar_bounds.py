@@ -29,6 +29,7 @@ from batchgen.core.backends.hf_decode import ABORTED, REJECTED, DecodeEngine, Ou
 from batchgen.core.backends.hf_grammar_bounds import GrammarBounds
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.tiny_engine import load_tiny_engine, run_to_end
 
 pytestmark = [pytest.mark.model, pytest.mark.live]
 
@@ -40,17 +41,7 @@ _ids = itertools.count()
 
 
 def _engine(model: Path, cache: Path, bounds: GrammarBounds) -> DecodeEngine:
-    engine = DecodeEngine(
-        model=str(model),
-        cache_dir=cache,
-        device="cpu",
-        dtype="float32",
-        max_batch_size=8,
-        context_length=None,
-        grammar_bounds=bounds,
-    )
-    engine.load()
-    return engine
+    return load_tiny_engine(model, cache, grammar_bounds=bounds)
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +67,6 @@ def _schema_line(schema: dict[str, Any], max_tokens: int = 30, **options: Any) -
 
 def _format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
-
-
-def _run(engine: DecodeEngine, *requests: GenerationRequest) -> dict[str, Outcome]:
-    for request in requests:
-        engine.add(request)
-    outcomes: dict[str, Outcome] = {}
-    while engine.busy:
-        for outcome in engine.step():
-            assert outcome.request_id not in outcomes, "each request ends once"
-            outcomes[outcome.request_id] = outcome
-    return outcomes
 
 
 def _slow_schema(properties: int = 2000) -> dict[str, Any]:
@@ -126,7 +106,7 @@ def test_a_schema_past_a_size_bound_is_its_lines_error_and_the_others_complete(
 ) -> None:
     compiles = small.grammars.compiles if small.grammars is not None else 0
     big, plain = _schema_line(schema, n=choices), _chat(3)
-    outcomes = _run(small, big, plain)
+    outcomes = run_to_end(small, big, plain)
     assert "is too large" in _rejected(outcomes[big.request_id])
     completed = outcomes[plain.request_id].result
     assert completed is not None and completed.completion_tokens == 3
@@ -147,7 +127,7 @@ def test_a_schema_within_the_bounds_runs_constrained(
         "required": ["kind"],
     }
     line = _schema_line(schema, max_tokens=400)
-    outcome = _run(small, line)[line.request_id]
+    outcome = run_to_end(small, line)[line.request_id]
     assert outcome.result is not None, outcome.failure
     assert outcome.result.text.startswith('{"kind": "e')
 
@@ -166,7 +146,7 @@ def test_an_impossible_schema_is_its_lines_error(
     if nested:
         impossible = {"type": "object", "properties": {"value": impossible}, "required": ["value"]}
     line, plain = _schema_line(impossible), _chat(2)
-    outcomes = _run(small, line, plain)
+    outcomes = run_to_end(small, line, plain)
     assert "never be satisfied" in _rejected(outcomes[line.request_id])
     assert outcomes[plain.request_id].result is not None
 
@@ -185,7 +165,7 @@ def test_an_unsatisfiable_or_unsupported_schema_never_runs_unconstrained(
     small: DecodeEngine, schema: dict[str, Any]
 ) -> None:
     line = _schema_line(schema)
-    _rejected(_run(small, line)[line.request_id])
+    _rejected(run_to_end(small, line)[line.request_id])
 
 
 def test_a_one_schema_allof_is_that_schema(small: DecodeEngine) -> None:
@@ -197,7 +177,7 @@ def test_a_one_schema_allof_is_that_schema(small: DecodeEngine) -> None:
         "required": ["colour"],
     }
     line = _schema_line(schema, max_tokens=40)
-    result = _run(small, line)[line.request_id].result
+    result = run_to_end(small, line)[line.request_id].result
     assert result is not None and json.loads(result.text)["colour"] in {"red", "blue"}
 
 
@@ -218,7 +198,7 @@ def test_each_schema_is_compiled_once_however_many_lines_use_it(
     ]
     before = small.grammars.compiles if small.grammars is not None else 0
     lines = [_schema_line(schemas[use], n=choices) for use in uses]
-    outcomes = _run(small, *lines)
+    outcomes = run_to_end(small, *lines)
     assert all(outcomes[line.request_id].result is not None for line in lines)
     assert small.grammars is not None
     assert small.grammars.compiles - before == len(set(uses))
@@ -231,7 +211,7 @@ def test_the_grammar_cache_keeps_its_size(tiny_model: Path, tmp_path: Path) -> N
             {"type": "object", "title": name, "properties": {"a": {"type": "boolean"}}} for name in "ABC"
         ]
         for schema in [*schemas, schemas[2], schemas[0]]:  # A B C C A: A was dropped when C came
-            _run(engine, _schema_line(schema))
+            run_to_end(engine, _schema_line(schema))
         assert engine.grammars.compiles == 4
     finally:
         engine.close()
@@ -262,7 +242,7 @@ def test_a_compile_past_its_deadline_is_its_lines_error_and_other_lines_decode_m
         assert engine.grammars.compiles == 0
         # The same schema again is refused from the cache, without compiling it a second time.
         again = _schema_line(_slow_schema())
-        assert "took longer" in _rejected(_run(engine, again, _chat(1))[again.request_id])
+        assert "took longer" in _rejected(run_to_end(engine, again, _chat(1))[again.request_id])
     finally:
         engine.close()
 
@@ -306,7 +286,7 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.anyio
-async def test_the_backend_aborts_a_line_waiting_for_its_grammar_while_others_run(
+async def test_the_backend_aborts_a_line_waiting_for_its_grammar_while_othersrun_to_end(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     backend = TransformersBackend(
@@ -397,7 +377,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered_or_tokenized(
                 messages=messages,
             )
         with _counting(engine) as sizes:
-            outcome = _run(engine, request)["big"]
+            outcome = run_to_end(engine, request)["big"]
         assert outcome.failure is not None and outcome.failure.code == "context_length_exceeded"
         assert sizes == [], "nothing was rendered or tokenized"
     finally:
@@ -408,12 +388,12 @@ def test_stop_strings_cost_each_step_only_the_tail_and_still_cut_where_they_occu
     small: DecodeEngine,
 ) -> None:
     free = _chat(120)
-    text = _run(small, free)[free.request_id].result
+    text = run_to_end(small, free)[free.request_id].result
     assert text is not None
     with _counting(small) as sizes:
         # A stop that never occurs: no step decodes the whole answer.
         never = _chat(120, stop=("\x00never\x00",))
-        result = _run(small, never)[never.request_id].result
+        result = run_to_end(small, never)[never.request_id].result
         assert result is not None and result.text == text.text and result.finish_reason == "length"
         assert sum(kind == "decode" and size > 40 for kind, size in sizes) <= 2, (
             sizes
@@ -422,7 +402,7 @@ def test_stop_strings_cost_each_step_only_the_tail_and_still_cut_where_they_occu
     for start, length in ((3, 4), (len(text.text) // 2, 6), (len(text.text) - 5, 5)):
         stop = text.text[start : start + length]
         cut = _chat(120, stop=(stop,))
-        ended = _run(small, cut)[cut.request_id].result
+        ended = run_to_end(small, cut)[cut.request_id].result
         assert ended is not None and ended.finish_reason == "stop"
         assert ended.text == text.text[: text.text.find(stop)]
         assert ended.completion_tokens <= 120
@@ -431,5 +411,5 @@ def test_stop_strings_cost_each_step_only_the_tail_and_still_cut_where_they_occu
 @pytest.mark.parametrize("choices", [9, 64, 128])
 def test_more_choices_than_the_backend_takes_is_the_lines_error(small: DecodeEngine, choices: int) -> None:
     line = _chat(2, {"n": choices})
-    failure = _run(small, line)[line.request_id].failure
+    failure = run_to_end(small, line)[line.request_id].failure
     assert failure is not None and failure.kind == REJECTED and "'body.n'" in failure.message

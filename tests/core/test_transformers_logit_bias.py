@@ -16,24 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine, Outcome
+from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecodeEngine]:
-    engine = DecodeEngine(
-        model=str(tiny_model),
-        cache_dir=tmp_path_factory.mktemp("cache"),
-        device="cpu",
-        dtype="float32",
-        max_batch_size=8,
-        context_length=None,
-    )
-    engine.load()
-    yield engine
+    with tiny_engine(tiny_model, tmp_path_factory.mktemp("cache"), max_batch_size=8) as engine:
+        yield engine
 
 
 def _chat(request_id: str, options: dict[str, Any]) -> GenerationRequest:
@@ -46,24 +39,14 @@ def _chat(request_id: str, options: dict[str, Any]) -> GenerationRequest:
     )
 
 
-def _run(engine: DecodeEngine, *requests: GenerationRequest) -> dict[str, Outcome]:
-    for request in requests:
-        engine.add(request)
-    outcomes: dict[str, Outcome] = {}
-    while engine.busy:
-        for outcome in engine.step():
-            outcomes[outcome.request_id] = outcome
-    return outcomes
-
-
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(token=st.integers(0, 40_000))
 def test_a_strong_bias_decides_the_greedy_token(engine: DecodeEngine, token: int) -> None:
-    outcomes = _run(engine, _chat("plain", {}), _chat("biased", {"logit_bias": {str(token): 100}}))
+    outcomes = run_to_end(engine, _chat("plain", {}), _chat("biased", {"logit_bias": {str(token): 100}}))
     plain, biased = outcomes["plain"], outcomes["biased"]
     assert plain.result is not None and biased.result is not None
     assert biased.result.completion_tokens == 4
-    again = _run(engine, _chat("plain-again", {}))["plain-again"]
+    again = run_to_end(engine, _chat("plain-again", {}))["plain-again"]
     assert again.result is not None and again.result.text == plain.result.text  # the bias stayed in its row
     expected = engine._tokenizer.decode([token] * 4, skip_special_tokens=True)
     assert biased.result.text == expected
@@ -88,7 +71,7 @@ def test_a_negative_bias_bans_the_greedy_first_token(engine: DecodeEngine) -> No
 
 
 def test_a_token_outside_the_vocabulary_is_the_requests_rejection(engine: DecodeEngine) -> None:
-    outcomes = _run(engine, _chat("outside", {"logit_bias": {"999999999": 5}}), _chat("fine", {}))
+    outcomes = run_to_end(engine, _chat("outside", {"logit_bias": {"999999999": 5}}), _chat("fine", {}))
     failure = outcomes["outside"].failure
     assert failure is not None and failure.kind == REJECTED and failure.code == "invalid_request"
     assert "vocabulary" in failure.message
