@@ -363,12 +363,16 @@ def test_head_answers_on_every_get_route_of_ours(api_factory: Any) -> None:
     app: Litestar = client.app
     gets = {path for path, method, _ in routes(app) if method == "GET"}
     heads = {path for path, method, _ in routes(app) if method == "HEAD"}
-    ours = {path for path in gets if not path.startswith(OPEN_PREFIX) and path != "/metrics"}
+    # Litestar's own schema pages aside, every GET route (``/metrics`` included) takes HEAD
+    ours = {path for path in gets if not path.startswith(OPEN_PREFIX)}
+    assert "/metrics" in ours
     assert ours <= heads, ours - heads
     for path in ours:
         url = concrete(path, objects)
         got, head = client.get(url), client.head(url)
         assert head.status_code == got.status_code, (path, head.status_code, got.status_code)
+        assert head.headers.get("content-type") == got.headers.get("content-type"), path
+        assert head.content == b"", path
     assert client.head("/").status_code == 200 and client.head("/health").status_code == 200
 
 
@@ -398,3 +402,24 @@ def test_a_deprecation_raised_from_our_own_code_fails_the_suite() -> None:
     exec("def call():\n    warnings.warn('an old form', DeprecationWarning, stacklevel=1)\n", module)
     with pytest.raises(DeprecationWarning):
         module["call"]()
+
+
+# --- 405 ------------------------------------------------------------------------------------------
+
+
+def test_a_method_a_route_does_not_take_is_405_with_the_methods_it_takes_in_allow(keyed: Keyed) -> None:
+    """Every route of the app, asked with every method it does not take: a 405 whose ``Allow`` header
+    names exactly the methods the route takes (RFC 9110 §15.5.6), in the OpenAI error shape."""
+    taken: dict[str, set[str]] = {}
+    for path, method, _ in routes(keyed.app):
+        taken.setdefault(path, set()).add(method)
+    headers = {"Authorization": f"Bearer {keyed.keys['admin']}"}
+    for path, methods in taken.items():
+        url = concrete(path, keyed.objects)
+        for method in sorted({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"} - methods):
+            response = keyed.client.request(method, url, headers=headers)
+            assert response.status_code == 405, (method, path, response.status_code)
+            allow = {name.strip() for name in response.headers.get("allow", "").split(",") if name.strip()}
+            assert allow == methods, (method, path, allow, methods)
+            if method != "HEAD":
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}

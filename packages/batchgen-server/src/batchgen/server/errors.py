@@ -2,6 +2,7 @@
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the
 matching status, and ``Retry-After`` on 429, 503 and 507. Controllers never build error responses.
+An HTTP error of Litestar's keeps the headers it carries (``Allow`` on a 405).
 
 A storage fault (a full disk: 507 Insufficient Storage; an I/O error or a read-only folder: 503)
 answers with its reason wherever it is raised, also from the server's own writes (an upload being
@@ -89,7 +90,9 @@ def handle_http_error(_: Request, exc: Exception) -> Response[dict[str, object]]
         param = first.get("key") if isinstance(first, dict) and isinstance(first.get("key"), str) else None
         code = "invalid_request"  # a query parameter of the wrong type (limit=1.5), named by param
     type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(exc.status_code, message, type_=type_, code=code, param=param)
+    # Litestar's own headers stay: ``Allow`` on a 405 (RFC 9110 §15.5.6), any other it sets
+    headers = {str(name): str(value) for name, value in (exc.headers or {}).items()}
+    return error_response(exc.status_code, message, type_=type_, code=code, param=param, headers=headers)
 
 
 def handle_unexpected_error(request: Request, exc: Exception) -> Response[dict[str, object]]:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from litestar import Response, get
+from litestar import HttpMethod, Response, route
 from litestar.datastructures import State
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
@@ -256,8 +256,10 @@ def build_registry(service: BatchService) -> tuple[CollectorRegistry, HttpMetric
     return registry, http
 
 
-@get("/metrics", include_in_schema=False, sync_to_thread=False)
+@route(
+    "/metrics", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False, sync_to_thread=False
+)
 def metrics(state: State) -> Response[bytes]:
-    """The app's registry in Prometheus' text format."""
+    """The app's registry in Prometheus' text format (``HEAD`` answers the same headers, no body)."""
     registry: Any = state.metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
