@@ -19,6 +19,8 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchgen.core import (
     BatchParameters,
@@ -29,8 +31,10 @@ from batchgen.core import (
     load_backend,
 )
 from batchgen.core.backends import BackendUnavailable
-from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for
-from batchgen.core.models import Batch
+from batchgen.core.backends.capabilities import capabilities_of, passed_options
+from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for, sampling_params
+from batchgen.core.models import Batch, SamplingParameters
+from batchgen.core.request_schema import read_body, read_envelope
 
 pytestmark = pytest.mark.anyio
 
@@ -51,7 +55,12 @@ def sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     It is dropped from ``sys.modules`` afterwards, so no other test sees an ``sglang`` imported.
     """
     monkeypatch.syspath_prepend(str(FAKES))
-    for name in ("FAKE_SGLANG_DELAY_S", "FAKE_SGLANG_DIE_AFTER", "FAKE_SGLANG_FAIL_START"):
+    for name in (
+        "FAKE_SGLANG_DELAY_S",
+        "FAKE_SGLANG_DIE_AFTER",
+        "FAKE_SGLANG_FAIL_START",
+        "FAKE_SGLANG_RECORD",
+    ):
         monkeypatch.delenv(name, raising=False)
     import sglang as module
 
@@ -183,6 +192,68 @@ async def test_sampling_parameters_map_to_sglang_names_with_body_over_batch_over
             "top_p": 1.0,
         }
         assert all(call.rid.startswith("req_") for call in engine.calls)
+
+
+async def test_penalties_reach_the_engine_as_sglangs_same_named_sampling_parameters(
+    sglang: ModuleType, tmp_path: Path
+) -> None:
+    backend = load_backend("sglang", model_path="fake-model")
+    async with _service(tmp_path, backend, default_max_tokens=8) as service:
+        chats = await _run(
+            service,
+            _chat("both", "question one", frequency_penalty=0.5, presence_penalty=-1)
+            + _chat("bounds", "question two", frequency_penalty=2, presence_penalty=-2.0)
+            + _chat("zero", "question three", frequency_penalty=0, presence_penalty=1.25)
+            + _chat("none", "question four"),
+        )
+        completions = await _run(
+            service, _completion("completion", "Once upon", frequency_penalty=-0.75), COMPLETIONS
+        )
+        assert chats.status is completions.status is BatchStatus.COMPLETED
+        assert chats.request_counts.completed == 4 and completions.request_counts.completed == 1
+        [engine] = sglang.Engine.instances
+
+        def penalties(text: str) -> dict[str, Any]:
+            params = _call_for(engine, text).sampling_params
+            return {name: value for name, value in params.items() if name.endswith("_penalty")}
+
+        assert penalties("question one") == {"frequency_penalty": 0.5, "presence_penalty": -1.0}
+        assert penalties("question two") == {"frequency_penalty": 2.0, "presence_penalty": -2.0}
+        assert penalties("question three") == {"presence_penalty": 1.25}  # 0 is SGLang's default
+        assert penalties("question four") == {}
+        assert penalties("Once upon") == {"frequency_penalty": -0.75}
+        assert all(
+            type(value) is float for call in engine.calls for value in penalties(call.prompt_text).values()
+        )
+
+
+_penalty_values = st.none() | st.integers(-2, 2) | st.floats(-2, 2, allow_nan=False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(frequency=_penalty_values, presence=_penalty_values, completion=st.booleans())
+def test_every_allowed_penalty_is_sent_by_name_and_value(
+    frequency: float | None, presence: float | None, completion: bool
+) -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 4}
+    if completion:
+        endpoint, body["prompt"] = COMPLETIONS, "Once"
+    else:
+        endpoint, body["messages"] = CHAT, [{"role": "user", "content": "hi"}]
+    for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence)):
+        if value is not None:
+            body[name] = value
+    line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": body}
+    parsed = read_body(read_envelope(json.dumps(line).encode()))
+    options = passed_options(capabilities_of(SGLangBackend(model_path="m")), endpoint, parsed)
+    params = sampling_params(SamplingParameters(max_tokens=4), 4, options)
+    sent = {name: value for name, value in params.items() if name.endswith("_penalty")}
+    expected = {
+        name: float(value)
+        for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence))
+        if value  # None and 0 ask for nothing and are left to SGLang's default, 0
+    }
+    assert sent == expected
 
 
 async def test_finish_reasons_token_counts_and_reasoning_come_back_openai_shaped(

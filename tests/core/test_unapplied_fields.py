@@ -5,7 +5,8 @@ on their sizes and values, at and past each bound). OpenAI's fields that change 
 that a backend does not run (``logit_bias``, the penalties, tools, audio, web search, and the
 completions ``echo``/``suffix``/``best_of``) are refused at upload naming the line and the field,
 unless their value asks for nothing; a backend that declares one (the openai upstream declares
-``logit_bias`` and the penalties) gets it in the request's options.
+``logit_bias`` and the penalties, sglang the penalties, transformers ``logit_bias``) gets it in the
+request's options. A penalty is accepted on a model whose backend runs it only from -2 to 2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from batchgen.core.backends.capabilities import (
     capabilities_of,
     passed_options,
 )
+from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.backends.openai_upstream import OpenAIUpstreamBackend
+from batchgen.core.backends.sglang_engine import SGLangBackend
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.batch_file import validate_batch_file
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest
@@ -118,11 +121,13 @@ def _line(endpoint: str, **body: Any) -> dict[str, Any]:
     return chat_line("a", **body) if endpoint == "chat" else completion_line("a", "Once", **body)
 
 
-def _validate(tmp_path: Path, line: dict[str, Any]) -> InvalidBatchFile | None:
+def _validate(
+    tmp_path: Path, line: dict[str, Any], models: ModelSet | None = None
+) -> InvalidBatchFile | None:
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps(line) + "\n")
     try:
-        validate_batch_file(str(path), _models())
+        validate_batch_file(str(path), models or _models())
     except InvalidBatchFile as exc:
         return exc
     return None
@@ -150,3 +155,69 @@ def test_the_openai_backend_passes_logit_bias_and_the_penalties_on() -> None:
     options = passed_options(capabilities, CHAT_COMPLETIONS, body)
     assert options == {"logit_bias": {"42": 5.0}, "frequency_penalty": 0.5, "presence_penalty": -1.0}
     assert passed_options(Capabilities(), CHAT_COMPLETIONS, body) == {}
+
+
+def _sglang_models() -> ModelSet:
+    return ModelSet([ServedModel(SGLangBackend(model_path="m"), name="a")])
+
+
+def test_the_sglang_backend_passes_the_penalties_on() -> None:
+    capabilities = capabilities_of(SGLangBackend(model_path="m"))
+    line = chat_line("a", frequency_penalty=0.5, presence_penalty=-1, logit_bias={"42": 5})
+    body = read_body(read_envelope(json.dumps(line).encode()))
+    assert passed_options(capabilities, CHAT_COMPLETIONS, body) == {
+        "frequency_penalty": 0.5,
+        "presence_penalty": -1.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "asks", "nothing", "endpoint"), UNAPPLIED, ids=[row[0] for row in UNAPPLIED]
+)
+def test_sglang_accepts_the_penalties_and_refuses_every_other_field_it_does_not_run(
+    tmp_path: Path, field: str, asks: Any, nothing: Any, endpoint: str
+) -> None:
+    refused = _validate(tmp_path, _line(endpoint, **{field: asks}), _sglang_models())
+    if field in ("frequency_penalty", "presence_penalty"):
+        assert refused is None, refused
+    else:
+        assert refused is not None, f"{field}={asks!r} was accepted for sglang and would be ignored"
+        assert refused.problems[0].line == 1
+        assert f"'body.{field}'" in refused.problems[0].message
+        assert "(sglang backend) does not support" in refused.problems[0].message
+    assert _validate(tmp_path, _line(endpoint, **{field: nothing}), _sglang_models()) is None
+
+
+_penalty_values = (
+    st.integers(-5, 5)
+    | st.floats(-4, 4, allow_nan=False)
+    | st.sampled_from([2.0000001, -2.0000001, 1e300, -1e300, 2, -2, 0])
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    field=st.sampled_from(["frequency_penalty", "presence_penalty"]),
+    value=_penalty_values,
+    endpoint=st.sampled_from(["chat", "completions"]),
+)
+def test_a_penalty_runs_on_sglang_only_from_minus_two_to_two_and_transformers_refuses_it(
+    tmp_path_factory: pytest.TempPathFactory, field: str, value: float, endpoint: str
+) -> None:
+    tmp_path = tmp_path_factory.mktemp("penalty")
+    line = _line(endpoint, **{field: value})
+    refused = _validate(tmp_path, line, _sglang_models())
+    if -2 <= value <= 2:
+        assert refused is None, refused
+    else:
+        assert refused is not None, f"{field}={value!r} was accepted for sglang"
+        [problem] = refused.problems
+        assert problem.line == 1
+        assert f"'body.{field}'" in problem.message and "between -2 and 2" in problem.message
+    transformers = ModelSet([ServedModel(TransformersBackend(), name="a")])
+    refused = _validate(tmp_path, line, transformers)
+    if value == 0:
+        assert refused is None, refused
+    else:  # transformers does not apply the penalties, so it never accepts one
+        assert refused is not None and refused.problems[0].line == 1
+        assert f"'body.{field}'" in refused.problems[0].message

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from batchgen.server.cli import settings_from_args
+from tests.helpers import api_error, completion_line, jsonl, post_file
 from tests.live import LiveServer, chat_line, wait_for_status, write_jsonl
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
@@ -30,7 +31,12 @@ def fake_sglang_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
     )
-    for name in ("FAKE_SGLANG_DELAY_S", "FAKE_SGLANG_DIE_AFTER", "FAKE_SGLANG_FAIL_START"):
+    for name in (
+        "FAKE_SGLANG_DELAY_S",
+        "FAKE_SGLANG_DIE_AFTER",
+        "FAKE_SGLANG_FAIL_START",
+        "FAKE_SGLANG_RECORD",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -116,6 +122,52 @@ def test_a_batch_runs_end_to_end_on_the_sglang_backend(
         assert batch["usage"]["output_tokens"] == sum(
             line["response"]["body"]["usage"]["completion_tokens"] for line in results
         )
+
+
+def test_penalties_are_accepted_at_upload_and_reach_the_engine_by_name(
+    fake_sglang_path: None,
+    server_factory: Callable[..., LiveServer],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    record = tmp_path / "sampling.jsonl"
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(record))
+    server = server_factory(*SGLANG_FLAGS)
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        out_of_range = jsonl(
+            chat_line("fine", frequency_penalty=1), chat_line("too-big", presence_penalty=2.5)
+        )
+        refused = api_error(post_file(client, out_of_range), 400)
+        assert "line 2: 'body.presence_penalty'" in str(refused["message"])
+        assert "between -2 and 2" in str(refused["message"])
+        lines = [
+            chat_line("chat", "question", max_tokens=4, frequency_penalty=0.5, presence_penalty=-2),
+            chat_line("zero", "question", max_tokens=4, frequency_penalty=0),
+        ]
+        batch = _submit(client, write_jsonl(tmp_path / "input.jsonl", lines))
+        batch = wait_for_status(client, batch["id"], {"completed", "failed"}, timeout_s=20)
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+        uploaded = post_file(
+            client, jsonl(completion_line("completion", "Once", max_tokens=4, presence_penalty=1.5))
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        created = client.post(
+            "/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/completions"}
+        )
+        assert created.status_code == 200, created.text
+        done = wait_for_status(client, created.json()["id"], {"completed", "failed"}, timeout_s=20)
+        assert done["status"] == "completed", done
+    sent = [json.loads(line)["sampling_params"] for line in record.read_text().splitlines()]
+    penalties = sorted(
+        ({name: value for name, value in params.items() if name.endswith("_penalty")} for params in sent),
+        key=len,
+    )
+    assert penalties == [
+        {},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.5, "presence_penalty": -2.0},
+    ]
 
 
 def test_engine_death_makes_health_503_and_fails_the_batch(

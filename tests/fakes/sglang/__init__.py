@@ -13,9 +13,11 @@ offline-engine API that the backend uses, shaped as SGLang documents it (upstrea
   "cached_tokens", "finish_reason"}}``; ``finish_reason`` is ``{"type": "stop", "matched": ...}``,
   ``{"type": "length", "length": ...}`` or ``{"type": "abort", "message", "status_code",
   "err_type"}``. Sampling parameters are checked the way SGLang's ``SamplingParams`` does: an
-  unknown name is a ``TypeError``, an out-of-range value a ``ValueError``. A prompt that does not
-  fit the context, or a prompt plus ``max_new_tokens`` that does not, is a ``ValueError`` with
-  SGLang's own messages, as the tokenizer manager raises them.
+  unknown name is a ``TypeError``, an out-of-range value a ``ValueError`` (the penalties too:
+  ``frequency_penalty`` and ``presence_penalty`` in [-2, 2], ``repetition_penalty`` in [0, 2]).
+  The penalties change no words here; what arrived is in ``FakeCall.sampling_params``. A prompt
+  that does not fit the context, or a prompt plus ``max_new_tokens`` that does not, is a
+  ``ValueError`` with SGLang's own messages, as the tokenizer manager raises them.
 - ``engine.tokenizer_manager.abort_request(rid)`` (synchronous, a no-op for an unknown rid): the
   request ends with ``{"type": "abort", ...}`` at its next token.
 - ``engine.tokenizer_manager.tokenizer``: ``apply_chat_template(messages, tokenize=False,
@@ -38,6 +40,8 @@ Environment variables, read when an ``Engine`` is created:
   ``RuntimeError``). This stands in for an engine failure surfacing in the calling process; a real
   SGLang whose scheduler process crashes usually also kills the calling process through its own
   SIGQUIT watchdog, which no in-process fake can show.
+- ``FAKE_SGLANG_RECORD=path``: each ``async_generate`` call appends one JSON line ``{"rid",
+  "sampling_params"}`` to the file, so a test can see what a server process sent its engine.
 - ``FAKE_SGLANG_FAIL_START=message``: ``Engine()`` raises ``RuntimeError(message)``, like a failed
   SGLang launch ("Initialization failed. Please see the error messages above.").
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import random
 import re
@@ -226,6 +231,7 @@ class FakeTokenizerManager:
 class _Knobs:
     delay_s: float = 0.0
     die_after: int | None = None
+    record: str | None = None
 
     @classmethod
     def from_environment(cls) -> _Knobs:
@@ -233,6 +239,7 @@ class _Knobs:
         return cls(
             delay_s=float(os.environ.get("FAKE_SGLANG_DELAY_S", "0")),
             die_after=int(die_after) if die_after else None,
+            record=os.environ.get("FAKE_SGLANG_RECORD") or None,
         )
 
 
@@ -279,6 +286,9 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         call = FakeCall(rid, prompt, input_ids, prompt or tokenizer.decode(ids), params)
         self.calls.append(call)
+        if self._knobs.record:
+            with open(self._knobs.record, "a", encoding="utf-8") as record:
+                record.write(json.dumps({"rid": rid, "sampling_params": params}) + "\n")
         if self._knobs.die_after is not None and len(self.calls) > self._knobs.die_after:
             self._dead = f"the fake engine died after {self._knobs.die_after} requests"
             self._check_alive()
@@ -386,6 +396,13 @@ def _validate_sampling(params: dict[str, Any]) -> int | None:
     top_k = params.get("top_k", -1)
     if top_k < 1 and top_k != -1:
         raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        value = params.get(penalty, 0.0)
+        if not -2.0 <= value <= 2.0:
+            raise ValueError(f"{penalty} must be in [-2, 2], got {value}.")
+    repetition_penalty = params.get("repetition_penalty", 1.0)
+    if not 0.0 <= repetition_penalty <= 2.0:
+        raise ValueError(f"repetition_penalty must be in [0, 2], got {repetition_penalty}.")
     max_new_tokens = params.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")

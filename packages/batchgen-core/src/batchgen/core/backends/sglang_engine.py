@@ -10,7 +10,8 @@ Requests. Chat messages go through the tokenizer's chat template, completions us
 prompt; the backend tokenizes (as SGLang's own OpenAI server does), checks the prompt against the
 context, and sends the token ids, so nothing is tokenized twice. OpenAI sampling parameters map
 to SGLang's (``max_tokens`` → ``max_new_tokens``, ``seed`` → ``sampling_seed``, ``top_k`` -1 is
-left out), and ``max_new_tokens`` is capped to what the context leaves, as SGLang refuses a
+left out; ``frequency_penalty`` and ``presence_penalty`` keep their names, as SGLang applies them
+the way OpenAI defines them), and ``max_new_tokens`` is capped to what the context leaves, as SGLang refuses a
 request whose prompt plus output limit does not fit. A ``<think>…</think>`` block in the answer
 becomes ``reasoning_content``.
 
@@ -46,7 +47,12 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
-from batchgen.core.backends.capabilities import RESPONSE_FORMAT, Capabilities
+from batchgen.core.backends.capabilities import (
+    FREQUENCY_PENALTY,
+    PRESENCE_PENALTY,
+    RESPONSE_FORMAT,
+    Capabilities,
+)
 from batchgen.core.backends.option_types import key_value, positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages
@@ -59,6 +65,11 @@ _NAMED_OPTIONS = ("model_path", "tp_size", "dp_size", "context_length", "mem_fra
 
 #: HTTP statuses SGLang attaches to refusals that may succeed when tried again.
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+#: OpenAI's penalties, which SGLang's sampling parameters take by the same names and with the same
+#: meaning (subtracted from a token's logit: ``frequency_penalty`` times its count in the output so
+#: far, ``presence_penalty`` once it has appeared), in OpenAI's range -2 to 2.
+_PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY)
 
 _PROMPT_TOO_LONG = re.compile(
     r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)", re.IGNORECASE
@@ -94,7 +105,8 @@ def sampling_params(
     sampling: SamplingParameters, max_new_tokens: int, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """SGLang's ``sampling_params`` for a request's resolved OpenAI parameters (and its
-    ``response_format``, from ``options``)."""
+    ``response_format`` and penalties, from ``options``)."""
+    options = options or {}
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature,
@@ -106,7 +118,10 @@ def sampling_params(
         params["sampling_seed"] = sampling.seed
     if sampling.stop:
         params["stop"] = list(sampling.stop)
-    params.update(structured_output_params((options or {}).get("response_format")))
+    for penalty in _PENALTIES:  # the same names and meaning in SGLang; 0 (the default) is left out
+        if options.get(penalty):
+            params[penalty] = float(options[penalty])
+    params.update(structured_output_params(options.get("response_format")))
     return params
 
 
@@ -128,8 +143,9 @@ class _Prompt:
 
 class SGLangBackend:
     name = "sglang"
-    #: Chat and completions; ``response_format`` becomes SGLang's ``json_schema`` parameter.
-    capabilities = Capabilities(features=frozenset({RESPONSE_FORMAT}))
+    #: Chat and completions; ``response_format`` becomes SGLang's ``json_schema`` parameter, and
+    #: the penalties are SGLang's own sampling parameters.
+    capabilities = Capabilities(features=frozenset({RESPONSE_FORMAT, *_PENALTIES}))
 
     def __init__(
         self,
