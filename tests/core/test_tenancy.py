@@ -145,10 +145,10 @@ async def test_tenant_limits_refuse_with_the_tenants_own_figures(tmp_path: Path)
     async with BatchService(settings, load_backend("simulated", latency_s=5)) as service:
         limited = Caller("small", limits=TenantLimits(max_queued_requests=4, max_active_batches=1))
         big = await service.create_file(_lines("big", 5), caller=limited)
-        with pytest.raises(IntakeFull) as over:
+        with pytest.raises(InvalidRequest) as over:  # larger than the limit itself: never fits, no retry
             await service.create_batch(big.id, CHAT, caller=limited)
-        assert "Tenant 'small'" in over.value.message and "max_queued_requests) is 4" in over.value.message
-        assert 1 <= over.value.retry_after_s <= 300
+        assert over.value.code == "capacity_exceeded" and not hasattr(over.value, "retry_after_s")
+        assert "tenant 'small'" in over.value.message and "limit of 4 queued requests" in over.value.message
         fits = await service.create_file(_lines("fits", 3), caller=limited)
         running = await service.create_batch(fits.id, CHAT, caller=limited)
         second = await service.create_file(_lines("second", 1), caller=limited)

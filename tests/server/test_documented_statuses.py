@@ -315,7 +315,17 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
     (
         "429",
         "| 429 | the intake pool cannot take",
-        "test_tenants.py::test_a_tenant_over_its_own_limits_gets_429_naming_them",
+        "test_tenants.py::test_a_tenant_over_its_own_limits_is_refused_naming_them",
+    ),
+    (
+        "429",
+        "let in once its earlier batches have drained",
+        "test_tenant_limit_never_fits.py::test_a_batch_the_limits_let_in_once_earlier_batches_drain_is_429_with_retry_after",
+    ),
+    (
+        "400",
+        "larger than the tenant's `max_queued_requests` itself",
+        "test_tenant_limit_never_fits.py::test_a_batch_the_tenants_limits_can_never_let_in_is_400_and_one_that_can_is_never_400",
     ),
     (
         "431",

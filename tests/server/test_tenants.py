@@ -350,24 +350,30 @@ def test_usage_is_per_tenant_and_admins_see_every_tenant(tenancy: Tenancy) -> No
 # --- per-tenant limits --------------------------------------------------------------------------
 
 
-def test_a_tenant_over_its_own_limits_gets_429_naming_them(tenancy: Tenancy) -> None:
+def test_a_tenant_over_its_own_limits_is_refused_naming_them(tenancy: Tenancy) -> None:
+    """A batch larger than the tenant's own limit can never fit: 400, no Retry-After (a 429 would be
+    retried for ever); a limit the batch fits is 429 only while the tenant's other work drains."""
     storage = tenancy.server.storage_path
     _, key = create_key(storage, "dave", "--max-queued-requests", "5", "--max-active-batches", "3")
     with authorized(tenancy.server.base_url, key) as dave:
         big = upload(dave, jsonl(*[chat_line(f"d-{i}") for i in range(6)]))["id"]
         response = dave.post("/v1/batches", json={"input_file_id": big, "endpoint": "/v1/chat/completions"})
-        assert response.status_code == 429, response.text
-        assert int(response.headers["retry-after"]) >= 1
-        message = response.json()["error"]["message"]
-        assert "dave" in message and "max_queued_requests" in message and "5" in message
+        assert response.status_code == 400, response.text
+        assert "retry-after" not in response.headers
+        error = response.json()["error"]
+        assert error["code"] == "capacity_exceeded"
+        message = error["message"]
+        assert "dave" in message and "max_queued_requests" in message and "(6 requests)" in message
+        assert "5 queued requests" in message and "never fit" in message and "Retry later" not in message
+        assert "batchgen-server keys set-limits --tenant dave" in message
         keys_command(storage, "set-limits", "--tenant", "dave", "--max-queued-requests", "100")
         accepted = dave.post("/v1/batches", json={"input_file_id": big, "endpoint": "/v1/chat/completions"})
         assert accepted.status_code == 200, accepted.text  # changed on the running server
         wait_for_status(dave, accepted.json()["id"], {"completed"})
         keys_command(storage, "set-limits", "--tenant", "dave", "--max-active-batches", "0")
         refused = dave.post("/v1/batches", json={"input_file_id": big, "endpoint": "/v1/chat/completions"})
-        assert refused.status_code == 429
-        assert "max_active_batches" in refused.json()["error"]["message"]
+        assert refused.status_code == 400 and "retry-after" not in refused.headers
+        assert "max_active_batches is 0" in refused.json()["error"]["message"]
     # the other tenants have no limits beyond the server's
     alice = tenancy.clients["alice"]
     many = upload(alice, jsonl(*[chat_line(f"a-{i}") for i in range(50)]))["id"]

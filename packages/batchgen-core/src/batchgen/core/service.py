@@ -570,8 +570,12 @@ class BatchService:
         return active.snapshot()
 
     def _check_tenant_limits(self, caller: Caller, requests: int) -> None:
-        """IntakeFull, naming the tenant's limit, when a batch of ``requests`` would exceed it."""
+        """IntakeFull, naming the tenant's limit, when a batch of ``requests`` would exceed it now;
+        InvalidRequest (400, no retry helps) when it exceeds the limit itself."""
         limits, tenant = caller.limits, caller.tenant
+        never_fits = limits.never_fits(tenant, requests)
+        if never_fits is not None:
+            raise InvalidRequest(never_fits, param="input_file_id", code="capacity_exceeded")
         if limits.max_active_batches is not None:
             active = sum(
                 1 for batch in self.parts.tracker if batch.batch.owner == tenant and batch.status.is_active

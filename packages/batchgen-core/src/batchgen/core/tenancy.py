@@ -53,6 +53,25 @@ class TenantLimits:
     max_active_batches: int | None = None
     weight: float = attrs.field(default=1.0, validator=_positive_weight)
 
+    def never_fits(self, tenant: str, requests: int) -> str | None:
+        """Why a batch of ``requests`` can never be accepted under these limits (however long the
+        tenant waits: it is larger than ``max_queued_requests`` itself, or ``max_active_batches``
+        is 0), or None when waiting can let it in."""
+        fix = f"'batchgen-server keys set-limits --tenant {tenant} ...'"
+        if self.max_queued_requests is not None and requests > self.max_queued_requests:
+            return (
+                f"This batch ({requests} requests) is over tenant '{tenant}'s limit of "
+                f"{self.max_queued_requests} queued requests (max_queued_requests), so it will never fit, "
+                f"however long it waits: do not retry it. Split the file into batches of at most "
+                f"{self.max_queued_requests} requests, or have an operator raise the limit ({fix})."
+            )
+        if self.max_active_batches == 0:
+            return (
+                f"Tenant '{tenant}' may have no active batch (max_active_batches is 0), so this batch will "
+                f"never fit, however long it waits: do not retry it. Have an operator raise the limit ({fix})."
+            )
+        return None
+
 
 @attrs.frozen
 class Caller:

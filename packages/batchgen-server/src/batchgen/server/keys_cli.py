@@ -63,13 +63,15 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queued-requests",
         type=_non_negative_int,
-        help="most requests the tenant's batches may have waiting for a slot; a batch over it gets 429 "
+        help="most requests the tenant's batches may have waiting for a slot; a batch that would go over "
+        "it gets 429 until earlier ones drain, one larger than the limit itself 400 (it can never fit) "
         "(default: no limit beyond the server's)",
     )
     parser.add_argument(
         "--max-active-batches",
         type=_non_negative_int,
-        help="most batches the tenant may have not ended yet; one more gets 429 (default: no limit)",
+        help="most batches the tenant may have not ended yet; one more gets 429 (at 0, every batch "
+        "gets 400) (default: no limit)",
     )
     parser.add_argument(
         "--weight",
