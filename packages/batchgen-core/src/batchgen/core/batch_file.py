@@ -27,6 +27,7 @@ from batchgen.core.request_schema import (
     Body,
     block_reader,
     check_body,
+    in_field_order,
     line_decoder,
     line_problems,
     read_body,
@@ -95,6 +96,37 @@ def _line_model(url: str, body: Body, served_models: Collection[str] | LineRoute
             param="body.model",
         )
     return None
+
+
+def _line_model_problems(
+    url: str, body: Body, served_models: Collection[str] | LineRouter | None
+) -> tuple[object, list[InvalidRequest]]:
+    """The model a line of a readable body runs on (None without a ``LineRouter``), and every
+    reason it cannot run there (a model not served; each field the model's backend does not run),
+    each naming its field, in the words of the line's endpoint."""
+    line_problems_of = getattr(served_models, "line_problems", None)
+    if not isinstance(served_models, LineRouter) or line_problems_of is None:
+        try:
+            return _line_model(url, body, served_models), []
+        except InvalidRequest as exc:
+            return None, [exc]
+    model, problems = line_problems_of(url, body)
+    if url == RESPONSES:
+        problems = [_in_responses_terms(problem) for problem in problems]
+    return model, problems
+
+
+def _in_responses_terms(problem: InvalidRequest) -> InvalidRequest:
+    param = None if problem.param is None else responses_terms(f"'{problem.param}'").strip("'")
+    return InvalidRequest(responses_terms(problem.message), param=param)
+
+
+def _body_field(param: str | None) -> str | None:
+    """The body field a problem's ``param`` is in (``body.messages[0].role``: ``messages``), or
+    None for a problem outside the body."""
+    if param is None or not param.startswith("body."):
+        return None
+    return param.removeprefix("body.").split(".")[0].split("[")[0]
 
 
 def validate_batch_file(
@@ -299,30 +331,39 @@ class _Validation:
             self.report(line_number, ["not valid UTF-8"])
             return
         reading = line_problems(raw)
-        problems = [problem.message for problem in reading.problems]
+        later: list[InvalidRequest] = []  # the problems of the checks after the request schema's
         model: object = None
         body = reading.body
         if body is not None and reading.url is not None:
-            model_named = not any(problem.param == "body.model" for problem in reading.problems)
-            try:
-                model = _line_model(reading.url, body, self.served_models) if model_named else None
-            except InvalidRequest as exc:
-                problems.append(exc.message)
-        if not problems and self.file_model is None:
-            self.file_model = model
-        elif not problems and model is not self.file_model:
-            assert body is not None
-            problems.append(
-                f"'body.model' {body.model!r} is another model than the lines before; "
-                "a batch file's lines must all use one model (as in OpenAI's Batch API)"
-            )
+            said = {_body_field(problem.param) for problem in reading.problems}
+            if "model" not in said:  # a model field that is wrong is said already
+                model, of_model = _line_model_problems(reading.url, body, self.served_models)
+                later.extend(problem for problem in of_model if _body_field(problem.param) not in said)
+        if not reading.problems and not later:
+            if self.file_model is None:
+                self.file_model = model
+            elif model is not self.file_model:
+                assert body is not None
+                later.append(
+                    InvalidRequest(
+                        f"'body.model' {body.model!r} is another model than the lines before; "
+                        "a batch file's lines must all use one model (as in OpenAI's Batch API)",
+                        param="body.model",
+                    )
+                )
         custom_id = reading.custom_id
         if custom_id is not None and custom_id in self.seen_ids:
-            problems.append(f"duplicate custom_id {custom_id!r}")
+            later.append(InvalidRequest(f"duplicate custom_id {custom_id!r}", param="custom_id"))
         if reading.url is not None and self.file_url is not None and reading.url != self.file_url:
-            problems.append(f"'url' {reading.url!r} differs from {self.file_url!r}; a file must use one url")
-        if problems:
-            self.report(line_number, problems)
+            later.append(
+                InvalidRequest(
+                    f"'url' {reading.url!r} differs from {self.file_url!r}; a file must use one url",
+                    param="url",
+                )
+            )
+        if reading.problems or later:
+            problems = in_field_order(raw, (*reading.problems, *later)) if later else reading.problems
+            self.report(line_number, [problem.message for problem in problems])
             return
         assert custom_id is not None
         self.seen_ids.add(custom_id)

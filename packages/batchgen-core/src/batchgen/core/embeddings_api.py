@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from msgspec import UNSET
@@ -37,47 +37,82 @@ def _token_array(value: Any) -> bool:
     )
 
 
+_WANTED = (
+    "'body.input' must be a non-empty string, a list of non-empty strings, a token array "
+    "(a list of non-negative integers) or a list of token arrays"
+)
+
+
 def read_inputs(value: Any) -> Inputs:
-    """The inputs of an embeddings body, one text or token array each; InvalidRequest if malformed."""
-    wanted = (
-        "'body.input' must be a non-empty string, a list of non-empty strings, a token array "
-        "(a list of non-negative integers) or a list of token arrays"
-    )
-    if value is UNSET or value is None:
-        raise InvalidRequest("missing 'body.input'", param="body.input")
+    """The inputs of an embeddings body, one text or token array each; InvalidRequest if malformed
+    (the first problem ``input_problems`` finds)."""
+    for problem in input_problems(value):
+        raise problem
     if isinstance(value, str):
-        if not value:
-            raise InvalidRequest(wanted + ", got an empty string", param="body.input")
         return (value,)
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest(wanted, param="body.input")
-    if len(value) > MAX_INPUTS:
-        raise InvalidRequest(
-            f"'body.input' may hold at most {MAX_INPUTS} inputs, got {len(value)}", param="body.input"
-        )
     if _token_array(value):
         return (tuple(value),)
-    inputs: list[str | tuple[int, ...]] = []
+    return tuple(item if isinstance(item, str) else tuple(item) for item in value)
+
+
+def input_problems(value: Any) -> Iterator[InvalidRequest]:
+    """Every problem of an embeddings body's ``input``: the whole of it, or each item that is
+    neither a non-empty string nor a token array, in item order."""
+    if value is UNSET or value is None:
+        yield InvalidRequest("missing 'body.input'", param="body.input")
+        return
+    if isinstance(value, str):
+        if not value:
+            yield InvalidRequest(_WANTED + ", got an empty string", param="body.input")
+        return
+    if not isinstance(value, list) or not value:
+        yield InvalidRequest(_WANTED, param="body.input")
+        return
+    if len(value) > MAX_INPUTS:
+        yield InvalidRequest(
+            f"'body.input' may hold at most {MAX_INPUTS} inputs, got {len(value)}", param="body.input"
+        )
+        return
+    if _token_array(value):
+        return
     for position, item in enumerate(value):
-        if isinstance(item, str) and item:
-            inputs.append(item)
-        elif _token_array(item):
-            inputs.append(tuple(item))
-        else:
-            raise InvalidRequest(f"{wanted}; item {position} is not", param=f"body.input[{position}]")
-    return tuple(inputs)
+        if not ((isinstance(item, str) and item) or _token_array(item)):
+            yield InvalidRequest(
+                f"'body.input[{position}]' must be a non-empty string or a token array (a list of "
+                f"non-negative integers), as every item of a list 'body.input', got {_kind(item)}",
+                param=f"body.input[{position}]",
+            )
+
+
+def _kind(item: Any) -> str:
+    if isinstance(item, str):
+        return "an empty string"
+    if isinstance(item, list):
+        return "an empty list" if not item else "a list that is not of non-negative integers"
+    if item is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", dict: "a JSON object"}.get(
+        type(item), type(item).__name__
+    )
 
 
 def check_embeddings_body(body: Any) -> None:
-    """Check an ``EmbeddingsBody`` beyond its types; InvalidRequest naming the field."""
-    read_inputs(body.input)
+    """Check an ``EmbeddingsBody`` beyond its types; InvalidRequest naming the field (the first
+    problem ``embeddings_body_problems`` finds)."""
+    for problem in embeddings_body_problems(body):
+        raise problem
+
+
+def embeddings_body_problems(body: Any) -> Iterator[InvalidRequest]:
+    """Every problem of an ``EmbeddingsBody`` beyond its types, in field order."""
+    yield from input_problems(body.input)
     if body.encoding_format is not None and body.encoding_format not in ENCODING_FORMATS:
-        raise InvalidRequest(
+        yield InvalidRequest(
             f"'body.encoding_format' must be 'float' or 'base64', got {body.encoding_format!r}",
             param="body.encoding_format",
         )
     if body.dimensions is not None and body.dimensions < 1:
-        raise InvalidRequest(
+        yield InvalidRequest(
             f"'body.dimensions' must be at least 1, got {body.dimensions}", param="body.dimensions"
         )
 

@@ -34,7 +34,7 @@ import operator
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Annotated, Any, Literal
 
 import attrs
@@ -310,22 +310,19 @@ def check_body(body: Body) -> Body:
 def body_problems(body: Body) -> Iterator[InvalidRequest]:
     """Every problem of a decoded body that its struct cannot state, in the order of the checks."""
     if isinstance(body, EmbeddingsBody):
-        from batchgen.core.embeddings_api import check_embeddings_body
+        from batchgen.core.embeddings_api import embeddings_body_problems
 
-        try:
-            check_embeddings_body(body)
-        except InvalidRequest as exc:
-            yield exc
+        yield from embeddings_body_problems(body)
         return
     if isinstance(body, ResponsesBody):
-        from batchgen.core.responses_api import check_responses_body, responses_terms
+        from batchgen.core.responses_api import CHAT_ONLY_FIELDS, responses_body_problems, responses_terms
 
-        try:
-            check_responses_body(body)
-        except InvalidRequest as exc:
-            yield exc
+        yield from responses_body_problems(body)
         for problem in _generation_problems(body):  # name the Responses fields, not the chat ones
-            yield InvalidRequest(responses_terms(problem.message), param=_responses_param(problem.param))
+            # the chat fields now hold what the Responses fields say (text.format, max_output_tokens),
+            # which were checked as those: their problems are said already
+            if _top_field(problem.param) not in CHAT_ONLY_FIELDS:
+                yield InvalidRequest(responses_terms(problem.message), param=_responses_param(problem.param))
         return
     yield from _generation_problems(body)
 
@@ -446,6 +443,35 @@ def line_problems(raw: bytes) -> LineReading:
 
 
 _FIRST = operator.itemgetter(0)
+
+
+def in_field_order(raw: bytes, problems: Iterable[InvalidRequest]) -> list[InvalidRequest]:
+    """``problems`` of the line ``raw`` (those ``line_problems`` found, and those of later checks:
+    the model, a duplicate ``custom_id``) in the order ``line_problems`` reports them: the
+    envelope's by the line's field order, then the body's by the body's field order (a missing
+    field after those there); problems of one field keep their order."""
+    found = list(problems)
+    if len(found) < 2:
+        return found
+    try:
+        line = _any_decoder.decode(raw)
+    except msgspec.MsgspecError:
+        return found
+    if not isinstance(line, dict):
+        return found
+    envelope = {key: index for index, key in enumerate(line)}
+    body = line.get("body")
+    fields = {key: index for index, key in enumerate(body)} if isinstance(body, dict) else {}
+
+    def position(problem: InvalidRequest) -> tuple[int, int]:
+        param = problem.param
+        if param is None:
+            return (-1, 0)
+        if param.startswith("body.") or param.startswith("body["):
+            return (1, fields.get(_top_field(param), _MISSING_FIELD))
+        return (0, envelope.get(param.split(".")[0].split("[")[0], _MISSING_FIELD))
+
+    return sorted(found, key=position)
 
 
 def _envelope_field_problem(name: str, value: Any) -> InvalidRequest | None:

@@ -6,7 +6,7 @@ messages (``chat_messages``) and run on the chat path of the chosen model; the a
 ``output_text`` part, the top-level ``output_text`` convenience the SDKs offer, and ``usage`` in
 input/output tokens.
 
-Refused at upload, naming the line (``check_responses_body``): tools and tool choices, hosted
+Refused at upload, naming the line and every problem of it (``responses_body_problems``): tools and tool choices, hosted
 state (``previous_response_id``, ``conversation``, ``store: true``), ``background``,
 ``include``, reusable ``prompt`` templates, streaming, and input items other than messages with
 text (images, files, function calls). ``text.format`` (structured output) and ``top_logprobs``
@@ -15,6 +15,7 @@ run where the model's backend supports them, as for chat lines.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from msgspec import UNSET
@@ -70,10 +71,23 @@ def responses_terms(message: str) -> str:
 
 
 def check_responses_body(body: Any) -> None:
-    """Refuse what BatchGen does not run, and check ``input``; InvalidRequest naming the field."""
+    """Refuse what BatchGen does not run, and check ``input``; InvalidRequest naming the field (the
+    first problem ``responses_body_problems`` finds)."""
+    for problem in responses_body_problems(body):
+        raise problem
+
+
+def responses_body_problems(body: Any) -> Iterator[InvalidRequest]:
+    """Every problem of a ``ResponsesBody`` beyond its types, in the order of the checks: each chat
+    field it may not use, each feature BatchGen does not run, each input item that cannot be mapped,
+    ``text``. Once they are all found, the body is made ready for the chat path: ``text.format``
+    becomes ``response_format`` and ``max_output_tokens`` the chat output limit; a chat field it
+    reported is cleared, so no later check names it again."""
+    reported: list[str] = []
     for field, instead in CHAT_ONLY_FIELDS.items():
         if getattr(body, field) is not None:
-            raise InvalidRequest(
+            reported.append(field)
+            yield InvalidRequest(
                 f"'body.{field}' is a /v1/chat/completions field; a /v1/responses body sets "
                 f"'{instead}' instead",
                 param=f"body.{field}",
@@ -82,40 +96,49 @@ def check_responses_body(body: Any) -> None:
         value = getattr(body, field, None)
         if value in (None, [], {}, False) or (field == "tool_choice" and value == "none"):
             continue
-        raise _refusal(field, why)
+        yield _refusal(field, why)
     if body.store is True:
-        raise _refusal("store", "responses are not stored; set 'store': false or leave it out")
+        yield _refusal("store", "responses are not stored; set 'store': false or leave it out")
     if body.logprobs is not None:
-        raise InvalidRequest(
+        yield InvalidRequest(
             "'body.logprobs' is not a /v1/responses field; use 'top_logprobs'", param="body.logprobs"
         )
-    chat_messages(body.instructions, body.input)
+    yield from _messages_and_problems(body.instructions, body.input)[1]
+    format_ok = True
     if body.text is not None and not isinstance(body.text, dict):
-        raise InvalidRequest("'body.text' must be an object such as {\"format\": {...}}", param="body.text")
-    if (
+        format_ok = False
+        yield InvalidRequest("'body.text' must be an object such as {\"format\": {...}}", param="body.text")
+    elif (
         isinstance(body.text, dict)
         and body.text.get("format") is not None
         and not isinstance(body.text["format"], dict)
     ):
-        raise InvalidRequest(
+        format_ok = False
+        yield InvalidRequest(
             "'body.text.format' must be an object with a 'type' (text, json_object or json_schema)",
             param="body.text.format",
         )
-    response_format = from_responses_text(body.text)
+    response_format = from_responses_text(body.text) if format_ok else None
     if response_format is not None:
         problem = response_format_problem(response_format)
         if problem is not None:
-            raise InvalidRequest(f"'body.text.format' {problem}", param="body.text.format")
+            response_format = None
+            yield InvalidRequest(f"'body.text.format' {problem}", param="body.text.format")
+    for field in reported:
+        setattr(body, field, None)
+    if response_format is not None:
         body.response_format = response_format  # the chat field the backends read
     if body.max_output_tokens is not None:
         body.max_completion_tokens = body.max_output_tokens  # the output limit of the chat path
 
 
-def _text_of(content: Any, position: int) -> str:
+def _text_problems(content: Any, position: int) -> tuple[str, list[InvalidRequest]]:
+    """The text of an input item's ``content``, and every problem of it (each part not text)."""
     if isinstance(content, str):
-        return content
+        return content, []
     if isinstance(content, list):
         texts: list[str] = []
+        problems: list[InvalidRequest] = []
         for part_position, part in enumerate(content):
             if (
                 isinstance(part, dict)
@@ -125,51 +148,76 @@ def _text_of(content: Any, position: int) -> str:
                 texts.append(part["text"])
                 continue
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(
-                f"'body.input[{position}].content[{part_position}]' is a {kind!r} part; only text parts "
-                "(input_text, output_text) are supported",
-                param=f"body.input[{position}].content",
+            problems.append(
+                InvalidRequest(
+                    f"'body.input[{position}].content[{part_position}]' is a {kind!r} part; only text "
+                    "parts (input_text, output_text) are supported",
+                    param=f"body.input[{position}].content",
+                )
             )
-        return "".join(texts)
-    raise InvalidRequest(
+        return "".join(texts), problems
+    problem = InvalidRequest(
         f"'body.input[{position}].content' must be a string or a list of text parts",
         param=f"body.input[{position}].content",
     )
+    return "", [problem]
 
 
 def chat_messages(instructions: str | None, input_value: Any) -> tuple[dict[str, Any], ...]:
-    """The chat messages a Responses line runs as; InvalidRequest naming what cannot be mapped."""
+    """The chat messages a Responses line runs as; InvalidRequest naming what cannot be mapped
+    (the first problem)."""
+    messages, problems = _messages_and_problems(instructions, input_value)
+    if problems:
+        raise problems[0]
+    return messages
+
+
+def _messages_and_problems(
+    instructions: str | None, input_value: Any
+) -> tuple[tuple[dict[str, Any], ...], list[InvalidRequest]]:
+    """The chat messages a Responses line runs as, and every problem of its ``input`` (each item
+    that is not a message, each bad role, each part that is not text), in item order."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     if input_value is UNSET or input_value is None:
-        raise InvalidRequest("missing 'body.input'", param="body.input")
+        return (), [InvalidRequest("missing 'body.input'", param="body.input")]
     if isinstance(input_value, str):
         if not input_value:
-            raise InvalidRequest("'body.input' must not be empty", param="body.input")
+            return (), [InvalidRequest("'body.input' must not be empty", param="body.input")]
         messages.append({"role": "user", "content": input_value})
-        return tuple(messages)
+        return tuple(messages), []
     if not isinstance(input_value, list) or not input_value:
-        raise InvalidRequest(
+        problem = InvalidRequest(
             "'body.input' must be a string or a non-empty list of message items", param="body.input"
         )
+        return (), [problem]
+    problems: list[InvalidRequest] = []
     for position, item in enumerate(input_value):
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise InvalidRequest(
-                f"'body.input[{position}]' is a {kind!r} item; only message items "
-                '({"role", "content"}) are supported',
-                param=f"body.input[{position}]",
+            problems.append(
+                InvalidRequest(
+                    f"'body.input[{position}]' is a {kind!r} item; only message items "
+                    '({"role", "content"}) are supported',
+                    param=f"body.input[{position}]",
+                )
             )
+            continue
         role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
         if role is None:
-            raise InvalidRequest(
-                f"'body.input[{position}].role' must be user, system, developer or assistant, "
-                f"got {item.get('role')!r}",
-                param=f"body.input[{position}].role",
+            problems.append(
+                InvalidRequest(
+                    f"'body.input[{position}].role' must be user, system, developer or assistant, "
+                    f"got {item.get('role')!r}",
+                    param=f"body.input[{position}].role",
+                )
             )
-        messages.append({"role": role, "content": _text_of(item.get("content"), position)})
-    return tuple(messages)
+        text, text_problems = _text_problems(item.get("content"), position)
+        problems.extend(text_problems)
+        if role is not None:
+            messages.append({"role": role, "content": text})
+    return tuple(messages), problems
 
 
 def _token_logprobs(result: GenerationResult) -> list[dict[str, Any]]:

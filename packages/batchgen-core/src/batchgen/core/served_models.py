@@ -20,7 +20,12 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends.base import Backend
-from batchgen.core.backends.capabilities import Capabilities, capabilities_of, unsupported_problem
+from batchgen.core.backends.capabilities import (
+    Capabilities,
+    capabilities_of,
+    unsupported_problem,
+    unsupported_problems,
+)
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import Health
 
@@ -152,6 +157,18 @@ class ModelSet:
         if problem is not None:
             raise InvalidRequest(problem, param="body.model")
         return model
+
+    def line_problems(self, url: str, body: Any) -> tuple[ServedModel | None, list[InvalidRequest]]:
+        """The model a line runs on (None when it names none served) and every reason it cannot run
+        there, each naming its field; ``check_line`` raises exactly when the list is not empty."""
+        try:
+            model = self.route(body.model).model
+        except InvalidRequest as exc:
+            return None, [exc]
+        problems = unsupported_problems(
+            model.public_name, getattr(model.backend, "name", "?"), model.capabilities, url, body
+        )
+        return model, [InvalidRequest(message, param=param) for param, message in problems]
 
     async def start(self) -> None:
         """Start every backend (see the module docstring for what a failure does)."""

@@ -200,6 +200,44 @@ def unsupported_problem(
     return None
 
 
+def unsupported_problems(
+    model: str, backend_name: str, capabilities: Capabilities, endpoint: str, body: Any
+) -> list[tuple[str, str]]:
+    """Every reason a line cannot run on the model, as (the body field it is about, the message):
+    the endpoint not served (``body.model``), and else one for each field asking for a feature the
+    backend does not run, and ``n`` over its most choices. Empty when the line can run there; the
+    line is refused exactly when ``unsupported_problem`` gives a reason."""
+    if not capabilities.serves(endpoint):
+        return [("body.model", unsupported_problem(model, backend_name, capabilities, endpoint, body) or "")]
+    problems: list[tuple[str, str]] = []
+    for feature in features_used(endpoint, body):
+        if feature in capabilities.features:
+            continue
+        for name in _fields_set(feature, _FIELDS[feature], body) if feature in _FIELDS else [feature]:
+            problems.append(
+                (
+                    f"body.{name}",
+                    f"'body.{name}': model {model!r} ({backend_name} backend) does not support {feature}; "
+                    "remove the field or use a model whose backend supports it",
+                )
+            )
+    choices = getattr(body, "n", None)
+    if (
+        all(param != "body.n" for param, _ in problems)
+        and capabilities.max_choices is not None
+        and isinstance(choices, int)
+        and choices > capabilities.max_choices
+    ):
+        problems.append(
+            (
+                "body.n",
+                f"'body.n': model {model!r} ({backend_name} backend) gives at most "
+                f"{capabilities.max_choices} choices per line, got {choices}",
+            )
+        )
+    return problems
+
+
 def passed_options(capabilities: Capabilities, endpoint: str, body: Any) -> dict[str, Any]:
     """The line's feature fields the backend declares, to hand it in ``GenerationRequest.options``."""
     options: dict[str, Any] = {}
