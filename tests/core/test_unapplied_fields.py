@@ -5,8 +5,8 @@ on their sizes and values, at and past each bound). OpenAI's fields that change 
 that a backend does not run (``logit_bias``, the penalties, tools, audio, web search, and the
 completions ``echo``/``suffix``/``best_of``) are refused at upload naming the line and the field,
 unless their value asks for nothing; a backend that declares one (the openai upstream declares
-``logit_bias`` and the penalties, sglang the penalties, transformers ``logit_bias``) gets it in the
-request's options. A penalty is accepted on a model whose backend runs it only from -2 to 2.
+``logit_bias`` and the penalties, sglang the penalties, transformers both) gets it in the request's
+options. A penalty is accepted on a model whose backend runs it only from -2 to 2.
 """
 
 from __future__ import annotations
@@ -161,14 +161,14 @@ def _sglang_models() -> ModelSet:
     return ModelSet([ServedModel(SGLangBackend(model_path="m"), name="a")])
 
 
-def test_the_sglang_backend_passes_the_penalties_on() -> None:
-    capabilities = capabilities_of(SGLangBackend(model_path="m"))
+def test_the_sglang_and_transformers_backends_get_the_penalties() -> None:
     line = chat_line("a", frequency_penalty=0.5, presence_penalty=-1, logit_bias={"42": 5})
     body = read_body(read_envelope(json.dumps(line).encode()))
-    assert passed_options(capabilities, CHAT_COMPLETIONS, body) == {
-        "frequency_penalty": 0.5,
-        "presence_penalty": -1.0,
-    }
+    penalties = {"frequency_penalty": 0.5, "presence_penalty": -1.0}
+    sglang = capabilities_of(SGLangBackend(model_path="m"))
+    assert passed_options(sglang, CHAT_COMPLETIONS, body) == penalties
+    transformers = capabilities_of(TransformersBackend())
+    assert passed_options(transformers, CHAT_COMPLETIONS, body) == {**penalties, "logit_bias": {"42": 5.0}}
 
 
 @pytest.mark.parametrize(
@@ -200,24 +200,18 @@ _penalty_values = (
     field=st.sampled_from(["frequency_penalty", "presence_penalty"]),
     value=_penalty_values,
     endpoint=st.sampled_from(["chat", "completions"]),
+    backend=st.sampled_from(["sglang", "transformers"]),
 )
-def test_a_penalty_runs_on_sglang_only_from_minus_two_to_two_and_transformers_refuses_it(
-    tmp_path_factory: pytest.TempPathFactory, field: str, value: float, endpoint: str
+def test_a_penalty_is_accepted_only_from_minus_two_to_two_where_it_runs(
+    tmp_path_factory: pytest.TempPathFactory, field: str, value: float, endpoint: str, backend: str
 ) -> None:
-    tmp_path = tmp_path_factory.mktemp("penalty")
-    line = _line(endpoint, **{field: value})
-    refused = _validate(tmp_path, line, _sglang_models())
+    built = SGLangBackend(model_path="m") if backend == "sglang" else TransformersBackend()
+    models = ModelSet([ServedModel(built, name="a")])
+    refused = _validate(tmp_path_factory.mktemp("penalty"), _line(endpoint, **{field: value}), models)
     if -2 <= value <= 2:
         assert refused is None, refused
     else:
-        assert refused is not None, f"{field}={value!r} was accepted for sglang"
+        assert refused is not None, f"{field}={value!r} was accepted for {backend}"
         [problem] = refused.problems
         assert problem.line == 1
         assert f"'body.{field}'" in problem.message and "between -2 and 2" in problem.message
-    transformers = ModelSet([ServedModel(TransformersBackend(), name="a")])
-    refused = _validate(tmp_path, line, transformers)
-    if value == 0:
-        assert refused is None, refused
-    else:  # transformers does not apply the penalties, so it never accepts one
-        assert refused is not None and refused.problems[0].line == 1
-        assert f"'body.{field}'" in refused.problems[0].message

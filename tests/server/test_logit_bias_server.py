@@ -1,7 +1,7 @@
 """``logit_bias`` end to end on a ``batchgen-server`` with the transformers backend (tiny model):
 the upload accepts it, the worker process applies it (a +100 bias on one token makes every
 generated token that one), a token id outside the vocabulary is that line's error line, and a
-field the backend does not run (a penalty) is refused at upload naming the line."""
+field the backend does not run (tools) is refused at upload naming the line."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_the_transformers_server_applies_logit_bias(
         chat_line("outside", max_tokens=4, temperature=0, logit_bias={"999999999": 5}),
     ]
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        refused = api_error(post_file(client, jsonl(chat_line("p", frequency_penalty=0.5))), 400)
-        assert "line 1: 'body.frequency_penalty'" in str(refused["message"])
+        refused = api_error(post_file(client, jsonl(chat_line("p", tool_choice="required"))), 400)
+        assert "line 1: 'body.tool_choice'" in str(refused["message"])
         batch = submit(client, lines)
         done = wait_for_status(client, batch["id"], {"completed", "failed"}, timeout_s=120)
         output = {line["custom_id"]: line for line in file_lines(client, done["output_file_id"])}

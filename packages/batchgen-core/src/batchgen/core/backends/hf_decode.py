@@ -7,8 +7,10 @@
    the running batch's cache (both left-padded to the same length, with an attention mask);
 2. decodes one token for every running row, each row with its own sampling settings (greedy,
    or temperature / top-k / top-p with its own random generator when it has a ``seed``), its
-   ``logit_bias`` first added to its logits, which are then masked by its structured-output
-   grammar when it has one (``hf_grammar``), and
+   ``logit_bias`` first added to its logits and its OpenAI penalties subtracted (``frequency_penalty``
+   times each token's count in the row's output so far, ``presence_penalty`` once a token has
+   appeared in it), which are then masked by its structured-output grammar when it has one
+   (``hf_grammar``), and
    its token's log-probabilities recorded when the line asked for them;
 3. ends the rows that are done (end of sequence, their own output limit, a stop string, an abort)
    and drops them from the batch at once, so their places are free for the next step.
@@ -103,6 +105,7 @@ class _Row:
     matcher: Any = None  # the structured-output grammar's matcher (``hf_grammar``), if any
     grammar: Any = None  # a Future of the compiled grammar, while the row waits for it
     bias: tuple[list[int], list[float]] | None = None  # ``logit_bias``: token ids and their biases
+    penalties: tuple[float, float] | None = None  # ``frequency_penalty``, ``presence_penalty``
     generated: list[int] = attrs.Factory(list)
     logprobs: list[TokenLogprob] = attrs.Factory(list)
 
@@ -264,6 +267,7 @@ class DecodeEngine:
             )
             return
         top_logprobs = logprobs_asked(request.endpoint, request.options)
+        penalties = _penalties(request.options)
         self._groups[request.request_id] = _Group(request, choices)
         for choice in range(choices):
             generator = None
@@ -282,6 +286,7 @@ class DecodeEngine:
                 top_logprobs,
                 grammar=grammar,
                 bias=bias,
+                penalties=penalties,
             )
             (self._waiting if grammar is None else self._compiling).append(row)
 
@@ -526,11 +531,17 @@ class DecodeEngine:
         raw = logits
         constrained = [index for index, row in enumerate(rows) if row.matcher is not None]
         biased = [index for index, row in enumerate(rows) if row.bias is not None]
-        if constrained or biased:
+        penalized = [index for index, row in enumerate(rows) if row.penalties is not None and row.generated]
+        if constrained or biased or penalized:
             logits = logits.to(torch.float32, copy=True)
             for index in biased:  # added to the logits, as OpenAI does, before the grammar's mask
                 ids, values = rows[index].bias  # type: ignore[misc]
                 logits[index, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+            for index in penalized:  # OpenAI's: on the counts of the tokens this row has generated
+                frequency, presence = rows[index].penalties  # type: ignore[misc]
+                generated = torch.tensor(rows[index].generated, device=logits.device)
+                counts = torch.bincount(generated, minlength=logits.shape[-1]).to(logits.dtype)
+                logits[index] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
             for index in constrained:
                 rows[index].matcher.mask(logits[index])
         chosen = logits.argmax(dim=-1)
@@ -647,6 +658,14 @@ class DecodeEngine:
                 low = middle + 1
         text, _ = trim_at_stop(self._tokenizer.decode(generated[:high], skip_special_tokens=True), stops)
         return generated[:high], text, True
+
+
+def _penalties(options: dict[str, Any]) -> tuple[float, float] | None:
+    """A line's ``frequency_penalty`` and ``presence_penalty`` (the schema bounded them to -2..2),
+    or None when neither asks for anything."""
+    frequency = float(options.get("frequency_penalty") or 0)
+    presence = float(options.get("presence_penalty") or 0)
+    return (frequency, presence) if frequency or presence else None
 
 
 def _logit_bias(bias: Any, vocab_size: int) -> tuple[list[int], list[float]] | None:

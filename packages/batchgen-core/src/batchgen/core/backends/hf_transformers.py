@@ -44,7 +44,15 @@ from batchgen.core.backends.base import (
     RequestRejected,
     TransientBackendError,
 )
-from batchgen.core.backends.capabilities import CHOICES, LOGIT_BIAS, LOGPROBS, RESPONSE_FORMAT, Capabilities
+from batchgen.core.backends.capabilities import (
+    CHOICES,
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    LOGPROBS,
+    PRESENCE_PENALTY,
+    RESPONSE_FORMAT,
+    Capabilities,
+)
 from batchgen.core.backends.engine_activity import EngineActivity
 from batchgen.core.backends.hf_choices import MAX_CHOICES
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
@@ -100,9 +108,12 @@ class _Worker:
 class TransformersBackend:
     name = "transformers"
     #: Structured output (``hf_grammar``), logprobs and several choices (``hf_choices``), and
-    #: ``logit_bias`` (``hf_decode``).
+    #: ``logit_bias`` and the penalties (``hf_decode``).
     capabilities = Capabilities(
-        features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES, LOGIT_BIAS}), max_choices=MAX_CHOICES
+        features=frozenset(
+            {RESPONSE_FORMAT, LOGPROBS, CHOICES, LOGIT_BIAS, FREQUENCY_PENALTY, PRESENCE_PENALTY}
+        ),
+        max_choices=MAX_CHOICES,
     )
 
     def __init__(
