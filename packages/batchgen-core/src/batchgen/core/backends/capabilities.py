@@ -9,13 +9,13 @@ passes a backend only the options it declares.
 Features are body fields a backend must honour rather than ignore: ``response_format``
 (structured output), ``logprobs`` (also ``top_logprobs``), ``n`` (several choices),
 ``dimensions`` (embeddings), ``logit_bias`` (transformers applies it; an openai upstream gets it),
-and OpenAI's fields that no built-in model runs itself (an openai upstream gets the penalties):
-``frequency_penalty``, ``presence_penalty``, ``tools`` (also ``functions``,
-``tool_choice``, ``function_call``), ``echo``, ``suffix`` and ``best_of`` (completions), ``audio``
-(also ``modalities`` other than text) and ``web_search_options``. A line that uses one (with a
-value that changes the answer: a penalty of 0, ``logit_bias: {}`` or ``tool_choice: "none"`` use
-none) on a backend that does not declare it is refused at upload with a 400 naming the line, never
-run with the field silently dropped.
+``frequency_penalty`` and ``presence_penalty`` (transformers applies them, sglang runs them, an
+openai upstream gets them), and OpenAI's fields that no built-in model runs itself: ``tools``
+(also ``functions``, ``tool_choice``, ``function_call``), ``echo``, ``suffix`` and ``best_of``
+(completions), ``audio`` (also ``modalities`` other than text) and ``web_search_options``. A line
+that uses one (with a value that changes the answer: a penalty of 0, ``logit_bias: {}`` or
+``tool_choice: "none"`` use none) on a backend that does not declare it is refused at upload with
+a 400 naming the line, never run with the field silently dropped.
 ``/v1/responses`` lines run on the chat path, so a backend serving chat serves them too.
 """
 
@@ -57,7 +57,7 @@ FEATURES = (
     WEB_SEARCH,
 )
 #: The sampling features an OpenAI-compatible upstream applies when they are passed on.
-#: (The transformers backend applies ``logit_bias`` itself.)
+#: (The transformers backend applies all three itself; sglang the penalties.)
 UPSTREAM_SAMPLING = frozenset({LOGIT_BIAS, FREQUENCY_PENALTY, PRESENCE_PENALTY})
 
 
