@@ -10,7 +10,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
 
+from batchgen.core.batch_file import MAX_LINE_PROBLEMS
+from tests.core.test_line_problems_every_endpoint import build, lines
 from tests.helpers import (
     ApiFactory,
     api_error,
@@ -21,6 +24,7 @@ from tests.helpers import (
     upload,
     wait_for_status,
 )
+from tests.live import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -227,3 +231,31 @@ def test_cancel_of_a_finished_batch_is_409(api: httpx.Client) -> None:
     batch = create_batch(api, upload(api, jsonl(chat_line("only")))["id"])
     wait_for_status(api, batch["id"], {"completed"})
     assert "completed" in str(api_error(api.post(f"/v1/batches/{batch['id']}/cancel"), 409)["message"])
+
+
+def test_every_problem_of_a_line_of_any_endpoint_is_reported_by_the_server(api_factory: ApiFactory) -> None:
+    """Through the real app, with the same served models as the core test (a simulated model and
+    an openai one whose upstream is down, which serves embeddings): a line of any endpoint with
+    several problems, the model's among them, gets a 400 listing each of them in field order, up
+    to the bound, with the count of those left out."""
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    client = api_factory("--model", "sim=simulated", "--model", f"up=openai:upstream={down},upstream-model=m")
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(drawn=lines())
+    def check(drawn: tuple[str, set[tuple[str, object]]]) -> None:
+        line, params = build(*drawn)
+        error = api_error(post_file(client, jsonl(line)), 400)
+        assert error["code"] == "invalid_batch_file" and error["param"] == "file"
+        message = str(error["message"]).removeprefix("Invalid batch input file: line 1: ")
+        entries = message.split("; line 1: ")
+        shown = min(len(params), MAX_LINE_PROBLEMS)
+        left_out = len(params) - shown
+        if left_out:
+            assert entries.pop() == f"... and {left_out} more problems on this line"
+        assert len(entries) == shown, (params, entries)
+        for entry, param in zip(entries, params, strict=False):
+            assert f"'{param}" in entry, (param, entries)
+
+    check()
+    assert client.get("/v1/files").json()["data"] == []

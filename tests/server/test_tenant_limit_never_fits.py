@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import openai
@@ -109,10 +110,15 @@ def test_the_openai_sdk_does_not_retry_a_batch_that_can_never_fit(limited: Limit
     limited.client.event_hooks["request"].append(sent.append)
     try:
         sdk = openai.OpenAI(
-            api_key=limited.key, base_url="http://testserver/v1", http_client=limited.client, max_retries=3
+            api_key=limited.key,
+            base_url="http://testserver/v1",
+            http_client=cast(Any, limited.client),  # a TestClient is an httpx.Client
+            max_retries=3,
         )
         with pytest.raises(openai.BadRequestError) as raised:
-            sdk.batches.create(input_file_id=file_id, endpoint=ENDPOINT, completion_window="24h")
+            sdk.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
     finally:
         limited.client.event_hooks["request"].remove(sent.append)
         limited.store.set_limits("carol", TenantLimits())

@@ -213,7 +213,7 @@ def unsupported_problems(
     for feature in features_used(endpoint, body):
         if feature in capabilities.features:
             continue
-        for name in _fields_set(feature, _FIELDS[feature], body) if feature in _FIELDS else [feature]:
+        for name in _feature_fields(feature, body):
             problems.append(
                 (
                     f"body.{name}",
@@ -236,6 +236,24 @@ def unsupported_problems(
             )
         )
     return problems
+
+
+def _feature_fields(feature: str, body: Any) -> list[str]:
+    """The body fields that ask for ``feature``: ``logprobs`` and ``top_logprobs`` each that is set
+    for logprobs, the feature's own field for the others without fields of their own."""
+    if feature in _FIELDS:
+        return _fields_set(feature, _FIELDS[feature], body)
+    if feature == LOGPROBS:
+        named = [
+            name
+            for name, value in (
+                ("logprobs", getattr(body, "logprobs", None)),
+                ("top_logprobs", getattr(body, "top_logprobs", None)),
+            )
+            if value not in (None, False, 0) or (name == "top_logprobs" and value is not None)
+        ]
+        return named or [LOGPROBS]
+    return [feature]
 
 
 def passed_options(capabilities: Capabilities, endpoint: str, body: Any) -> dict[str, Any]:
