@@ -242,3 +242,23 @@ def test_an_unknown_model_and_a_bad_max_tokens_are_both_reported(tmp_path: Any) 
         "'body.model'",
         "'body.max_tokens'",
     ]
+
+
+@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
+def test_a_duplicate_custom_id_is_reported_beside_the_lines_other_problems(
+    tmp_path: Any, endpoint: str
+) -> None:
+    """A later line's duplicate ``custom_id`` is an envelope problem: it comes before the body's
+    (the model's among them), as every envelope problem does."""
+    first, _ = build(endpoint, set())
+    body_kinds = [kind for kind in kinds_of(endpoint) if kind[0] != "env"]
+    second, params = build(endpoint, {("body", "model"), *body_kinds[-2:]})
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    with pytest.raises(InvalidBatchFile) as raised:
+        validate_batch_file(str(path), _models())
+    messages = [problem.message for problem in raised.value.problems]
+    assert all(problem.line == 2 for problem in raised.value.problems)
+    assert messages[0] == "duplicate custom_id 'a'" and len(messages) == len(params) + 1, messages
+    for message, param in zip(messages[1:], params, strict=True):
+        assert f"'{param}" in message, (param, messages)
