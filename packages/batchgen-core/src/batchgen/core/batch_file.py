@@ -2,7 +2,8 @@
 
 Validation reads the file once, in blocks of whole lines, checks each line against the request
 schema (``request_schema``, the same code that reads a line when it runs) and the server's models,
-and reports every problem of the first lines with problems by 1-based line number (bounded:
+and reports every problem of the first lines with problems by 1-based line number (those of the
+schema and of the model checks together, in the line's field order; bounded:
 ``MAX_REPORTED_LINES`` lines, ``MAX_LINE_PROBLEMS`` problems each, the rest counted). Lines are accepted a few hundred at a time
 where they can be (``_Validation``): each line's rules are judged once per shape of body, since a
 line then costs about a microsecond. Indexing records where each request line starts and how long it is, so the intake pool can

@@ -25,7 +25,8 @@ types, and groups them by the body fields other than the input, whose verdict th
 
 Problems are ``InvalidRequest`` whose message names the field (``'body.top_p' must be ...``) and
 whose ``param`` is that field's path. ``read_envelope`` and ``read_body`` raise a line's first
-problem; ``line_problems`` finds all of them (upload validation reports every one).
+problem; ``line_problems`` finds all of them, for every endpoint (upload validation reports every
+one, with those of its later checks, the model's, put in the same order by ``in_field_order``).
 """
 
 from __future__ import annotations
