@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import attrs
@@ -99,22 +99,31 @@ def _line_model(url: str, body: Body, served_models: Collection[str] | LineRoute
     return None
 
 
-def _line_model_problems(
-    url: str, body: Body, served_models: Collection[str] | LineRouter | None
-) -> tuple[object, list[InvalidRequest]]:
-    """The model a line of a readable body runs on (None without a ``LineRouter``), and every
-    reason it cannot run there (a model not served; each field the model's backend does not run),
-    each naming its field, in the words of the line's endpoint."""
+ModelProblems = Callable[[str, Body], tuple[object, list[InvalidRequest]]]
+
+
+def _model_problems_of(served_models: Collection[str] | LineRouter | None) -> ModelProblems:
+    """What gives the model a line of a readable body runs on (None without a ``LineRouter``) and
+    every reason it cannot run there (a model not served; each field the model's backend does not
+    run), each naming its field, in the words of the line's endpoint."""
     line_problems_of = getattr(served_models, "line_problems", None)
     if not isinstance(served_models, LineRouter) or line_problems_of is None:
-        try:
-            return _line_model(url, body, served_models), []
-        except InvalidRequest as exc:
-            return None, [exc]
-    model, problems = line_problems_of(url, body)
-    if url == RESPONSES:
-        problems = [_in_responses_terms(problem) for problem in problems]
-    return model, problems
+
+        def checked(url: str, body: Body) -> tuple[object, list[InvalidRequest]]:
+            try:
+                return _line_model(url, body, served_models), []
+            except InvalidRequest as exc:
+                return None, [exc]
+
+        return checked
+
+    def of_router(url: str, body: Body) -> tuple[object, list[InvalidRequest]]:
+        model, problems = line_problems_of(url, body)
+        if problems and url == RESPONSES:
+            problems = [_in_responses_terms(problem) for problem in problems]
+        return model, problems
+
+    return of_router
 
 
 def _in_responses_terms(problem: InvalidRequest) -> InvalidRequest:
@@ -188,6 +197,7 @@ class _Validation:
 
     def __init__(self, served_models: Collection[str] | LineRouter | None) -> None:
         self.served_models = served_models
+        self.model_problems = _model_problems_of(served_models)
         self.router: LineRouter | None = None
         self.served_names: Collection[str] | None = None
         if isinstance(served_models, LineRouter):
@@ -338,7 +348,7 @@ class _Validation:
         if body is not None and reading.url is not None:
             said = {_body_field(problem.param) for problem in reading.problems}
             if "model" not in said:  # a model field that is wrong is said already
-                model, of_model = _line_model_problems(reading.url, body, self.served_models)
+                model, of_model = self.model_problems(reading.url, body)
                 later.extend(problem for problem in of_model if _body_field(problem.param) not in said)
         if not reading.problems and not later:
             if self.file_model is None:
