@@ -16,18 +16,16 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from litestar import Litestar, Router
+from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from litestar.middleware import DefineMiddleware
-from litestar.openapi import OpenAPIConfig
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
 from batchgen.server.api_keys import LAST_USED_SAVE_INTERVAL_S, KeyStore
 from batchgen.server.auth import (
-    OPEN_ROUTE,
     ApiKeyRefused,
     KeyCheck,
     open_options_of_open_routes,
@@ -42,16 +40,11 @@ from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.controllers.usage import usage
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
+from batchgen.server.openapi_pages import openapi_config
 from batchgen.server.priority import lower_api_priority, resolve_api_nice
 from batchgen.server.request_paths import CanonicalPaths
 from batchgen.server.settings import ServerSettings
 from batchgen.server.webhooks import WebhookDeliverer
-
-
-def _openapi_config() -> OpenAPIConfig:
-    """Litestar's default OpenAPI pages (``/schema``...), declared open: they describe, hold no data."""
-    router = Router("/schema", route_handlers=[], include_in_schema=False, opt=OPEN_ROUTE)
-    return OpenAPIConfig(title="Litestar API", version="1.0.0", openapi_router=router)
 
 
 def _provide_service(state: State) -> BatchService:
@@ -141,7 +134,7 @@ def create_app(
             "caller": Provide(provide_caller, sync_to_thread=False),
         },
         guards=[key_check.guard],
-        openapi_config=_openapi_config(),
+        openapi_config=openapi_config(),
         state=State({"service": service, "metrics_registry": registry, "unavailable_models": unavailable}),
         lifespan=[run_service],
         logging_config=None,  # the batchgen-server command sets up logging (log_format)
