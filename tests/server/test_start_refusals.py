@@ -171,3 +171,40 @@ def test_a_stop_while_the_model_loads_is_a_clean_stop(tmp_path: Path, stop_signa
     assert "Traceback" not in output, output
     assert "stopped before the backend was ready" in output, output
     assert "startup failed" not in output, output
+
+
+@pytest.mark.live
+@pytest.mark.model
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_stop_sent_to_the_process_group_after_the_start_stops_the_worker_once(
+    tiny_model: Path, tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    """Ctrl-C (or systemd's SIGTERM to the whole group) after the start reaches the transformers
+    worker too: the server stops it in its order, and never takes its end for a crash and starts a
+    new worker while stopping (which made every Ctrl-C load the model once more)."""
+    log_path = tmp_path / "server.log"
+    port = free_port()
+    command = [sys.executable, "-m", "batchgen.server.cli", "--storage-path", str(tmp_path / "storage")]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [*command, "--port", str(port), "--backend", "transformers", "--model", str(tiny_model)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while b"Application startup complete" not in log_path.read_bytes():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        os.killpg(process.pid, stop_signal)
+        assert process.wait(timeout=120) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = log_path.read_text()
+    assert "Traceback" not in output, output
+    assert "starting a new one" not in output, output
+    assert output.count("serving ") == 1, output

@@ -29,9 +29,11 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -143,8 +145,11 @@ class _Link:
             self.send(("heartbeat", busy_s, self.running, self.tokens))
 
 
-def serve(connection: Connection, options: WorkerOptions) -> None:
-    """Load the engine, then run requests from ``connection`` until told to stop or the pipe closes."""
+def serve(
+    connection: Connection, options: WorkerOptions, on_loaded: Callable[[], object] | None = None
+) -> None:
+    """Load the engine, then run requests from ``connection`` until told to stop or the pipe closes
+    (``on_loaded`` is called once the model is loaded, before the worker says it is ready)."""
     link = _Link(connection)
     threading.Thread(target=link.read_forever, name="batchgen-worker-reader", daemon=True).start()
     threading.Thread(target=link.beat_forever, name="batchgen-worker-heartbeat", daemon=True).start()
@@ -168,6 +173,8 @@ def serve(connection: Connection, options: WorkerOptions) -> None:
             logger.exception("the transformers worker could not load its model")
         link.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    if on_loaded is not None:
+        on_loaded()
     link.send(("ready", info))
     while True:
         link.turn_began = time.monotonic()
@@ -210,12 +217,22 @@ def _take_messages(link: _Link, engine: DecodeEngine) -> bool:
             engine.abort(message[1])
 
 
+def _leave_stop_signals_to_the_server() -> None:
+    """Once the model is loaded, the server decides when this process ends (a "stop" message, or a
+    kill): a Ctrl-C or a SIGTERM sent to the whole process group (a terminal, systemd) is the
+    server's to act on. Had the worker died of it, the server would have taken that for a crash and
+    started a new worker while stopping. During the load the signal still ends a start that was
+    asked to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> None:
     fd, options = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     connection = Connection(fd)
     try:
-        serve(connection, options)
+        serve(connection, options, on_loaded=_leave_stop_signals_to_the_server)
     finally:
         connection.close()
         sys.stdout.flush()
