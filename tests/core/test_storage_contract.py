@@ -7,9 +7,8 @@ with the local filesystem. A new implementation (Postgres and object storage, sa
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import attrs
@@ -36,6 +35,7 @@ from batchgen.core.storage import (
 )
 from batchgen.core.storage_faults import storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
+from tests.database_lock import locked_elsewhere
 
 
 @attrs.define
@@ -48,23 +48,11 @@ class Storage:
     lock_elsewhere: Callable[[], AbstractContextManager[object]]
 
 
-@contextmanager
-def _sqlite_exclusive(database: Path) -> Iterator[object]:
-    """A second connection (what another process would open) holding ``BEGIN EXCLUSIVE``."""
-    holder = sqlite3.connect(str(database), isolation_level=None, timeout=10)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        yield holder
-        holder.execute("ROLLBACK")
-    finally:
-        holder.close()
-
-
 def _sqlite_local(root: Path) -> Storage:
     return Storage(
         open_metadata=lambda: SQLiteMetadataStore(root / "metadata.sqlite3"),
         open_blobs=lambda: LocalBlobStore(root),
-        lock_elsewhere=lambda: _sqlite_exclusive(root / "metadata.sqlite3"),
+        lock_elsewhere=lambda: locked_elsewhere(root / "metadata.sqlite3"),
     )
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import errno
 import sqlite3
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import BatchStatus
 from batchgen.core.storage import MetadataStore, SQLiteMetadataStore
 from batchgen.core.storage_faults import storage_fault
+from tests.database_lock import locked_elsewhere
 
 pytestmark = pytest.mark.anyio
 
@@ -229,18 +229,6 @@ async def test_a_crashed_scheduler_stops_the_core_visibly(tmp_path: Path) -> Non
         assert (await service.get_batch(batch.id)).id == batch.id  # calls still answer
 
 
-@contextmanager
-def _locked_elsewhere(database: Path) -> Iterator[None]:
-    """Another connection (as another process would) holding ``BEGIN EXCLUSIVE`` on the database."""
-    holder = sqlite3.connect(str(database), isolation_level=None, timeout=10)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        yield
-        holder.execute("ROLLBACK")
-    finally:
-        holder.close()
-
-
 async def test_a_database_locked_by_another_process_refuses_writes_and_loses_nothing(tmp_path: Path) -> None:
     """Held locked by another connection: an upload, a create and a delete fail at once as
     StorageUnavailable (503 with Retry-After) leaving nothing behind, reads still answer, a running
@@ -249,7 +237,7 @@ async def test_a_database_locked_by_another_process_refuses_writes_and_loses_not
     async with service:
         file = await service.create_file(_lines(3))
         running = await service.create_batch((await service.create_file(_lines(30))).id, CHAT)
-        with _locked_elsewhere(tmp_path / "metadata.sqlite3"):
+        with locked_elsewhere(tmp_path / "metadata.sqlite3"):
             for call in (
                 lambda: service.create_file(_lines(2)),
                 lambda: service.create_batch(file.id, CHAT),

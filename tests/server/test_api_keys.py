@@ -20,6 +20,7 @@ from batchgen.server.api_keys import KeyStore, check_tenant_name
 from batchgen.server.cli import build_parser as server_parser
 from batchgen.server.keys_cli import build_parser as keys_parser
 from tests.conftest import in_process_app
+from tests.database_lock import locked_elsewhere
 
 
 @pytest.fixture
@@ -111,15 +112,10 @@ def test_the_servers_last_use_save_never_waits_for_a_lock_and_keeps_what_it_coul
     made = [store.create_key(tenant) for tenant in ("alpha", "beta")]
     key_ids = [key_id for key_id, _ in made]
     assert all(store.authenticate(key) is not None for _, key in made)
-    holder = sqlite3.connect(tmp_path / "metadata.sqlite3", isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with locked_elsewhere(tmp_path / "metadata.sqlite3"):
         started = time.monotonic()
         assert store.save_last_use() is False
         assert time.monotonic() - started < 1.0, "the save waited for the lock"
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     saved = {
         row[0]: row[1]
         for row in sqlite3.connect(tmp_path / "metadata.sqlite3").execute(

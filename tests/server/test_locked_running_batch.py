@@ -16,10 +16,9 @@ traceback every half second.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from tests.conftest import in_process_app
+from tests.database_lock import locked_elsewhere
 from tests.helpers import chat_line, file_lines, jsonl, post_batch, upload, wait_for_status
 from tests.webhook_receiver import WebhookReceiver
 
@@ -36,18 +36,6 @@ from tests.webhook_receiver import WebhookReceiver
 FLAGS = ("--simulated-latency-s", "1.0", "--max-pool-size", "2")
 #: Words in a prompt longer than the simulated model's context (8,192 tokens): an error line.
 TOO_LONG = " ".join(["word"] * 9000)
-
-
-@contextmanager
-def exclusive_lock(database: Path) -> Iterator[None]:
-    """Another connection holds the database locked (``BEGIN EXCLUSIVE``) inside the block."""
-    holder = sqlite3.connect(str(database), isolation_level=None, timeout=10)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        yield
-        holder.execute("ROLLBACK")
-    finally:
-        holder.close()
 
 
 def _lines(failing: set[int], total: int) -> list[dict[str, Any]]:
@@ -108,7 +96,7 @@ def test_a_batch_running_under_a_lock_completes_with_every_line_once(
     wait_for_status(client, batch_id, {"in_progress"})
     assert _lines_on_disk(storage, batch_id) == 0, "the first requests ended before the lock: too fast"
 
-    with exclusive_lock(storage / "metadata.sqlite3"):
+    with locked_elsewhere(storage / "metadata.sqlite3"):
         _wait_for_lines(storage, batch_id, total)  # every line ends under the lock
         during = client.get(f"/v1/batches/{batch_id}")
         assert during.status_code == 200, during.text
@@ -157,7 +145,7 @@ def test_a_batch_whose_window_ends_under_a_lock_ends_once_the_lock_is_gone(
     # whole seconds: the window ends 2 to 3 s after the create, so after the lock is taken
     batch = post_batch(client, input_file["id"], completion_window="3s").json()
     wait_for_status(client, batch["id"], {"in_progress"})
-    with exclusive_lock(storage / "metadata.sqlite3"):
+    with locked_elsewhere(storage / "metadata.sqlite3"):
         time.sleep(4.5)  # the window ends meanwhile
         assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
     ended = wait_for_status(client, batch["id"], {"completed", "failed", "expired", "cancelled"})
@@ -179,7 +167,7 @@ def test_a_batch_cancelled_under_a_lock_ends_cancelled_once_the_lock_is_gone(
     input_file = upload(client, jsonl(*_lines({1}, 4)))
     batch_id = post_batch(client, input_file["id"]).json()["id"]
     wait_for_status(client, batch_id, {"in_progress"})
-    with exclusive_lock(storage / "metadata.sqlite3"):
+    with locked_elsewhere(storage / "metadata.sqlite3"):
         cancel = client.post(f"/v1/batches/{batch_id}/cancel")
         assert cancel.status_code in (200, 503), cancel.text
         if cancel.status_code == 503:
@@ -201,7 +189,7 @@ def test_a_lock_is_logged_once_as_a_storage_fault_with_no_traceback(
     batch_id = post_batch(client, upload(client, jsonl(*_lines({2}, 10)))["id"]).json()["id"]
     wait_for_status(client, batch_id, {"in_progress"})
     caplog.clear()
-    with caplog.at_level(logging.INFO), exclusive_lock(storage / "metadata.sqlite3"):
+    with caplog.at_level(logging.INFO), locked_elsewhere(storage / "metadata.sqlite3"):
         time.sleep(3)  # requests end meanwhile: their counters wait to be saved
         health = client.get("/health")
         locked_records = list(caplog.records)
@@ -228,7 +216,7 @@ def test_an_error_file_still_unrecorded_at_a_stop_is_recorded_on_the_next_start(
     with ExitStack() as lock, TestClient(in_process_app(storage, *flags), timeout=30) as first:
         batch_id = post_batch(first, upload(first, jsonl(*_lines({1}, 6)))["id"]).json()["id"]
         wait_for_status(first, batch_id, {"in_progress"})
-        lock.enter_context(exclusive_lock(storage / "metadata.sqlite3"))
+        lock.enter_context(locked_elsewhere(storage / "metadata.sqlite3"))
         _wait_for_lines(storage, batch_id, 2)  # r0's output line and r1's error line
         assert (storage / "incremental" / f"{batch_id}.errors.jsonl").stat().st_size > 0
         # stopped under the lock: the error file's record and the batch's counters are not saved

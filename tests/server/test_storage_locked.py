@@ -12,12 +12,10 @@ saved later, off the request path). Once the lock is released everything works a
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,6 +24,7 @@ from litestar.routes import HTTPRoute
 
 from batchgen.server.api_keys import KeyStore
 from tests.conftest import in_process_app
+from tests.database_lock import locked_elsewhere
 from tests.helpers import chat_line, create_batch, jsonl, post_batch, post_file, upload, wait_for_status
 from tests.live import LiveServer
 
@@ -49,17 +48,6 @@ def _routes(tmp_path: Path) -> list[tuple[str, str]]:
     }
     assert ("POST", "/v1/files") in found and ("GET", "/health") in found
     return sorted(found)
-
-
-@contextmanager
-def _exclusive_lock(database: Path) -> Iterator[sqlite3.Connection]:
-    holder = sqlite3.connect(str(database), isolation_level=None, timeout=10)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        yield holder
-        holder.execute("ROLLBACK")
-    finally:
-        holder.close()
 
 
 def _call(client: httpx.Client, method: str, template: str, ids: dict[str, str]) -> httpx.Response:
@@ -113,7 +101,7 @@ def test_every_route_answers_while_another_process_holds_the_database_locked(
     answers: dict[tuple[str, str], httpx.Response] = {}
     health: list[int] = []
     with (
-        _exclusive_lock(storage / "metadata.sqlite3"),
+        locked_elsewhere(storage / "metadata.sqlite3"),
         httpx.Client(base_url=server.base_url, timeout=CLIENT_TIMEOUT_S, headers=locked_headers) as locked,
     ):
         done = threading.Event()
