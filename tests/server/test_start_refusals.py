@@ -16,7 +16,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -139,34 +140,46 @@ def test_the_banner_speaks_of_converting_a_model_only_for_transformers(
     assert ("SGLang" in text) is ("sglang" in flags), text
 
 
+@contextmanager
+def _server_in_its_own_group(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A ``batchgen-server`` in a process group of its own, as a terminal's foreground job, and its
+    log; killed with its whole group if still running when the block ends."""
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "batchgen.server.cli", "--storage-path", str(tmp_path / "storage")]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [*command, "--port", str(free_port()), *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+    try:
+        yield process, log_path
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait_for_log(process: subprocess.Popen[bytes], log_path: Path, text: bytes, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log_path.read_bytes():
+        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
+
+
 @pytest.mark.live
 @pytest.mark.model
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_a_stop_while_the_model_loads_is_a_clean_stop(tmp_path: Path, stop_signal: signal.Signals) -> None:
     """Ctrl-C reaches the whole process group, the transformers worker that converts the model
     included: the server exits 0, with no traceback, as a stop after its start does."""
-    log_path = tmp_path / "server.log"
-    command = [sys.executable, "-m", "batchgen.server.cli", "--storage-path", str(tmp_path / "storage")]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [*command, "--port", str(free_port())],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # its own process group, as a terminal's foreground job
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while b"Waiting for application startup" not in log_path.read_bytes():
-            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+    with _server_in_its_own_group(tmp_path) as (process, log_path):
+        _wait_for_log(process, log_path, b"Waiting for application startup", 120)
         time.sleep(1)  # the worker process is converting the model now (about 25 s on 2 cores)
         os.killpg(process.pid, stop_signal)
         assert process.wait(timeout=120) == 0, log_path.read_text()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     output = log_path.read_text()
     assert "Traceback" not in output, output
     assert "stopped before the backend was ready" in output, output
@@ -182,28 +195,11 @@ def test_a_stop_sent_to_the_process_group_after_the_start_stops_the_worker_once(
     """Ctrl-C (or systemd's SIGTERM to the whole group) after the start reaches the transformers
     worker too: the server stops it in its order, and never takes its end for a crash and starts a
     new worker while stopping (which made every Ctrl-C load the model once more)."""
-    log_path = tmp_path / "server.log"
-    port = free_port()
-    command = [sys.executable, "-m", "batchgen.server.cli", "--storage-path", str(tmp_path / "storage")]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [*command, "--port", str(port), "--backend", "transformers", "--model", str(tiny_model)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # its own process group, as a terminal's foreground job
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while b"Application startup complete" not in log_path.read_bytes():
-            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+    flags = ("--backend", "transformers", "--model", str(tiny_model))
+    with _server_in_its_own_group(tmp_path, *flags) as (process, log_path):
+        _wait_for_log(process, log_path, b"Application startup complete", 180)
         os.killpg(process.pid, stop_signal)
         assert process.wait(timeout=120) == 0, log_path.read_text()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     output = log_path.read_text()
     assert "Traceback" not in output, output
     assert "starting a new one" not in output, output
