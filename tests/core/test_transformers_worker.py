@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import anyio
 import pytest
 
-from batchgen.core.backends import BackendUnavailable
+from batchgen.core.backends import BackendUnavailable, hf_worker
 from batchgen.core.backends.hf_decode import DecodeEngine, Outcome
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, GenerationResult, SamplingParameters
+from tests.tiny_engine import load_tiny_engine
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model, pytest.mark.live]  # live: it starts a worker process
 
@@ -133,19 +137,6 @@ async def test_many_requests_share_the_worker_and_each_keeps_its_own_sampling(
     assert results["top"].completion_tokens == 5
 
 
-def _engine(model: Path, cache: Path, max_batch_size: int) -> DecodeEngine:
-    engine = DecodeEngine(
-        model=str(model),
-        cache_dir=cache,
-        device="cpu",
-        dtype="float32",
-        max_batch_size=max_batch_size,
-        context_length=None,
-    )
-    engine.load()
-    return engine
-
-
 def _run_until_done(engine: DecodeEngine) -> tuple[list[list[str]], dict[str, Outcome]]:
     """Step until idle: the ids that ended at each step, and every outcome."""
     ended: list[list[str]] = []
@@ -158,7 +149,7 @@ def _run_until_done(engine: DecodeEngine) -> tuple[list[list[str]], dict[str, Ou
 
 
 def test_a_finished_row_is_replaced_at_the_next_step(tiny_model: Path, tmp_path: Path) -> None:
-    engine = _engine(tiny_model, tmp_path, max_batch_size=2)
+    engine = load_tiny_engine(tiny_model, tmp_path, max_batch_size=2)
     engine.add(_request("short", max_tokens=2))
     engine.add(_request("long", max_tokens=12))
     engine.add(_request("waiting", max_tokens=3))
@@ -182,11 +173,11 @@ def test_a_request_gets_the_same_tokens_alone_and_joining_a_running_batch(
 ) -> None:
     probe = _request("probe", max_tokens=10, content="A rather longer prompt that pads the others")
     seeded = _request("seeded", max_tokens=10, content="Roll the dice", temperature=1.0, seed=3)
-    alone = _engine(tiny_model, tmp_path, max_batch_size=8)
+    alone = load_tiny_engine(tiny_model, tmp_path, max_batch_size=8)
     alone.add(probe)
     alone.add(seeded)
     _, by_itself = _run_until_done(alone)
-    crowded = _engine(tiny_model, tmp_path, max_batch_size=8)
+    crowded = load_tiny_engine(tiny_model, tmp_path, max_batch_size=8)
     for n in range(3):
         crowded.add(_request(f"early{n}", max_tokens=20, content=f"Early {n}"))
     crowded.step()
@@ -199,7 +190,7 @@ def test_a_request_gets_the_same_tokens_alone_and_joining_a_running_batch(
 
 
 def test_stop_strings_abort_and_context_end_rows_early(tiny_model: Path, tmp_path: Path) -> None:
-    engine = _engine(tiny_model, tmp_path, max_batch_size=4)
+    engine = load_tiny_engine(tiny_model, tmp_path, max_batch_size=4)
     engine.add(_request("free", max_tokens=30))
     free = _run_until_done(engine)[1]["free"].result
     assert free is not None and len(free.text) > 6
@@ -225,7 +216,7 @@ def test_long_prompts_join_over_several_steps(
 ) -> None:
     from batchgen.core.backends import hf_decode
 
-    engine = _engine(tiny_model, tmp_path, max_batch_size=8)
+    engine = load_tiny_engine(tiny_model, tmp_path, max_batch_size=8)
     prompt_tokens = len(engine._prompt_ids(_request("probe", max_tokens=1))[0])
     monkeypatch.setattr(hf_decode, "PREFILL_TOKENS", 2 * prompt_tokens)  # two such prompts per step
     for n in range(5):
@@ -238,24 +229,25 @@ def test_long_prompts_join_over_several_steps(
     assert running[-1] == 0
 
 
-def test_the_worker_protocol_through_a_pipe(tiny_model: Path, tmp_path: Path) -> None:
-    """``hf_worker.serve`` on a thread here, spoken to through a socket pair as the backend does."""
-    import socket
-    import threading
-    from multiprocessing.connection import Connection
-
-    from batchgen.core.backends import hf_worker
-
+def _worker_pipe(model: Path, cache: Path) -> tuple[Connection, Connection, hf_worker.WorkerOptions]:
+    """The backend's end and the worker's end of a socket pair, as the backend makes them, and the
+    options of a worker over the tiny model (batches of 2)."""
     ours, theirs = socket.socketpair()
-    server_end, worker_end = Connection(ours.detach()), Connection(theirs.detach())
     options = hf_worker.WorkerOptions(
-        model=str(tiny_model),
-        cache_dir=str(tmp_path),
+        model=str(model),
+        cache_dir=str(cache),
         device="cpu",
         dtype="auto",
         max_batch_size=2,
         context_length=None,
     )
+    return Connection(ours.detach()), Connection(theirs.detach()), options
+
+
+def test_the_worker_protocol_through_a_pipe(tiny_model: Path, tmp_path: Path) -> None:
+    """``hf_worker.serve`` on a thread here, spoken to through a socket pair as the backend does."""
+
+    server_end, worker_end, options = _worker_pipe(tiny_model, tmp_path)
     assert options.command(7)[1:5] == ["-m", "batchgen.core.backends.hf_worker", "--fd", "7"]
     assert hf_worker._parse(options.command(7)[3:]) == (7, options)
     worker = threading.Thread(target=hf_worker.serve, args=(worker_end, options))
@@ -293,11 +285,6 @@ def test_the_heartbeat_says_how_long_the_loop_has_been_in_one_turn(
 ) -> None:
     """A loop stuck in one step still heartbeats (another thread), but says how long it has been
     stuck, so the backend's health can turn false; a loop waiting for work reports 0."""
-    import socket
-    import threading
-    from multiprocessing.connection import Connection
-
-    from batchgen.core.backends import hf_worker
 
     release = threading.Event()
     real_step = DecodeEngine.step
@@ -308,16 +295,7 @@ def test_the_heartbeat_says_how_long_the_loop_has_been_in_one_turn(
 
     monkeypatch.setattr(DecodeEngine, "step", stuck_step)
     monkeypatch.setattr(hf_worker, "HEARTBEAT_S", 0.2)
-    ours, theirs = socket.socketpair()
-    server_end, worker_end = Connection(ours.detach()), Connection(theirs.detach())
-    options = hf_worker.WorkerOptions(
-        model=str(tiny_model),
-        cache_dir=str(tmp_path),
-        device="cpu",
-        dtype="auto",
-        max_batch_size=2,
-        context_length=None,
-    )
+    server_end, worker_end, options = _worker_pipe(tiny_model, tmp_path)
     worker = threading.Thread(target=hf_worker.serve, args=(worker_end, options))
     worker.start()
     try:
