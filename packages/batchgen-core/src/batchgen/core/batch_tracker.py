@@ -59,6 +59,10 @@ class ActiveBatch:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: Of those, the requests the result cache answered and their tokens (``result_cache``).
+    cached: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
     in_flight: set[str] = attrs.Factory(set)
     dirty: bool = False
     #: The batch as last saved in the metadata store: the status callers see.
@@ -109,7 +113,13 @@ class ActiveBatch:
         return attrs.evolve(
             batch,
             request_counts=RequestCounts(batch.request_counts.total, self.completed, self.failed),
-            usage=Usage(self.prompt_tokens, self.completion_tokens),
+            usage=Usage(
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.cached,
+                self.cached_prompt_tokens,
+                self.cached_completion_tokens,
+            ),
         )
 
 

@@ -96,6 +96,11 @@ class RequestCounts:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: Of the above, what the result cache answered (``result_cache``): its requests and the
+    #: tokens of their replayed bodies, which were not computed again.
+    cached_requests: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -104,10 +109,12 @@ class Usage:
     def to_dict(self) -> dict[str, Any]:
         return {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": self.cached_prompt_tokens},
             "output_tokens": self.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.total_tokens,
+            "cached_requests": self.cached_requests,
+            "saved_tokens": self.cached_prompt_tokens + self.cached_completion_tokens,
         }
 
 

@@ -49,6 +49,9 @@ def recover(
         active.failed = written.failed + separate.failed
         active.prompt_tokens = written.prompt_tokens
         active.completion_tokens = written.completion_tokens
+        active.cached = written.cached
+        active.cached_prompt_tokens = written.cached_prompt_tokens
+        active.cached_completion_tokens = written.cached_completion_tokens
         tracker.counts_restored(active)
         if batch.status is BatchStatus.FINALIZING:
             active.batch = advance(batch, BatchStatus.IN_PROGRESS, now=now())

@@ -46,7 +46,9 @@ from batchgen.core.line_requests import generation_request
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult, SamplingParameters
 from batchgen.core.parameters import ServerDefaults, resolve_sampling, sets_sampling
 from batchgen.core.request_schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
-from batchgen.core.results import error_line, output_line
+from batchgen.core.result_cache import CachedResult, ResultCache
+from batchgen.core.result_cache_keys import cache_key, is_deterministic
+from batchgen.core.results import body_output_line, error_line, output_line, response_body_json
 from batchgen.core.scheduling import Finished, IntakeEntry
 from batchgen.core.served_models import ModelSet, Route
 from batchgen.core.storage import ResultWriter
@@ -75,6 +77,8 @@ class _Running:
     route: Route
     ended: bool = False
     attempts: int = 1
+    #: Its key in the result cache, when its tenant uses the cache and its answer is deterministic.
+    cache_key: str | None = None
 
 
 class RequestExecutor:
@@ -90,10 +94,13 @@ class RequestExecutor:
         max_attempts: int,
         separate_error_file: bool = False,
         telemetry: RequestTelemetry | None = None,
+        result_cache: ResultCache | None = None,
     ) -> None:
         """``backend``: the served models (or one backend); ``separate_error_file``: OpenAI's
         convention, failed lines in their own file; ``telemetry`` counts admissions, finished
-        requests and backend time."""
+        requests and backend time; ``result_cache``: answers deterministic requests of the
+        tenants that use it, and keeps their successful results."""
+        self._cache = result_cache
         self._telemetry = telemetry or RequestTelemetry()
         self._separate_error_file = separate_error_file
         self._tracker = tracker
@@ -121,7 +128,12 @@ class RequestExecutor:
                 continue
             request, body, route = prepared
             active.in_flight.add(request.request_id)
-            running.append(_Running(position, active, envelope.custom_id, request, body, route))
+            item = _Running(position, active, envelope.custom_id, request, body, route)
+            if self._cache is not None:
+                item.cache_key = self._cache_key(item, envelope)
+            running.append(item)
+        if self._cache is not None and running:
+            running = self._answer_from_cache(self._cache, running, ended_early)
         finished(*ended_early)
         if not running:
             return
@@ -139,6 +151,49 @@ class RequestExecutor:
                 if not item.ended:  # cancelled (shutdown): abandoned with no line, rerun on restart
                     item.active.in_flight.discard(item.request.request_id)
                     self._tracker.settle(item.active)
+
+    def _cache_key(self, item: _Running, envelope: Envelope) -> str | None:
+        """The request's key in the result cache; None when it must run (its tenant does not use
+        the cache, or its answer may differ next time)."""
+        assert self._cache is not None
+        tenant = item.active.batch.owner
+        model = item.route.model
+        if not self._cache.enabled_for(tenant) or not is_deterministic(item.request, model.capabilities):
+            return None
+        identity = (model.public_name, getattr(model.backend, "name", "?"), item.route.backend_model or "")
+        return cache_key(tenant, identity, envelope.url, bytes(envelope.body), item.request)
+
+    def _answer_from_cache(
+        self, cache: ResultCache, running: list[_Running], ended_early: list[int]
+    ) -> list[_Running]:
+        """Write the lines of the requests the cache holds (their bodies replayed byte for byte,
+        the line's own id and custom_id this batch's); the others, still to run."""
+        keys = [item.cache_key for item in running if item.cache_key is not None]
+        if not keys:
+            return running
+        found = cache.lookup(keys)
+        if not found:
+            return running
+        lines = _Lines(self._telemetry, cache)
+        left: list[_Running] = []
+        answered: list[_Running] = []
+        for item in running:
+            hit = None if item.cache_key is None else found.get(item.cache_key)
+            if hit is None:
+                left.append(item)
+                continue
+            answered.append(item)
+            line = body_output_line(item.custom_id, item.request.request_id, hit.body, cached=True)
+            lines.add(item.active, item.active.output, line, None, cached=hit)
+        try:
+            lines.write(self._write)
+        finally:
+            for item in answered:
+                item.ended = True
+                item.active.in_flight.discard(item.request.request_id)
+                self._tracker.settle(item.active)
+                ended_early.append(item.position)
+        return left
 
     @staticmethod
     async def _generate_per_backend(running: list[_Running], reported: _Reported) -> None:
@@ -295,7 +350,7 @@ class RequestExecutor:
         release each of them however that went. ``started``: when they went to the backend."""
         if not items:
             return
-        lines = _Lines(self._telemetry)
+        lines = _Lines(self._telemetry, self._cache)
         ending: list[tuple[_Running, Outcome]] = []
         try:
             for item, outcome in items:
@@ -346,10 +401,17 @@ class RequestExecutor:
                 return
             result = attrs.evolve(result, embeddings=vectors)
         model_name = route.backend_model or route.model.public_name
-        line = output_line(
-            custom_id, item.request.request_id, active.batch.endpoint, model_name, result, now(), body
-        )
-        lines.add(active, active.output, line, result)
+        if item.cache_key is None:
+            line = output_line(
+                custom_id, item.request.request_id, active.batch.endpoint, model_name, result, now(), body
+            )
+            lines.add(active, active.output, line, result)
+            return
+        # kept in the cache exactly as the line holds it, once the line is written
+        body_json = response_body_json(active.batch.endpoint, model_name, result, now(), body)
+        line = body_output_line(custom_id, item.request.request_id, body_json)
+        entry = (item.cache_key, active.batch.owner, CachedResult(body_json, result.prompt_tokens, result.completion_tokens))
+        lines.add(active, active.output, line, result, store=entry)
 
     def _record_failure(self, active: ActiveBatch, custom_id: str, exc: Exception) -> None:
         """A request raised something unexpected: its line says so, or, when its line cannot be
@@ -385,7 +447,7 @@ class RequestExecutor:
 
     def record_error(self, active: ActiveBatch, custom_id: str, code: str, message: str) -> None:
         """Write the request's error line now (see ``_add_error``)."""
-        lines = _Lines(self._telemetry)
+        lines = _Lines(self._telemetry, None)
         self._add_error(active, custom_id, code, message, lines)
         lines.write(self._write)
 
@@ -459,37 +521,68 @@ class _Reported:
         return True
 
 
+#: What a result line adds to the result cache once written: (key, tenant, the entry).
+_CacheEntry = tuple[str, str, CachedResult]
+
+
 class _Lines:
     """Result lines of requests that ended together, written with one append per result file.
 
     Each request's counters move only once its line is written; a batch that has ended by then
-    gets none of them.
+    gets none of them. So do the result cache's: a replayed line counts as a hit, and a computed
+    result is stored, only once its line is written.
     """
 
-    def __init__(self, telemetry: RequestTelemetry) -> None:
+    def __init__(self, telemetry: RequestTelemetry, cache: ResultCache | None) -> None:
         self._telemetry = telemetry
+        self._cache = cache
         self._files: dict[
-            int, tuple[ActiveBatch, ResultWriter, list[bytes], list[GenerationResult | None]]
+            int,
+            tuple[
+                ActiveBatch,
+                ResultWriter,
+                list[bytes],
+                list[tuple[GenerationResult | None, CachedResult | None, _CacheEntry | None]],
+            ],
         ] = {}
 
     def add(
-        self, active: ActiveBatch, writer: ResultWriter, line: bytes, result: GenerationResult | None
+        self,
+        active: ActiveBatch,
+        writer: ResultWriter,
+        line: bytes,
+        result: GenerationResult | None,
+        *,
+        cached: CachedResult | None = None,
+        store: _CacheEntry | None = None,
     ) -> None:
-        """A result's output line (``result``), or an error line (None)."""
+        """A result's output line (``result``), a line the cache answered (``cached``), or an
+        error line (neither); ``store``: the cache entry the result makes."""
         pending = self._files.get(id(writer))
         if pending is None:
             pending = self._files[id(writer)] = (active, writer, [], [])
         pending[2].append(line)
-        pending[3].append(result)
+        pending[3].append((result, cached, store))
 
     def write(self, append: Callable[[ActiveBatch, ResultWriter, bytes], bool]) -> None:
         """Append each file's lines with ``append(active, writer, lines)``; count those written."""
+        stores: list[_CacheEntry] = []
         for active, writer, lines, results in self._files.values():
             if active.status.is_terminal or not append(active, writer, b"".join(lines)):
                 continue
             telemetry = self._telemetry
-            for result in results:
-                if result is None:
+            for result, cached, store in results:
+                if cached is not None:
+                    active.completed += 1
+                    active.prompt_tokens += cached.prompt_tokens
+                    active.completion_tokens += cached.completion_tokens
+                    active.cached += 1
+                    active.cached_prompt_tokens += cached.prompt_tokens
+                    active.cached_completion_tokens += cached.completion_tokens
+                    telemetry.request_completed(0, 0)  # nothing was computed for it
+                    if self._cache is not None:
+                        self._cache.served(cached)
+                elif result is None:
                     active.failed += 1
                     telemetry.request_failed()
                 else:
@@ -497,4 +590,8 @@ class _Lines:
                     active.prompt_tokens += result.prompt_tokens
                     active.completion_tokens += result.completion_tokens
                     telemetry.request_completed(result.prompt_tokens, result.completion_tokens)
+                    if store is not None:
+                        stores.append(store)
             active.dirty = True
+        if stores and self._cache is not None:
+            self._cache.store(stores)

@@ -111,6 +111,26 @@ def output_line(
     return _one_line(line)
 
 
+def response_body_json(endpoint: str, model: str, result: GenerationResult, created: int, body: Any = None) -> bytes:
+    """A finished request's ``response.body`` as the JSON bytes an output line holds (what the
+    result cache keeps, ``result_cache``)."""
+    return _one_line(_response_body(endpoint, model, result, created, body))[:-1]
+
+
+def body_output_line(custom_id: str, request_id: str, body_json: bytes, *, cached: bool = False) -> bytes:
+    """An output line around a response body given as JSON bytes, which it holds byte for byte;
+    ``cached``: the body was replayed from the result cache (the line says ``"cached": true``)."""
+    line: dict[str, Any] = {
+        "id": new_request_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": msgspec.Raw(body_json)},
+        "error": None,
+    }
+    if cached:
+        line["cached"] = True
+    return _one_line(line)
+
+
 def error_line(custom_id: str, code: str, message: str, endpoint: str | None = None) -> bytes:
     """The error line of a request that failed; a ``/v1/responses`` request's message names the
     Responses fields (``body.max_output_tokens``), not the chat ones it ran through."""

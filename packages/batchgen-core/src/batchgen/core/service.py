@@ -91,6 +91,8 @@ from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, Resu
 from batchgen.core.storage.folder_lock import FolderLock
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
+from batchgen.core.result_cache import FILE_NAME as RESULT_CACHE_FILE
+from batchgen.core.result_cache import ResultCache, ResultCacheSettings
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
 from batchgen.core.url_redaction import redacted_repr
@@ -153,6 +155,9 @@ class ServiceSettings:
     #: whether a batch may name its own URL in its metadata (``webhook_outbox``).
     webhook_urls: tuple[str, ...] = attrs.field(default=(), converter=_names, repr=redacted_repr)
     webhook_batch_urls: bool = False
+    #: The tenants whose deterministic requests the result cache answers, and its bounds
+    #: (``result_cache``); no tenant: no cache, and no cache file.
+    result_cache: ResultCacheSettings = ResultCacheSettings()
 
 
 class _Parts:
@@ -203,6 +208,7 @@ class _Parts:
             max_attempts=settings.max_request_attempts,
             separate_error_file=settings.error_file == "openai",
             telemetry=service.telemetry,
+            result_cache=service.result_cache,
         )
 
 
@@ -246,6 +252,8 @@ class BatchService:
         #: One owner per storage folder (``folder_lock``): held from the start to the stop.
         self._folder_lock = FolderLock(settings.storage_path)
         self._shutdown_deadline: float | None = None
+        #: The result cache, open while the service runs, when some tenant uses it.
+        self.result_cache: ResultCache | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> BatchService:
@@ -264,6 +272,11 @@ class BatchService:
             self._shutdown_deadline = None
             metadata = self._open_metadata(self.settings.storage_path / "metadata.sqlite3")
             stack.callback(metadata.close)
+            if self.settings.result_cache.enabled:
+                self.result_cache = ResultCache(
+                    self.settings.storage_path / RESULT_CACHE_FILE, self.settings.result_cache
+                )
+                stack.callback(self._close_result_cache)
             self.blobs.clear_staging()
             await self.model_set.start()
             stack.push_async_callback(self.model_set.stop)
@@ -280,6 +293,11 @@ class BatchService:
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
             self._exit_stack = stack.pop_all()
+
+    def _close_result_cache(self) -> None:
+        cache, self.result_cache = self.result_cache, None
+        if cache is not None:
+            cache.close()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         """Stop admitting, give running requests ``shutdown_grace_s`` to finish, persist, stop.

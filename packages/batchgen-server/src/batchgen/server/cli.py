@@ -327,6 +327,30 @@ def build_parser(
         help="the whole of one webhook attempt (connect, send, the answer's headers and body) must "
         "end within this; a slower receiver's attempt is cut off and retried later",
     )
+    add(
+        "--result-cache-tenant",
+        action="append",
+        default=[],
+        metavar="TENANT",
+        help="answer this tenant's deterministic requests (greedy or seeded with one choice, and "
+        "embeddings) from a result cache of earlier successful answers, replayed byte for byte, "
+        "and keep its new ones there (repeatable; '*': every tenant; 'default': a server without "
+        "API keys); the cache lives in the storage folder and survives restarts. Without it "
+        "nothing is cached or stored",
+    )
+    add(
+        "--result-cache-max-bytes",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.result_cache_max_bytes,
+        help="most bytes of response bodies (and keys) the result cache keeps; past it the least "
+        "recently used entries are evicted",
+    )
+    add(
+        "--result-cache-max-entries",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.result_cache_max_entries,
+        help="most entries the result cache keeps; past it the least recently used are evicted",
+    )
     laid_out = add_backend_flags(parser, specs, default_backend=_DEFAULTS.backend, problems=problems)
     backend.choices = [spec.name for spec in laid_out]
     backend.help = help_with_default(

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from batchgen.core.models import BatchStatus
+from batchgen.core.result_cache import CacheCounts
 from batchgen.core.service import BatchService
 from batchgen.core.storage_faults import is_storage_fault
 from batchgen.core.telemetry import Histogram as TelemetryHistogram
@@ -64,6 +65,39 @@ def _buckets(histogram: TelemetryHistogram) -> list[tuple[str, float]]:
 
 def _histogram(name: str, documentation: str, histogram: TelemetryHistogram) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, documentation, buckets=_buckets(histogram), sum_value=histogram.total)
+
+
+def result_cache_metrics(service: BatchService) -> Iterator[Metric]:
+    """The result cache's counters since the start and its size now (zeros while it is off)."""
+    cache = service.result_cache
+    counts = CacheCounts() if cache is None else cache.counts
+    lookups = CounterMetricFamily(
+        "batchgen_result_cache_lookups",
+        "Deterministic requests of tenants using the result cache, by whether the cache answered them.",
+        labels=["result"],
+    )
+    lookups.add_metric(["hit"], counts.hits)
+    lookups.add_metric(["miss"], counts.misses)
+    yield lookups
+    saved = CounterMetricFamily(
+        "batchgen_result_cache_saved_tokens",
+        "Tokens of the answers the result cache replayed, which were not computed again.",
+        labels=["kind"],
+    )
+    saved.add_metric(["prompt"], counts.saved_prompt_tokens)
+    saved.add_metric(["completion"], counts.saved_completion_tokens)
+    yield saved
+    yield CounterMetricFamily(
+        "batchgen_result_cache_evictions", "Result cache entries evicted to keep its bounds.", value=counts.evicted
+    )
+    yield GaugeMetricFamily(
+        "batchgen_result_cache_entries", "Entries in the result cache.", value=0 if cache is None else cache.entries
+    )
+    yield GaugeMetricFamily(
+        "batchgen_result_cache_bytes",
+        "Bytes the result cache's entries count against --result-cache-max-bytes.",
+        value=0 if cache is None else cache.bytes,
+    )
 
 
 class ServiceCollector(Collector):
@@ -130,6 +164,7 @@ class ServiceCollector(Collector):
         yield self._batches()
         yield from self._outbox()
         yield from self._upstreams()
+        yield from result_cache_metrics(service)
 
     def _batches(self) -> Metric:
         counts = dict.fromkeys(ACTIVE_STATUSES, 0)

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
+from batchgen.core.result_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResultCacheSettings
 from batchgen.core.served_models import ServedModel
 from batchgen.core.service import ServiceSettings
 from batchgen.core.url_redaction import redacted_repr
@@ -73,6 +74,10 @@ class ServerSettings:
     webhook_timeout_s: float = 10.0
     webhook_retry_initial_s: float = 5.0
     webhook_interval_s: float = 0.25
+    #: The result cache (``result_cache``): the tenants that use it ("*": all), and its bounds.
+    result_cache_tenant: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    result_cache_max_bytes: int = DEFAULT_MAX_BYTES
+    result_cache_max_entries: int = DEFAULT_MAX_ENTRIES
     #: API keys and TLS (``api_keys``, ``auth``; docs/security.md).
     allow_unauthenticated: bool = False
     ssl_certfile: str | None = None
@@ -95,6 +100,9 @@ class ServerSettings:
             served_model_names=self.served_model_name,
             webhook_urls=self.webhook_url,
             webhook_batch_urls=self.webhook_batch_urls,
+            result_cache=ResultCacheSettings(
+                self.result_cache_tenant, self.result_cache_max_bytes, self.result_cache_max_entries
+            ),
         )
 
     def build_backend(self) -> Backend:

@@ -59,6 +59,11 @@ FEATURES = (
 #: The sampling features an OpenAI-compatible upstream applies when they are passed on.
 #: (The transformers backend applies all three itself; sglang the penalties.)
 UPSTREAM_SAMPLING = frozenset({LOGIT_BIAS, FREQUENCY_PENALTY, PRESENCE_PENALTY})
+#: What a backend answers the same way every time (``Capabilities.deterministic``), so that the
+#: result cache (``result_cache_keys``) may replay it: greedy requests (and embeddings), and
+#: requests with an explicit ``seed``.
+GREEDY = "greedy"
+SEEDED = "seed"
 
 
 @attrs.frozen
@@ -69,6 +74,8 @@ class Capabilities:
     features: frozenset[str] = frozenset()
     #: The most choices (``n``) one line may ask for; None: no limit of the backend's own.
     max_choices: int | None = None
+    #: What the backend repeats exactly (``GREEDY``, ``SEEDED``); nothing: never cached.
+    deterministic: frozenset[str] = frozenset()
 
     def serves(self, endpoint: str) -> bool:
         if endpoint == RESPONSES:

@@ -37,7 +37,7 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
-from batchgen.core.backends.capabilities import DIMENSIONS, Capabilities
+from batchgen.core.backends.capabilities import DIMENSIONS, GREEDY, Capabilities
 from batchgen.core.backends.embedding_model_files import resolve_embedding_folder
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
@@ -114,7 +114,9 @@ class EmbeddingsBackend:
     """
 
     name = "embeddings"
-    capabilities = Capabilities(endpoints=frozenset({EMBEDDINGS}), features=frozenset({DIMENSIONS}))
+    capabilities = Capabilities(
+        endpoints=frozenset({EMBEDDINGS}), features=frozenset({DIMENSIONS}), deterministic=frozenset({GREEDY})
+    )
 
     def __init__(
         self,

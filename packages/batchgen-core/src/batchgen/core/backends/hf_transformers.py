@@ -47,10 +47,12 @@ from batchgen.core.backends.base import (
 from batchgen.core.backends.capabilities import (
     CHOICES,
     FREQUENCY_PENALTY,
+    GREEDY,
     LOGIT_BIAS,
     LOGPROBS,
     PRESENCE_PENALTY,
     RESPONSE_FORMAT,
+    SEEDED,
     Capabilities,
 )
 from batchgen.core.backends.engine_activity import EngineActivity
@@ -114,6 +116,7 @@ class TransformersBackend:
             {RESPONSE_FORMAT, LOGPROBS, CHOICES, LOGIT_BIAS, FREQUENCY_PENALTY, PRESENCE_PENALTY}
         ),
         max_choices=MAX_CHOICES,
+        deterministic=frozenset({GREEDY, SEEDED}),  # a seeded row samples from its own generator
     )
 
     def __init__(

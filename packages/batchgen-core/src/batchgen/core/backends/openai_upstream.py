@@ -56,6 +56,7 @@ from batchgen.core.backends.base import (
 from batchgen.core.backends.capabilities import (
     CHOICES,
     DIMENSIONS,
+    GREEDY,
     LOGPROBS,
     RESPONSE_FORMAT,
     UPSTREAM_SAMPLING,
@@ -320,6 +321,8 @@ class OpenAIUpstreamBackend:
     capabilities = Capabilities(
         endpoints=frozenset({CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS}),
         features=frozenset({RESPONSE_FORMAT, LOGPROBS, CHOICES, DIMENSIONS}) | UPSTREAM_SAMPLING,
+        # an upstream's seed is best effort (OpenAI's words), so only greedy answers are replayed
+        deterministic=frozenset({GREEDY}),
     )
 
     def __init__(

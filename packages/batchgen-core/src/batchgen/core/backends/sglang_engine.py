@@ -49,8 +49,10 @@ from batchgen.core.backends.base import (
 )
 from batchgen.core.backends.capabilities import (
     FREQUENCY_PENALTY,
+    GREEDY,
     PRESENCE_PENALTY,
     RESPONSE_FORMAT,
+    SEEDED,
     Capabilities,
 )
 from batchgen.core.backends.option_types import key_value, positive_int
@@ -145,7 +147,9 @@ class SGLangBackend:
     name = "sglang"
     #: Chat and completions; ``response_format`` becomes SGLang's ``json_schema`` parameter, and
     #: the penalties are SGLang's own sampling parameters.
-    capabilities = Capabilities(features=frozenset({RESPONSE_FORMAT, *_PENALTIES}))
+    capabilities = Capabilities(
+        features=frozenset({RESPONSE_FORMAT, *_PENALTIES}), deterministic=frozenset({GREEDY, SEEDED})
+    )
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ from batchgen.core.backends.base import (
     context_length_exceeded,
     generate_each,
 )
+from batchgen.core.backends.capabilities import GREEDY, SEEDED, Capabilities
 from batchgen.core.backends.engine_activity import EngineActivity
 from batchgen.core.backends.option_types import fraction, non_negative_float
 from batchgen.core.backends.spec import BackendOption, BackendSpec
@@ -79,6 +80,9 @@ LARGE_PROMPT_CHARS = 1 << 20
 
 class SimulatedBackend:
     name = "simulated"
+    #: Chat and completions (as a backend that declares nothing); the same text for the same
+    #: request and seed, so greedy and seeded answers may be replayed by the result cache.
+    capabilities = Capabilities(deterministic=frozenset({GREEDY, SEEDED}))
 
     def __init__(
         self,

@@ -82,6 +82,10 @@ class FinishedLines:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     failed: int = 0  # lines with an error instead of a response
+    #: Lines the result cache answered (``"cached": true``), and their tokens.
+    cached: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
 
     @property
     def completed(self) -> int:
@@ -99,6 +103,7 @@ def read_finished_lines(path: Path) -> FinishedLines:
             stream.truncate(end)
     custom_ids: list[str] = []
     prompt_tokens = completion_tokens = failed = 0
+    cached = cached_prompt = cached_completion = 0
     for raw in data[:end].splitlines():
         if not raw.strip():
             continue
@@ -109,6 +114,12 @@ def read_finished_lines(path: Path) -> FinishedLines:
             usage = response["body"].get("usage") or {}
             prompt_tokens += usage.get("prompt_tokens", 0)
             completion_tokens += usage.get("completion_tokens", 0)
+            if line.get("cached"):
+                cached += 1
+                cached_prompt += usage.get("prompt_tokens", 0)
+                cached_completion += usage.get("completion_tokens", 0)
         else:
             failed += 1
-    return FinishedLines(custom_ids, prompt_tokens, completion_tokens, failed)
+    return FinishedLines(
+        custom_ids, prompt_tokens, completion_tokens, failed, cached, cached_prompt, cached_completion
+    )
