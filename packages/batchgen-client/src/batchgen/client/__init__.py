@@ -10,6 +10,7 @@ Retries (429, 503, connection errors, timeouts), Idempotency-Keys, streamed file
 The implementation modules are private; this namespace is the public API.
 """
 
+from batchgen.client._cache_savings import CacheSavings, cache_savings
 from batchgen.client._client import AsyncBatchGenClient, BatchGenHttpClient
 from batchgen.client._exceptions import (
     APIConnectionError,
@@ -34,6 +35,8 @@ __all__ = [
     "BatchGenClientError",
     "BatchGenHttpClient",
     "BatchWaitTimeout",
+    "CacheSavings",
     "RetriesExhausted",
     "RetryPolicy",
+    "cache_savings",
 ]

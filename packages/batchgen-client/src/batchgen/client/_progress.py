@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from batchgen.client._cache_savings import cache_savings
 from batchgen.client._requests import TERMINAL_STATUSES
 
 __all__ = [
@@ -129,6 +130,9 @@ def format_progress(
         return head.rstrip()
     share = min(counts.done / counts.total, 1.0)
     stats = [f"{counts.done}/{counts.total} done", f"{counts.failed} failed"]
+    savings = cache_savings(batch)
+    if savings is not None and savings.requests:
+        stats.append(f"{savings.requests} from cache")
     ended = counts.done >= counts.total or batch.get("status") in TERMINAL_STATUSES
     if ended:
         if elapsed is not None:
@@ -140,6 +144,8 @@ def format_progress(
     before, after = f"{head} {share:4.0%} ", " " + ", ".join(stats)
     # Sized against the widest the stats get for this total, so the bar keeps its width.
     widest = len(f" {counts.total}/{counts.total} done, {counts.total} failed, ETA 00m00s, 9,999 req/s")
+    if savings is not None and savings.requests:
+        widest += len(f", {counts.total} from cache")
     bar_width = BAR_WIDTH if width is None else min(width - len(before) - widest - 2, MAX_BAR_WIDTH)
     if bar_width < MIN_BAR_WIDTH:
         return before + after.lstrip()

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.client._arguments import non_negative_float, non_negative_int, positive_float, positive_int
+from batchgen.client._cache_savings import format_cache_savings
 from batchgen.client._client import BatchGenHttpClient
 from batchgen.client._exceptions import (
     APIConnectionError,
@@ -119,12 +120,22 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
             _say(f"stopped waiting; batch {batch_id} keeps running (see `{PROG} status {batch_id}`)")
         raise
     _print_json(batch)
+    _say_cache_savings(batch)
     return _exit_for(batch)
 
 
 def _status(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
-    _print_json(client.get_batch(args.id))
+    batch = client.get_batch(args.id)
+    _print_json(batch)
+    _say_cache_savings(batch)
     return EXIT_OK
+
+
+def _say_cache_savings(batch: JSONObject) -> None:
+    """On stderr, what the server's result cache saved the batch, when it saved anything."""
+    savings = format_cache_savings(batch)
+    if savings is not None:
+        _say(f"batch {batch.get('id')}: {savings}")
 
 
 def _list(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
@@ -230,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_batch_options(submit.add_argument_group("batch options"))
 
-    status = add("status", _status, "print a batch as JSON")
+    status = add("status", _status, "print a batch as JSON (and on stderr what the result cache saved it)")
     status.add_argument("id", metavar="ID", help="batch id")
 
     listing = add("list", _list, "print the batches, newest first, as JSON")

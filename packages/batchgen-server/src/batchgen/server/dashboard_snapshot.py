@@ -145,6 +145,9 @@ def batch_rows(snapshot: Snapshot) -> str:
         counts = batch.get("request_counts") or {}
         total, done, failed = counts.get("total", 0), counts.get("completed", 0), counts.get("failed", 0)
         progress = f"{_n(done + failed)}/{_n(total)}" + (f" ({_n(failed)} failed)" if failed else "")
+        cached = (batch.get("usage") or {}).get("cached_requests") or 0
+        if cached:  # answered by the result cache
+            progress += f" ({_n(cached)} from cache)"
         rate = batch.get("requests_per_second")
         cells = [
             ("Batch", f"<code>{html.escape(batch['id'])}</code>"),
@@ -155,7 +158,7 @@ def batch_rows(snapshot: Snapshot) -> str:
             (
                 "Progress",
                 f'<div class="progress"><div class="bar" data-completed="{done}" data-failed="{failed}" '
-                f'data-total="{total}"><span class="done"></span><span class="failed"></span></div>'
+                f'data-total="{total}" data-cached="{cached}"><span class="done"></span><span class="failed"></span></div>'
                 f"<small>{progress}</small></div>",
             ),
             ("Rate", NO_VALUE if rate is None else f"{rate:.2f}/s"),

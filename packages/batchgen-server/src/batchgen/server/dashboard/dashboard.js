@@ -297,15 +297,18 @@
     done.style.width = share(counts.completed);
     const failed = element("span", { class: "failed" });
     failed.style.width = share(counts.failed);
+    const cached = (batch.usage && batch.usage.cached_requests) || 0; // answered by the result cache
     const bar = element("div", {
       class: "bar",
       "data-completed": counts.completed,
       "data-failed": counts.failed,
       "data-total": total,
-      title: `${counts.completed} completed, ${counts.failed} failed, ${total} in all`,
+      "data-cached": cached,
+      title: `${counts.completed} completed (${cached} from the result cache), ${counts.failed} failed, ${total} in all`,
     }, done, failed);
     const text = `${(counts.completed + counts.failed).toLocaleString()}/${total.toLocaleString()}`;
-    const detail = counts.failed ? `${text} (${counts.failed.toLocaleString()} failed)` : text;
+    let detail = counts.failed ? `${text} (${counts.failed.toLocaleString()} failed)` : text;
+    if (cached) detail += ` (${cached.toLocaleString()} from cache)`;
     return element("div", { class: "progress" }, bar, element("small", { text: detail }));
   }
 
@@ -383,6 +386,10 @@
     ["time left", (b) => duration(b.estimated_seconds_remaining)],
     ["expected done", (b) => clock(b.estimated_completion_at)],
     ["tokens", (b) => (b.usage ? `${b.usage.input_tokens} in, ${b.usage.output_tokens} out` : "–")],
+    ["result cache", (b) => (b.usage && b.usage.cached_requests
+      ? `${b.usage.cached_requests.toLocaleString()} requests answered from the cache, `
+        + `${(b.usage.saved_tokens || 0).toLocaleString()} tokens not computed again`
+      : "–")],
     ["input file", (b) => b.input_file_id],
     ["output file", (b) => b.output_file_id || "–"],
     ["error file", (b) => b.error_file_id || "–"],

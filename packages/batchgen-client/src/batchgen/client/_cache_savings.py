@@ -1,0 +1,55 @@
+"""What the server's result cache saved a batch, read from the batch object's `usage`.
+
+A BatchGen server whose result cache serves the batch's tenant reports, in `usage`, the requests
+it answered from the cache (`cached_requests`), the prompt tokens of those answers
+(`input_tokens_details.cached_tokens`) and all their tokens, which were not computed again
+(`saved_tokens`). A server without the cache, or another Batch API, reports none: then
+`cache_savings` is None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CacheSavings", "cache_savings", "format_cache_savings"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSavings:
+    """Requests answered from the result cache, their prompt tokens, and all the tokens saved."""
+
+    requests: int
+    prompt_tokens: int
+    saved_tokens: int
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def cache_savings(batch: Mapping[str, Any]) -> CacheSavings | None:
+    """The batch's cache savings, or None when its server reports none (or malformed ones)."""
+    usage = batch.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    requests, saved = _count(usage.get("cached_requests")), _count(usage.get("saved_tokens"))
+    if requests is None or saved is None:
+        return None
+    details = usage.get("input_tokens_details")
+    prompt = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    return CacheSavings(requests, prompt or 0, saved)
+
+
+def format_cache_savings(batch: Mapping[str, Any]) -> str | None:
+    """`1,000 requests answered from the result cache (31,316 tokens not computed again)`, or None
+    when the cache answered none of the batch's requests."""
+    savings = cache_savings(batch)
+    if savings is None or savings.requests == 0:
+        return None
+    noun = "request" if savings.requests == 1 else "requests"
+    return (
+        f"{savings.requests:,} {noun} answered from the result cache "
+        f"({savings.saved_tokens:,} tokens not computed again)"
+    )
