@@ -96,10 +96,12 @@ def test_public_api_is_pinned() -> None:
             "BatchGenClientError",
             "BatchGenHttpClient",
             "BatchWaitTimeout",
+            "CacheSavings",
             "DEFAULT_BASE_URL",
             "RetriesExhausted",
             "RetryPolicy",
             "TERMINAL_STATUSES",
+            "cache_savings",
         ]
     )
     for name in batchgen.client.__all__:

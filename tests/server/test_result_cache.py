@@ -81,13 +81,14 @@ def _run(
     client: httpx.Client,
     content: bytes,
     endpoint: str = CHAT,
+    *,
     headers: dict[str, str] | None = None,
-    **fields: object,
+    fields: dict[str, object] | None = None,
 ) -> dict[str, Any]:
     """Run ``content`` as one batch (``fields``: more of the create body) to its end; the batch,
     with its output lines under ``"lines"``."""
     file_id = upload(client, content, headers=headers)["id"]
-    body = {"input_file_id": file_id, "endpoint": endpoint, **fields}
+    body = {"input_file_id": file_id, "endpoint": endpoint, **(fields or {})}
     response = client.post("/v1/batches", json=body, headers=headers)
     assert response.status_code == 200, response.text
     batch_id = response.json()["id"]
@@ -106,9 +107,8 @@ def _run(
 
 def _metric(client: httpx.Client, name: str) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            if line.split(" ")[0] == name or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+        if line.split(" ")[0] == name:  # name, or name{labels}
+            return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no metric {name}")
 
 
@@ -142,7 +142,9 @@ def test_a_second_run_of_10000_greedy_lines_comes_from_the_cache_byte_for_byte(
 ) -> None:
     client = api_factory("--result-cache-tenant", "default", "--max-pool-size", "512")
     total = 10_000
-    lines = [chat_line(f"first-{i}", f"question number {i}", temperature=0, max_tokens=32) for i in range(total)]
+    lines = [
+        chat_line(f"first-{i}", f"question number {i}", temperature=0, max_tokens=32) for i in range(total)
+    ]
     first = _run(client, jsonl(*lines))
     prompt_before = _metric(client, "batchgen_prompt_tokens_total")
     # the same requests under new custom_ids, keys reordered and respaced, in another order
@@ -166,7 +168,10 @@ def test_a_second_run_of_10000_greedy_lines_comes_from_the_cache_byte_for_byte(
     assert _metric(client, "batchgen_prompt_tokens_total") == prompt_before
     assert _metric(client, 'batchgen_result_cache_lookups_total{result="hit"}') == total
     assert _metric(client, 'batchgen_result_cache_lookups_total{result="miss"}') == total
-    assert _metric(client, 'batchgen_result_cache_saved_tokens_total{kind="prompt"}') == first["usage"]["input_tokens"]
+    assert (
+        _metric(client, 'batchgen_result_cache_saved_tokens_total{kind="prompt"}')
+        == first["usage"]["input_tokens"]
+    )
     assert _metric(client, "batchgen_result_cache_entries") == total
 
 
@@ -201,7 +206,9 @@ def cached_api(tmp_path_factory: pytest.TempPathFactory) -> Any:
     storage = tmp_path_factory.mktemp("cache") / "storage"
     with TestClient(in_process_app(storage, "--result-cache-tenant", "*"), timeout=30) as client:
         store = KeyStore(storage / "metadata.sqlite3")
-        keys = {tenant: {"Authorization": f"Bearer {store.create_key(tenant)[1]}"} for tenant in ("alice", "bob")}
+        keys = {
+            tenant: {"Authorization": f"Bearer {store.create_key(tenant)[1]}"} for tenant in ("alice", "bob")
+        }
         store.close()
         yield client, keys, storage
 
@@ -214,9 +221,9 @@ def test_only_deterministic_requests_are_cached_and_spelling_does_not_matter(
     client, keys, _ = cached_api
     alice = keys["alice"]
     line = chat_line("x", prompt, **sampling)
-    extra = {} if batch_temperature is None else {"temperature": batch_temperature}
-    first = _run(client, jsonl(line), headers=alice, **extra)
-    again = _run(client, _reordered(line, "y"), headers=alice, **extra)
+    extra: dict[str, object] = {} if batch_temperature is None else {"temperature": batch_temperature}
+    first = _run(client, jsonl(line), headers=alice, fields=extra)
+    again = _run(client, _reordered(line, "y"), headers=alice, fields=extra)
     [replayed] = again["lines"].values()
     expected = _deterministic(line["body"], batch_temperature)
     assert replayed.cached is expected, (line, batch_temperature)
@@ -232,7 +239,11 @@ def test_only_deterministic_requests_are_cached_and_spelling_does_not_matter(
 def test_tenants_never_share_an_entry(cached_api: Any, prompt: str, seed: int | None) -> None:
     client, keys, _ = cached_api
     nonce = f"{time.monotonic_ns()} {prompt}"  # a request neither tenant ran before
-    line = chat_line("x", nonce, temperature=0) if seed is None else chat_line("x", nonce, temperature=1, seed=seed)
+    line = (
+        chat_line("x", nonce, temperature=0)
+        if seed is None
+        else chat_line("x", nonce, temperature=1, seed=seed)
+    )
     alice = _run(client, jsonl(line), headers=keys["alice"])
     bob = _run(client, jsonl(line), headers=keys["bob"])
     assert not alice["lines"]["x"].cached and not bob["lines"]["x"].cached
@@ -282,7 +293,9 @@ def test_another_model_under_the_same_name_or_another_endpoint_never_shares(
 ) -> None:
     storage = tmp_path / "storage"
     chat = jsonl(*[chat_line(f"c{i}", f"prompt {i}", temperature=0) for i in range(5)])
-    completion = jsonl(*[completion_line(f"p{i}", f"prompt {i}", temperature=0, model="default") for i in range(5)])
+    completion = jsonl(
+        *[completion_line(f"p{i}", f"prompt {i}", temperature=0, model="default") for i in range(5)]
+    )
     flags = ("--result-cache-tenant", "default")
     with TestClient(in_process_app(storage, "--model", "first=simulated", *flags), timeout=30) as client:
         assert _run(client, chat)["usage"]["cached_requests"] == 0
@@ -290,7 +303,9 @@ def test_another_model_under_the_same_name_or_another_endpoint_never_shares(
         assert _run(client, chat)["usage"]["cached_requests"] == 5
         assert _run(client, completion, COMPLETIONS)["usage"]["cached_requests"] == 5
     # "default" now names another model: the same lines must run on it
-    with TestClient(in_process_app(storage, "--model", "second=simulated:seed=3", *flags), timeout=30) as client:
+    with TestClient(
+        in_process_app(storage, "--model", "second=simulated:seed=3", *flags), timeout=30
+    ) as client:
         assert _run(client, chat)["usage"]["cached_requests"] == 0
         assert _run(client, chat)["usage"]["cached_requests"] == 5
 
@@ -327,7 +342,10 @@ def test_eviction_keeps_the_store_within_its_bound(
     assert _metric(client, "batchgen_result_cache_evictions_total") > 0
     # the most recent answers are the ones kept
     assert _run(client, jsonl(lines[-1]))["usage"]["cached_requests"] == 1
-    assert _run(client, jsonl(chat_line("old", "round 0 prompt 0", temperature=0)))["usage"]["cached_requests"] == 0
+    assert (
+        _run(client, jsonl(chat_line("old", "round 0 prompt 0", temperature=0)))["usage"]["cached_requests"]
+        == 0
+    )
 
 
 def test_a_restart_keeps_the_cache(tmp_path: Path) -> None:
@@ -360,10 +378,14 @@ def test_the_savings_show_in_the_openai_sdk_both_clients_and_batchgen_status(
         first = ours.submit_batch(input_path, tmp_path / "first.jsonl", progress=False)
         second = ours.submit_batch(input_path, tmp_path / "second.jsonl", progress=False)
     assert cache_savings(first) == CacheSavings(0, 0, 0)
-    assert cache_savings(second) == CacheSavings(6, first["usage"]["input_tokens"], first["usage"]["total_tokens"])
+    assert cache_savings(second) == CacheSavings(
+        6, first["usage"]["input_tokens"], first["usage"]["total_tokens"]
+    )
     firsts = _raw_lines((tmp_path / "first.jsonl").read_bytes())
     seconds = _raw_lines((tmp_path / "second.jsonl").read_bytes())
-    assert {key: _body(line) for key, line in seconds.items()} == {key: _body(line) for key, line in firsts.items()}
+    assert {key: _body(line) for key, line in seconds.items()} == {
+        key: _body(line) for key, line in firsts.items()
+    }
 
     async def through_the_async_client() -> dict[str, Any]:
         async with AsyncBatchGenClient(server.base_url) as client:
@@ -392,14 +414,19 @@ def test_the_savings_show_in_the_openai_sdk_both_clients_and_batchgen_status(
 def test_kill_9_during_a_cached_run_keeps_every_request_exactly_once(
     server_factory: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
-    flags = ("--result-cache-tenant", "default", "--simulated-latency-s", "0.05", "--max-pool-size", "32")
+    flags: tuple[str, ...] = ("--result-cache-tenant", "default", "--simulated-latency-s", "0.05")
+    flags += ("--max-pool-size", "32")
     flags += ("--fsync-interval-ms", "50")
     known = [chat_line(f"k{i}", f"known prompt {i}", temperature=0) for i in range(2000)]
     server = server_factory(*flags, storage="durable")
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         first = _run(client, jsonl(*known))
         # half the lines are answered from the cache, half run, side by side
-        mixed = [line for i in range(2000) for line in (known[i], chat_line(f"n{i}", f"new prompt {i}", temperature=0))]
+        mixed = [
+            line
+            for i in range(2000)
+            for line in (known[i], chat_line(f"n{i}", f"new prompt {i}", temperature=0))
+        ]
         mixed = [{**line, "custom_id": f"m-{line['custom_id']}"} for line in mixed]
         batch_id = create_batch(client, upload(client, jsonl(*mixed))["id"])["id"]
     output = server.storage_path / "incremental" / f"{batch_id}.jsonl"
@@ -420,7 +447,9 @@ def test_kill_9_during_a_cached_run_keeps_every_request_exactly_once(
     assert len(ids) == len(set(ids)) == len(mixed), "every request ends with exactly one line"
     lines = _raw_lines(content)
     cached = [key for key, line in lines.items() if line.cached]
-    assert sorted(cached) == sorted(f"m-k{i}" for i in range(2000)), "every known line, and only those, replayed"
+    assert sorted(cached) == sorted(f"m-k{i}" for i in range(2000)), (
+        "every known line, and only those, replayed"
+    )
     for i in range(2000):
         assert _body(lines[f"m-k{i}"]) == _body(first["lines"][f"k{i}"])
     assert done["usage"]["cached_requests"] == 2000  # rebuilt from the lines after each kill

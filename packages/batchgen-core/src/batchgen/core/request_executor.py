@@ -410,7 +410,11 @@ class RequestExecutor:
         # kept in the cache exactly as the line holds it, once the line is written
         body_json = response_body_json(active.batch.endpoint, model_name, result, now(), body)
         line = body_output_line(custom_id, item.request.request_id, body_json)
-        entry = (item.cache_key, active.batch.owner, CachedResult(body_json, result.prompt_tokens, result.completion_tokens))
+        entry = (
+            item.cache_key,
+            active.batch.owner,
+            CachedResult(body_json, result.prompt_tokens, result.completion_tokens),
+        )
         lines.add(active, active.output, line, result, store=entry)
 
     def _record_failure(self, active: ActiveBatch, custom_id: str, exc: Exception) -> None:

@@ -38,6 +38,10 @@ ENTRY_OVERHEAD_BYTES = 64
 _LOOKUP_CHUNK = 500
 
 
+def _tenants(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be at least 1, got {value}")
@@ -47,7 +51,7 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
 class ResultCacheSettings:
     """Which tenants use the cache, and its bounds."""
 
-    tenants: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tenants: tuple[str, ...] = attrs.field(default=(), converter=_tenants)
     max_bytes: int = attrs.field(default=DEFAULT_MAX_BYTES, validator=_positive)
     max_entries: int = attrs.field(default=DEFAULT_MAX_ENTRIES, validator=_positive)
 
@@ -220,7 +224,9 @@ class ResultCache:
 
     def _fault(self, action: str, exc: sqlite3.Error) -> None:
         if not self._failing:
-            logger.warning("result cache: could not %s entries in %s: %s (going on without)", action, self.path, exc)
+            logger.warning(
+                "result cache: could not %s entries in %s: %s (going on without)", action, self.path, exc
+            )
         self._failing = True
 
     def _recovered(self) -> None:

@@ -111,7 +111,9 @@ def output_line(
     return _one_line(line)
 
 
-def response_body_json(endpoint: str, model: str, result: GenerationResult, created: int, body: Any = None) -> bytes:
+def response_body_json(
+    endpoint: str, model: str, result: GenerationResult, created: int, body: Any = None
+) -> bytes:
     """A finished request's ``response.body`` as the JSON bytes an output line holds (what the
     result cache keeps, ``result_cache``)."""
     return _one_line(_response_body(endpoint, model, result, created, body))[:-1]

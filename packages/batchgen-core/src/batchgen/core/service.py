@@ -84,6 +84,8 @@ from batchgen.core.models import (
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
+from batchgen.core.result_cache import FILE_NAME as RESULT_CACHE_FILE
+from batchgen.core.result_cache import ResultCache, ResultCacheSettings
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
@@ -91,8 +93,6 @@ from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, Resu
 from batchgen.core.storage.folder_lock import FolderLock
 from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
-from batchgen.core.result_cache import FILE_NAME as RESULT_CACHE_FILE
-from batchgen.core.result_cache import ResultCache, ResultCacheSettings
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
 from batchgen.core.url_redaction import redacted_repr
@@ -157,7 +157,7 @@ class ServiceSettings:
     webhook_batch_urls: bool = False
     #: The tenants whose deterministic requests the result cache answers, and its bounds
     #: (``result_cache``); no tenant: no cache, and no cache file.
-    result_cache: ResultCacheSettings = ResultCacheSettings()
+    result_cache: ResultCacheSettings = attrs.field(factory=ResultCacheSettings)
 
 
 class _Parts:

@@ -88,10 +88,14 @@ def result_cache_metrics(service: BatchService) -> Iterator[Metric]:
     saved.add_metric(["completion"], counts.saved_completion_tokens)
     yield saved
     yield CounterMetricFamily(
-        "batchgen_result_cache_evictions", "Result cache entries evicted to keep its bounds.", value=counts.evicted
+        "batchgen_result_cache_evictions",
+        "Result cache entries evicted to keep its bounds.",
+        value=counts.evicted,
     )
     yield GaugeMetricFamily(
-        "batchgen_result_cache_entries", "Entries in the result cache.", value=0 if cache is None else cache.entries
+        "batchgen_result_cache_entries",
+        "Entries in the result cache.",
+        value=0 if cache is None else cache.entries,
     )
     yield GaugeMetricFamily(
         "batchgen_result_cache_bytes",
