@@ -204,9 +204,8 @@ class StoreMachine(RuleBasedStateMachine):
         body = (key * length).encode()[:length]
         self.cache.store([(key, "t", CachedResult(body, length, 1))])
         size = entry_size(key, body)
-        if size > self.settings.max_bytes:  # too big alone: left out
+        if size > self.settings.max_bytes or key in self.model:  # too big alone, or kept already
             return
-        self.model.pop(key, None)
         self.model[key] = size
         self.bodies[key] = body
         self._trim()

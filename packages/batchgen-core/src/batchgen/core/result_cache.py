@@ -166,27 +166,22 @@ class ResultCache:
         if not rows:
             return
         entries_before, bytes_before, clock_before = self.entries, self.bytes, self._clock
+        values = [
+            (key, tenant, result.body, result.prompt_tokens, result.completion_tokens, size, self._tick())
+            for key, tenant, result, size in rows
+        ]
         try:
             with self._transaction():
-                for key, tenant, result, size in rows:
-                    old = self._db.execute("SELECT size FROM entries WHERE key = ?", (key,)).fetchone()
-                    if old is not None:  # computed twice (two equal lines ran side by side)
-                        self.entries -= 1
-                        self.bytes -= old[0]
-                    self._db.execute(
-                        "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            key,
-                            tenant,
-                            result.body,
-                            result.prompt_tokens,
-                            result.completion_tokens,
-                            size,
-                            self._tick(),
-                        ),
-                    )
-                    self.entries += 1
-                    self.bytes += size
+                inserted = self._db.executemany(
+                    "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", values
+                ).rowcount
+                if inserted == len(values):  # the usual case: every key new
+                    self.entries += inserted
+                    self.bytes += sum(row[3] for row in rows)
+                else:  # some computed twice (equal lines ran side by side): count what is there
+                    self.entries, self.bytes = self._db.execute(
+                        "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+                    ).fetchone()
                 self._evict()
             self.counts.stored += len(rows)
             self._recovered()

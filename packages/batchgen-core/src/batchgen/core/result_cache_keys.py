@@ -17,7 +17,6 @@ never part of the key. The tenant comes first, so two tenants never share an ent
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import msgspec
 
@@ -26,7 +25,6 @@ from batchgen.core.models import EMBEDDINGS, GenerationRequest
 
 _decode = msgspec.json.decode
 _encode_sorted = msgspec.json.Encoder(order="sorted").encode
-_SEPARATOR = b"\x00"
 
 
 def is_deterministic(request: GenerationRequest, capabilities: Capabilities) -> bool:
@@ -57,19 +55,8 @@ def cache_key(
     """The hex key of one request: ``model`` is (public name, backend name, name handed to the
     backend), ``raw_body`` the line's body as it was uploaded."""
     sampling = request.sampling
-    resolved: dict[str, Any] = {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "seed": sampling.seed,
-        "stop": list(sampling.stop),
-    }
-    digest = hashlib.sha256()
-    for part in (tenant, *model, endpoint):
-        digest.update(part.encode("utf-8", "surrogatepass"))
-        digest.update(_SEPARATOR)
-    digest.update(canonical_body(raw_body))
-    digest.update(_SEPARATOR)
-    digest.update(_encode_sorted(resolved))
-    return digest.hexdigest()
+    resolved = repr(
+        (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed, sampling.stop)
+    )
+    head = "\x00".join((tenant, *model, endpoint, resolved, ""))
+    return hashlib.sha256(head.encode("utf-8", "surrogatepass") + canonical_body(raw_body)).hexdigest()
