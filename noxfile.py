@@ -189,6 +189,7 @@ BENCHMARKS = (
     "intake_memory",
     "model_throughput",
     "embedding_throughput",
+    "result_cache",
     "polling",
     "responsiveness",
 )  # gpu.py: by name, on a GPU machine

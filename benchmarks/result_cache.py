@@ -65,7 +65,9 @@ def run(client: httpx.Client, input_path: Path) -> tuple[dict[str, object], floa
     bodies by custom_id, and how many lines say they came from the cache."""
     file_id, _ = upload(client, input_path)
     started = time.perf_counter()
-    batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}).json()
+    batch = client.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    ).json()
     while batch["status"] not in TERMINAL:
         time.sleep(0.02)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
@@ -125,7 +127,9 @@ def main() -> None:
         f"  second run, cached:    {figures['second_run_from_cache_req_per_s']:>10,.1f} req/s "
         f"({figures['second_over_first']}x the first run), bodies byte for byte the first run's"
     )
-    print(f"  cache file {figures['cache_file_mib']} MiB, server peak RSS {figures['server_peak_rss_mib']} MiB")
+    print(
+        f"  cache file {figures['cache_file_mib']} MiB, server peak RSS {figures['server_peak_rss_mib']} MiB"
+    )
     print(json.dumps(figures))
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -176,22 +178,28 @@ def _file_contents(path: Path) -> dict[str, int]:
 
 
 class StoreMachine(RuleBasedStateMachine):
-    """The store against an LRU model, under small random bounds, reopened at random."""
+    """The store against an LRU model, under small bounds, written now (``store``) or later
+    (``store_later``, then ``flush``), reopened at random."""
+
+    KEYS = st.sampled_from([f"k{i}" for i in range(9)])
 
     def __init__(self) -> None:
         super().__init__()
-        self.folder = Path(self._tmp())
-        self.path = self.folder / "result_cache.sqlite3"
+        self.path = Path(tempfile.mkdtemp(prefix="result-cache-")) / "result_cache.sqlite3"
         self.settings = ResultCacheSettings(("t",), max_bytes=900, max_entries=5)
         self.cache = ResultCache(self.path, self.settings)
+        #: What the file holds (key: size), least recently used first, and the bodies.
         self.model: OrderedDict[str, int] = OrderedDict()
         self.bodies: dict[str, bytes] = {}
+        #: What waits in memory: new entries, and keys used.
+        self.pending: dict[str, bytes] = {}
+        self.touched: OrderedDict[str, None] = OrderedDict()
 
-    @staticmethod
-    def _tmp() -> str:
-        import tempfile
-
-        return tempfile.mkdtemp(prefix="result-cache-")
+    def _insert(self, key: str, body: bytes) -> None:
+        size = entry_size(key, body)
+        if size <= self.settings.max_bytes and key not in self.model:  # else: too big alone, or kept
+            self.model[key] = size
+            self.bodies[key] = body
 
     def _trim(self) -> None:
         while (
@@ -199,29 +207,52 @@ class StoreMachine(RuleBasedStateMachine):
         ):
             self.model.popitem(last=False)
 
-    @rule(key=st.sampled_from([f"k{i}" for i in range(9)]), length=st.integers(1, 300))
+    def _written(self) -> None:
+        """What a flush does: the uses first, then the new entries, then eviction."""
+        for key in self.touched:
+            if key in self.model:
+                self.model.move_to_end(key)
+        for key, body in self.pending.items():
+            self._insert(key, body)
+        self.pending, self.touched = {}, OrderedDict()
+        self._trim()
+
+    @rule(key=KEYS, length=st.integers(1, 300))
     def store(self, key: str, length: int) -> None:
         body = (key * length).encode()[:length]
         self.cache.store([(key, "t", CachedResult(body, length, 1))])
-        size = entry_size(key, body)
-        if size > self.settings.max_bytes or key in self.model:  # too big alone, or kept already
-            return
-        self.model[key] = size
-        self.bodies[key] = body
+        self._insert(key, body)
         self._trim()
 
-    @rule(key=st.sampled_from([f"k{i}" for i in range(9)]))
+    @rule(key=KEYS, length=st.integers(1, 300))
+    def store_later(self, key: str, length: int) -> None:
+        body = (key * length).encode()[-length:]
+        self.cache.store_later([(key, "t", CachedResult(body, length, 1))])
+        self.pending.setdefault(key, body)
+
+    @rule(key=KEYS)
     def lookup(self, key: str) -> None:
         found = self.cache.lookup([key])
-        assert (key in found) is (key in self.model)
-        if key in found:
+        if key in self.pending:  # found in memory
+            assert found[key].body == self.pending[key]
+        elif key in self.model:
             assert found[key].body == self.bodies[key]
-            self.model.move_to_end(key)
+            self.touched.pop(key, None)
+            self.touched[key] = None
+        else:
+            assert key not in found
+
+    @rule()
+    def flush(self) -> None:
+        anyio.run(self.cache.flush)
+        self._written()
 
     @rule(max_entries=st.integers(1, 6))
     def reopen(self, max_entries: int) -> None:
-        """A restart, perhaps with another bound (a lower one trims the file at once)."""
+        """A clean restart (what waits is written), perhaps with another bound (a lower one
+        trims the file at once)."""
         self.cache.close()
+        self._written()
         self.settings = attrs.evolve(self.settings, max_entries=max_entries)
         self.cache = ResultCache(self.path, self.settings)
         self._trim()
@@ -233,6 +264,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert len(contents) <= self.settings.max_entries
         assert sum(contents.values()) <= self.settings.max_bytes
         assert (self.cache.entries, self.cache.bytes) == (len(contents), sum(contents.values()))
+        assert self.cache.waiting == len(self.pending)
 
     def teardown(self) -> None:
         self.cache.close()

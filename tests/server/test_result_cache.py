@@ -105,8 +105,8 @@ def _run(
     return batch
 
 
-def _metric(client: httpx.Client, name: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
+def _metric(client: httpx.Client, name: str, headers: dict[str, str] | None = None) -> float:
+    for line in client.get("/metrics", headers=headers).text.splitlines():
         if line.split(" ")[0] == name:  # name, or name{labels}
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no metric {name}")
@@ -115,6 +115,14 @@ def _metric(client: httpx.Client, name: str) -> float:
 def _complete_prefix(path: Path) -> bytes:
     data = path.read_bytes() if path.exists() else b""
     return data[: data.rfind(b"\n") + 1]
+
+
+def _written(client: httpx.Client, headers: dict[str, str] | None = None) -> None:
+    """Wait until the cache's new entries are in its file (it writes them every 0.2 s)."""
+    deadline = time.monotonic() + 10
+    while _metric(client, "batchgen_result_cache_waiting_entries", headers) > 0:
+        assert time.monotonic() < deadline, "the cache's entries were never written"
+        time.sleep(0.02)
 
 
 def _entries(storage: Path) -> tuple[int, int]:
@@ -172,6 +180,7 @@ def test_a_second_run_of_10000_greedy_lines_comes_from_the_cache_byte_for_byte(
         _metric(client, 'batchgen_result_cache_saved_tokens_total{kind="prompt"}')
         == first["usage"]["input_tokens"]
     )
+    _written(client)
     assert _metric(client, "batchgen_result_cache_entries") == total
 
 
@@ -268,8 +277,10 @@ def test_a_tenant_not_named_is_never_cached_and_stores_nothing(
         batch = _run(client, lines, headers=bob)
         assert batch["usage"]["cached_requests"] == 0
         assert not any(line.cached for line in batch["lines"].values())
+    _written(client, alice)
     assert _entries(storage) == (0, 0)
     _run(client, lines, headers=alice)
+    _written(client, alice)
     assert _entries(storage)[0] == 20
     assert _run(client, lines, headers=alice)["usage"]["cached_requests"] == 20
     assert _run(client, lines, headers=bob)["usage"]["cached_requests"] == 0
@@ -318,6 +329,7 @@ def test_errors_are_never_cached(api_factory: Callable[..., TestClient[Litestar]
         batch = wait_for_status(client, create_batch(client, file_id)["id"], TERMINAL)
         assert batch["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
         assert batch["usage"]["cached_requests"] == 0
+    _written(client)
     assert _entries(tmp_path / "storage") == (0, 0)
     assert _metric(client, 'batchgen_result_cache_lookups_total{result="hit"}') == 0
 
@@ -334,6 +346,7 @@ def test_eviction_keeps_the_store_within_its_bound(
     for round_ in range(4):
         lines = [chat_line(f"r{i}", f"round {round_} prompt {i}", temperature=0) for i in range(10)]
         _run(client, jsonl(*lines))
+        _written(client)
         entries, size = _entries(tmp_path / "storage")
         assert entries >= 1
         assert (entries if flag.endswith("entries") else size) <= limit

@@ -68,8 +68,9 @@ def test_a_second_greedy_run_on_the_real_model_comes_from_the_cache_byte_for_byt
             assert set(first) == set(again)
             for custom_id, line in again.items():
                 assert line.cached and not first[custom_id].cached
-                assert line.response is not None and first[custom_id].response is not None
-                assert bytes(line.response.body) == bytes(first[custom_id].response.body)
+                replayed, original = line.response, first[custom_id].response
+                assert replayed is not None and original is not None
+                assert bytes(replayed.body) == bytes(original.body)
         assert first_chat["usage"]["cached_requests"] == 0
         assert again_chat["usage"]["cached_requests"] == 3
         assert again_completion["usage"]["cached_requests"] == 2

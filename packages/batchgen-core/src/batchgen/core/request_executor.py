@@ -598,4 +598,4 @@ class _Lines:
                         stores.append(store)
             active.dirty = True
         if stores and self._cache is not None:
-            self._cache.store(stores)
+            self._cache.store_later(stores)

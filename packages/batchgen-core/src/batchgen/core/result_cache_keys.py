@@ -56,7 +56,14 @@ def cache_key(
     backend), ``raw_body`` the line's body as it was uploaded."""
     sampling = request.sampling
     resolved = repr(
-        (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed, sampling.stop)
+        (
+            sampling.max_tokens,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.seed,
+            sampling.stop,
+        )
     )
     head = "\x00".join((tenant, *model, endpoint, resolved, ""))
     return hashlib.sha256(head.encode("utf-8", "surrogatepass") + canonical_body(raw_body)).hexdigest()

@@ -85,7 +85,7 @@ from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
 from batchgen.core.result_cache import FILE_NAME as RESULT_CACHE_FILE
-from batchgen.core.result_cache import ResultCache, ResultCacheSettings
+from batchgen.core.result_cache import FLUSH_INTERVAL_S, ResultCache, ResultCacheSettings
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
@@ -290,6 +290,8 @@ class BatchService:
             )
             self.maintenance.add("fsync results", self.settings.fsync_interval_ms / 1000, self._sync_results)
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
+            if self.result_cache is not None:
+                self.maintenance.add("write result cache", FLUSH_INTERVAL_S, self.result_cache.flush)
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
             self._exit_stack = stack.pop_all()

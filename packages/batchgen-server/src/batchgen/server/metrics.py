@@ -98,6 +98,11 @@ def result_cache_metrics(service: BatchService) -> Iterator[Metric]:
         value=0 if cache is None else cache.entries,
     )
     yield GaugeMetricFamily(
+        "batchgen_result_cache_waiting_entries",
+        "New result cache entries kept in memory until the next write to its file (every 0.2 s).",
+        value=0 if cache is None else cache.waiting,
+    )
+    yield GaugeMetricFamily(
         "batchgen_result_cache_bytes",
         "Bytes the result cache's entries count against --result-cache-max-bytes.",
         value=0 if cache is None else cache.bytes,
