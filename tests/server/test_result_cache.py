@@ -467,3 +467,19 @@ def test_kill_9_during_a_cached_run_keeps_every_request_exactly_once(
         assert _body(lines[f"m-k{i}"]) == _body(first["lines"][f"k{i}"])
     assert done["usage"]["cached_requests"] == 2000  # rebuilt from the lines after each kill
     assert done["request_counts"] == {"total": 4000, "completed": 4000, "failed": 0}
+
+
+def test_the_dashboard_shows_what_the_cache_saved_a_batch(
+    api_factory: Callable[..., TestClient[Litestar]],
+) -> None:
+    client = api_factory("--result-cache-tenant", "default")
+    lines = jsonl(*[chat_line(f"r{i}", f"dashboard question {i}", temperature=0) for i in range(4)])
+    plain = _run(client, lines)
+    cached = _run(client, lines)
+    page = client.get("/").text
+    assert f'data-batch-id="{cached["id"]}"' in page
+    assert 'data-cached="4"' in page and "4/4 (4 from cache)" in page
+    row = page[page.index(f'data-batch-id="{plain["id"]}"') :]
+    assert 'data-cached="0"' in row.split("</tr>", 1)[0]
+    script = client.get("/ui/dashboard.js").text
+    assert "cached_requests" in script and "from cache" in script
