@@ -33,6 +33,7 @@ from litestar.testing import TestClient
 
 from batchgen.client import AsyncBatchGenClient, BatchGenHttpClient, CacheSavings, cache_savings
 from batchgen.server.api_keys import KeyStore
+from batchgen.server.cli import settings_from_args
 from tests.conftest import in_process_app
 from tests.helpers import (
     CHAT,
@@ -483,3 +484,20 @@ def test_the_dashboard_shows_what_the_cache_saved_a_batch(
     assert 'data-cached="0"' in row.split("</tr>", 1)[0]
     script = client.get("/ui/dashboard.js").text
     assert "cached_requests" in script and "from cache" in script
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--result-cache-tenant", ""),
+        ("--result-cache-tenant", "no spaces"),
+        ("--result-cache-max-bytes", "0"),
+        ("--result-cache-max-entries", "-1"),
+        ("--result-cache-max-entries", "many"),
+    ],
+)
+def test_bad_cache_flags_are_usage_errors(flags: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        settings_from_args(["--backend", "simulated", *flags])
+    assert stopped.value.code == 2
+    assert flags[0] in capsys.readouterr().err

@@ -82,6 +82,18 @@ def _positive_seconds(text: str) -> float:
 _POSITIVE_FLOAT = command_line_type(_positive_seconds)
 
 
+def _cache_tenant(text: str) -> str:
+    """A --result-cache-tenant value: a tenant's name, 'default', or '*' for every tenant."""
+    if text in ("*", "default"):
+        return text
+    from batchgen.server.api_keys import check_tenant_name
+
+    return check_tenant_name(text)
+
+
+_CACHE_TENANT = command_line_type(_cache_tenant)
+
+
 _API_NICE = command_line_type(parse_api_nice)
 
 
@@ -330,10 +342,11 @@ def build_parser(
     add(
         "--result-cache-tenant",
         action="append",
+        type=_CACHE_TENANT,
         default=[],
         metavar="TENANT",
-        help="answer this tenant's deterministic requests (greedy or seeded with one choice, and "
-        "embeddings) from a result cache of earlier successful answers, replayed byte for byte, "
+        help="answer this tenant's deterministic requests (greedy with one choice, seeded where the "
+        "backend honours seeds, and embeddings) from a result cache of earlier successful answers, replayed byte for byte, "
         "and keep its new ones there (repeatable; '*': every tenant; 'default': a server without "
         "API keys); the cache lives in the storage folder and survives restarts. Without it "
         "nothing is cached or stored",
