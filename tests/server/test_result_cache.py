@@ -4,8 +4,8 @@ in the batch's usage, ``/metrics``, the openai SDK's batch object and both clien
 deterministic requests, other models, endpoints and tenants never share an entry; the cache keeps
 its bound, survives a restart, and a kill -9 during a cached run keeps every request exactly once.
 
-In-process servers (``api_factory``) unless a test needs a process (the kill, the openai SDK is
-in-process too through its http_client).
+In-process servers (``api_factory``, real SQLite and files) except where a process is needed:
+the kill -9, and the openai SDK, both clients and the ``batchgen`` command against a live server.
 """
 
 from __future__ import annotations
