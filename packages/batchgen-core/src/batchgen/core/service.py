@@ -57,6 +57,7 @@ from batchgen.core.batch_options import (
     check_parameters,
     parse_completion_window,
 )
+from batchgen.core.batch_retry import BatchRetries, RetryRequest, with_retries
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
 from batchgen.core.errors import (
@@ -83,6 +84,7 @@ from batchgen.core.models import (
 )
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
+from batchgen.core.result_merge import FamilyIndex
 from batchgen.core.request_executor import RequestExecutor
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
@@ -246,6 +248,8 @@ class BatchService:
         #: One owner per storage folder (``folder_lock``): held from the start to the stop.
         self._folder_lock = FolderLock(settings.storage_path)
         self._shutdown_deadline: float | None = None
+        #: Retries of ended batches, and the merged view of a batch and its retries.
+        self.retries = BatchRetries(self)
 
     # --- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> BatchService:
@@ -456,6 +460,8 @@ class BatchService:
         output_expires_after_s: int | None = None,
         idempotency_key: str | None = None,
         caller: Caller = EMBEDDED,
+        retry_of: str | None = None,
+        idempotency_call: str | None = None,
     ) -> Batch:
         """Accept a batch over an uploaded ``batch`` file; it starts in the background.
 
@@ -473,13 +479,16 @@ class BatchService:
         The batch belongs to the caller's tenant, and its input file must be one the caller sees
         (else NotFound, as for a file that does not exist). Over the tenant's own limits the call
         raises IntakeFull naming that limit.
+
+        ``retry_of`` names the batch this one retries (``batch_retry``), which has already
+        replayed ``idempotency_key`` against ``idempotency_call``, the fingerprint to record.
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
-        call = fingerprint(
+        call = idempotency_call or fingerprint(
             input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
         )
-        if idempotency_key is not None:
+        if idempotency_key is not None and idempotency_call is None:
             earlier = parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
             if earlier is not None:
                 return await self.get_batch(earlier, caller=caller)
@@ -549,6 +558,7 @@ class BatchService:
             output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
             owner=caller.tenant,
+            retry_of=retry_of,
         )
         # Admission is atomic: the batch's places are held from now until the starter queues it
         # (or it ends first), so every batch answered here is queued in full. A batch larger than
@@ -627,7 +637,7 @@ class BatchService:
         batch = active.snapshot() if active is not None else self.metadata.get_batch(batch_id)
         if batch is None or not caller.sees(batch.owner):
             raise NotFound(f"No batch with id '{batch_id}'.")
-        return batch
+        return with_retries(self, [batch])[0]
 
     @_storage_call("list the batches")
     async def list_batches(
@@ -642,7 +652,27 @@ class BatchService:
             after=after, limit=limit, descending=order == "desc", owner=caller.owner_filter
         )
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
-        return live, has_more
+        return with_retries(self, live), has_more
+
+    @_storage_call("retry the batch")
+    async def retry_batch(
+        self,
+        batch_id: str,
+        request: RetryRequest | None = None,
+        *,
+        idempotency_key: str | None = None,
+        caller: Caller = EMBEDDED,
+    ) -> Batch:
+        """A new batch over the lines of an ended batch that did not succeed (``batch_retry``)."""
+        return await self.retries.retry(
+            batch_id, request or RetryRequest(), idempotency_key=idempotency_key, caller=caller
+        )
+
+    @_storage_call("read the merged results")
+    async def merged_results(self, batch_id: str, *, caller: Caller = EMBEDDED) -> FamilyIndex:
+        """The best result so far of every request of a batch and its retries (``result_merge``);
+        the caller reads it (``merged_chunks``, in a worker thread) and closes it."""
+        return (await self.retries.index(batch_id, caller))[1]
 
     @_storage_call("cancel the batch")
     async def cancel_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:

@@ -117,6 +117,14 @@ class MetadataStore(Protocol):
     def batches_using_file(self, file_id: str) -> list[Batch]:
         """Batches whose input, output or error file is ``file_id``."""
 
+    def retries_of(self, batch_ids: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """For each of ``batch_ids`` that has retries, the ids of the batches whose ``retry_of``
+        names it, oldest first."""
+
+    def retry_family(self, batch_id: str) -> list[str]:
+        """``batch_id`` and its retries, theirs, and so on: every batch of its family, oldest first
+        (empty when no such batch is stored)."""
+
     def usage(self, owner: str | None = None) -> list[TenantUsage]:
         """Per owner (or for ``owner`` only): batches, finished requests and tokens, as saved."""
 
