@@ -25,7 +25,7 @@ import contextlib
 import enum
 import os
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,7 @@ class FamilyIndex:
         """The bytes of the merged view: its lines' lengths summed."""
         return int(self._db.execute("SELECT COALESCE(SUM(length), 0) FROM lines WHERE rank > 0").fetchone()[0])
 
-    def merged_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    def merged_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Generator[bytes, None, None]:
         """The merged view: the winning line of every request that has one, in input order, read
         from the result files in chunks of about ``chunk_bytes``."""
         descriptors: dict[int, int] = {}

@@ -84,8 +84,8 @@ from batchgen.core.models import (
 )
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
-from batchgen.core.result_merge import FamilyIndex
 from batchgen.core.request_executor import RequestExecutor
+from batchgen.core.result_merge import FamilyIndex
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel

@@ -58,9 +58,7 @@ def parse_retry_body(raw: bytes) -> RetryRequest:
         or not all(isinstance(name, str) for name in outcomes)
         or len(outcomes) > len(OUTCOMES)
     ):
-        raise InvalidRequest(
-            "outcomes must be a list of 'failed' and/or 'not_run'", param="outcomes"
-        )
+        raise InvalidRequest("outcomes must be a list of 'failed' and/or 'not_run'", param="outcomes")
     overrides: dict[str, Any] = {}
     for name in _PARAMETER_FIELDS:
         if name in body:
