@@ -83,9 +83,9 @@ def test_the_merged_view_is_the_best_line_of_each_request_in_input_order(
             assert merged == b"".join(best[custom_id] for custom_id in ids if custom_id in best)
             assert index.merged_size() == len(merged)
             counts = index.counts()
-            for kind in Outcome:
-                assert counts[kind] == sum(
-                    1 for custom_id in ids if outcome.get(custom_id, Outcome.NOT_RUN) is kind
+            for each in Outcome:
+                assert counts[each] == sum(
+                    1 for custom_id in ids if outcome.get(custom_id, Outcome.NOT_RUN) is each
                 )
             data = (root / "in.jsonl").read_bytes()
             for wanted in ({Outcome.FAILED}, {Outcome.NOT_RUN}, {Outcome.FAILED, Outcome.NOT_RUN}):

@@ -6,14 +6,17 @@ retries. In-process servers (the simulated backend, real SQLite and files)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from litestar.testing import TestClient
 
 from batchgen.server.api_keys import KeyStore
+from tests.conftest import in_process_app
 from tests.helpers import (
     TERMINAL,
     ApiFactory,
@@ -237,10 +240,6 @@ def test_an_expired_batch_retries_the_lines_that_never_ran(api_factory: ApiFacto
 
 
 def test_another_tenants_batch_is_not_found_and_a_retry_stays_in_its_tenant(tmp_path: Path) -> None:
-    from litestar.testing import TestClient
-
-    from tests.conftest import in_process_app
-
     storage = tmp_path / "storage"
     keys = KeyStore(storage / "metadata.sqlite3")
     _, alpha = keys.create_key("alpha")
@@ -280,3 +279,17 @@ def test_the_merged_view_ranks_a_success_over_an_error_and_the_later_attempt_fir
     assert int(head.headers["content-length"]) == len(
         api.get(f"/v1/batches/{batch['id']}/merged_results").content
     )
+
+
+def test_a_database_from_before_retries_opens_and_its_batches_can_be_retried(tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    with TestClient(in_process_app(storage, "--max-context-length", "50"), timeout=30) as api:
+        batch = create_batch(api, upload(api, jsonl(chat_line("a", TOO_LONG), chat_line("b")))["id"])
+        batch = wait_for_status(api, batch["id"], TERMINAL)
+    with sqlite3.connect(storage / "metadata.sqlite3") as db:  # as a version before retries made it
+        db.execute("DROP INDEX idx_batches_retry_of")
+        db.execute("ALTER TABLE batches DROP COLUMN retry_of")
+    with TestClient(in_process_app(storage, "--max-context-length", "50"), timeout=30) as api:
+        assert api.get(f"/v1/batches/{batch['id']}").json()["retry_of"] is None
+        retry = _retry(api, batch["id"]).json()
+        assert api.get(f"/v1/batches/{batch['id']}").json()["retries"] == [retry["id"]]

@@ -136,7 +136,9 @@ class BatchRetries:
                 if file_id is not None:
                     result_files.append(path)
         staging = service.blobs.new_staging_path()
-        index = await anyio.to_thread.run_sync(FamilyIndex.build, staging, Path(input_file.path), result_files)
+        index = await anyio.to_thread.run_sync(
+            FamilyIndex.build, staging, Path(input_file.path), result_files
+        )
         return members, index
 
     async def retry(

@@ -129,7 +129,9 @@ class FamilyIndex:
                     rows.append((line, _read_envelope(raw).custom_id, position, len(raw)))
                     line += 1
                     if len(rows) >= _ROWS_PER_WRITE:
-                        self._db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, 0, NULL, NULL, NULL)", rows)
+                        self._db.executemany(
+                            "INSERT INTO lines VALUES (?, ?, ?, ?, 0, NULL, NULL, NULL)", rows
+                        )
                         rows.clear()
                 position += len(raw)
         self._db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, 0, NULL, NULL, NULL)", rows)
@@ -172,7 +174,9 @@ class FamilyIndex:
 
     def merged_size(self) -> int:
         """The bytes of the merged view: its lines' lengths summed."""
-        return int(self._db.execute("SELECT COALESCE(SUM(length), 0) FROM lines WHERE rank > 0").fetchone()[0])
+        return int(
+            self._db.execute("SELECT COALESCE(SUM(length), 0) FROM lines WHERE rank > 0").fetchone()[0]
+        )
 
     def merged_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Generator[bytes, None, None]:
         """The merged view: the winning line of every request that has one, in input order, read
