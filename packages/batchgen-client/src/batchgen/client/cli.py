@@ -294,7 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT",
         help="wait, then write the merged results of ID and its retries (every request's best line) here",
     )
-    retry.add_argument("--poll-interval", type=non_negative_float, metavar="SECONDS")
+    retry.add_argument(
+        "--poll-interval",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help=f"seconds between polls while waiting (default: {ADAPTIVE_POLLING})",
+    )
     retry.add_argument("--no-progress", action="store_true", help="no progress line while waiting")
     _add_batch_options(
         retry.add_argument_group("batch options (default: the original batch's)"), keep_defaults=False
