@@ -480,15 +480,15 @@ class BatchService:
         (else NotFound, as for a file that does not exist). Over the tenant's own limits the call
         raises IntakeFull naming that limit.
 
-        ``retry_of`` names the batch this one retries (``batch_retry``), which has already
-        replayed ``idempotency_key`` against ``idempotency_call``, the fingerprint to record.
+        ``retry_of`` names the batch this one retries (``batch_retry``); ``idempotency_call``
+        then replaces the fingerprint of this call's arguments with the retry call's.
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
         call = idempotency_call or fingerprint(
             input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
         )
-        if idempotency_key is not None and idempotency_call is None:
+        if idempotency_key is not None:
             earlier = parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
             if earlier is not None:
                 return await self.get_batch(earlier, caller=caller)
