@@ -59,6 +59,15 @@ def _check_no_half_made_retry(client: httpx.Client, storage: Path, original: str
         content = client.get(f"/v1/files/{retry['input_file_id']}/content")
         assert content.status_code == 200
         assert len(content.content.splitlines()) == retry["request_counts"]["total"] > 0
+    # and no retry's input file without its batch: the two are written together
+    inputs = [
+        file
+        for file in client.get("/v1/files").json()["data"]
+        if file["filename"] == f"{original}_retry.jsonl"
+    ]
+    assert sorted(file["id"] for file in inputs) == sorted(
+        client.get(f"/v1/batches/{retry_id}").json()["input_file_id"] for retry_id in retries
+    )
     return list(retries)
 
 

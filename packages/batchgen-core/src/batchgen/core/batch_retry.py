@@ -8,8 +8,9 @@ line a retry has already answered is not retried again. The selected lines of th
 file are copied, as they are and in their order, into a new ``batch`` input file of the batch's
 tenant, and a batch is created over it with ``retry_of`` naming the batch and the batch-level
 parameters of the original unless the call gives others. An ``Idempotency-Key`` is fingerprinted
-on the batch and the call (same key, same call: the same retry batch) and recorded with the new
-batch's row in one write, so a crash leaves either a whole retry batch or none.
+on the batch and the call (same key, same call: the same retry batch). The new input file's
+record, the batch's row and the key are written in one transaction, so a crash leaves either a
+whole retry batch (its input file, its row, its key) or none of them.
 
 Refused: a batch that has not ended, or one of whose retries has not (409 ``batch_not_final``);
 one with nothing of the asked outcomes left (409 ``nothing_to_retry``); one whose input file, or
@@ -18,7 +19,6 @@ a family member's result file, is gone (409 ``results_missing``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -27,9 +27,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import attrs
 
+from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.batch_tracker import now
 from batchgen.core.errors import Conflict, InvalidRequest
 from batchgen.core.idempotency import fingerprint
-from batchgen.core.models import Batch, BatchParameters
+from batchgen.core.ids import new_object_id
+from batchgen.core.models import Batch, BatchParameters, FileObject
 from batchgen.core.result_merge import FamilyIndex, Outcome
 from batchgen.core.tenancy import EMBEDDED, Caller
 
@@ -198,9 +201,7 @@ class BatchRetries:
                 service.blobs.remove(staging)
                 raise
         owner = caller if caller.tenant == original.owner else attrs.evolve(caller, tenant=original.owner)
-        new_input = await service.add_file(
-            staging, filename=f"{original.id}_retry.jsonl", purpose="batch", caller=owner
-        )
+        new_input = await self._placed_input(staging, f"{original.id}_retry.jsonl", owner)
         settings = _settings_of(original) | request.overrides
         try:
             return await service.create_batch(
@@ -219,11 +220,39 @@ class BatchRetries:
                 caller=owner,
                 retry_of=original.id,
                 idempotency_call=call,
+                new_input=new_input,
             )
         except BaseException:
-            with contextlib.suppress(Exception):  # no batch was made: neither is its input file
-                await service.delete_file(new_input.id)
+            if service.metadata.get_file(new_input.id) is None:  # no batch was made: nor its input
+                service.blobs.remove(new_input.path)
             raise
+
+    async def _placed_input(self, staging: Path, filename: str, owner: Caller) -> FileObject:
+        """The retry's input file, checked as an upload is (the served models may have changed)
+        and moved into place, but not recorded: ``create_batch`` records it with the batch."""
+        service = self._service
+        try:
+            summary = await anyio.to_thread.run_sync(validate_batch_file, str(staging), service.model_set)
+            file_id = new_object_id("file-")
+            path = service.blobs.upload_path(file_id)
+            os.replace(staging, path)
+        except BaseException:
+            service.blobs.remove(staging)
+            raise
+        created = now()
+        lifetime = service.settings.file_expiry_s
+        return FileObject(
+            id=file_id,
+            bytes=path.stat().st_size,
+            created_at=created,
+            filename=filename,
+            purpose="batch",
+            path=str(path),
+            line_count=summary.line_count,
+            url=summary.url,
+            expires_at=None if lifetime is None else created + lifetime,
+            owner=owner.tenant,
+        )
 
 
 def _settings_of(batch: Batch) -> dict[str, Any]:

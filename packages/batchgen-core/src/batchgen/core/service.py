@@ -462,6 +462,7 @@ class BatchService:
         caller: Caller = EMBEDDED,
         retry_of: str | None = None,
         idempotency_call: str | None = None,
+        new_input: FileObject | None = None,
     ) -> Batch:
         """Accept a batch over an uploaded ``batch`` file; it starts in the background.
 
@@ -481,7 +482,9 @@ class BatchService:
         raises IntakeFull naming that limit.
 
         ``retry_of`` names the batch this one retries (``batch_retry``); ``idempotency_call``
-        then replaces the fingerprint of this call's arguments with the retry call's.
+        then replaces the fingerprint of this call's arguments with the retry call's, and
+        ``new_input`` is its new input file (in place on disk, not recorded yet): its record is
+        made in the same write as the batch's row, so a crash leaves both or neither.
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
@@ -511,7 +514,9 @@ class BatchService:
         self.webhooks.check_metadata(metadata)
         check_parameters(parameters)
         check_output_expiry(output_expires_after_s)
-        file = self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
+        file = new_input or (
+            self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
+        )
         if file is None or not caller.sees(file.owner):
             raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
         if file.purpose != "batch":
@@ -569,7 +574,9 @@ class BatchService:
             # the row and its key in one step: a failure (a full disk) records neither, and
             # nothing is tracked before the row exists
             self.metadata.insert_batch(
-                batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant)
+                batch,
+                idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant),
+                input_file=new_input,
             )
         except BaseException:
             self.intake_pool.release(batch.id)

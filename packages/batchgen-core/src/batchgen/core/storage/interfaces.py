@@ -81,8 +81,15 @@ class MetadataStore(Protocol):
     def delete_idempotency_key(self, key: str) -> None:
         """Forget a key (its object is gone); forgetting an unknown key is harmless."""
 
-    def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
-        """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``."""
+    def insert_batch(
+        self,
+        batch: Batch,
+        *,
+        idempotency: IdempotencyRecord | None = None,
+        input_file: FileObject | None = None,
+    ) -> None:
+        """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``.
+        With ``input_file`` (a retry's new input), that file's record is made in the same step."""
 
     def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
         """Overwrite a recorded batch with this state, and add the ``outbox`` messages (its webhook

@@ -370,8 +370,16 @@ class SQLiteMetadataStore:
         self._idempotency.delete_where("key = ?", [key])
 
     # --- batches ---------------------------------------------------------------------------
-    def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
+    def insert_batch(
+        self,
+        batch: Batch,
+        *,
+        idempotency: IdempotencyRecord | None = None,
+        input_file: FileObject | None = None,
+    ) -> None:
         with self._db.atomic():
+            if input_file is not None:  # in the same transaction (a nested block is a savepoint)
+                self.insert_file(input_file)
             self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
             self._put_key(idempotency, batch.id)
 
