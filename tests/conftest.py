@@ -88,6 +88,8 @@ SLOW_TESTS = frozenset(
         "tests/server/test_backpressure.py::test_full_intake_pool_gives_429_then_accepts_after_draining",
         "tests/server/test_durability.py::test_files_expire_and_free_their_disk",
         "tests/server/test_durability.py::test_batch_past_its_window_ends_with_partial_results",
+        "tests/server/test_batch_retry.py::test_an_expired_batch_retries_the_lines_that_never_ran",
+        "tests/server/test_batch_retry.py::test_a_retry_holds_exactly_the_lines_that_failed_or_never_ran",
     }
 )
 

@@ -121,13 +121,17 @@ API_SIGNATURES = {
     "get_batch": "(self, batch_id)",
     "list_batches": "(self, after=None, limit=None)",
     "cancel_batch": "(self, batch_id)",
+    "retry_batch": "(self, batch_id, outcomes=None, *, completion_window=None, metadata=None, "
+    "max_decoding_length=None, temperature=None, top_p=None, top_k=None, idempotency_key=None)",
+    "download_merged_results": "(self, batch_id)",
+    "download_merged_results_to": "(self, batch_id, path)",
     "wait_for_batch": "(self, batch_id, poll_interval=None, timeout=None, *, raise_on_failure=False, "
     "progress=None, on_progress=None)",
     "follow_results": "(self, batch_id, *, poll_interval=2.0, errors=False)",
     "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=None, "
     "timeout=None, completion_window='24h', metadata=None, max_decoding_length=None, temperature=None, "
     "top_p=None, top_k=None, error_file_path=None, raise_on_failure=False, progress=None, "
-    "on_progress=None)",
+    "on_progress=None, retry_failed=0)",
     "pool_status": "(self)",
     "health": "(self)",
     "list_models": "(self)",

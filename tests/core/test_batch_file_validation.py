@@ -40,7 +40,7 @@ def _model_set() -> ModelSet:
     """Two models: the default serves chat and completions only; "other-model" serves every
     endpoint and feature."""
     everything = SimulatedBackend(model_name="other-model")
-    everything.capabilities = Capabilities(  # type: ignore[attr-defined]
+    everything.capabilities = Capabilities(
         endpoints=frozenset({CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS}),
         features=frozenset({"response_format", "logprobs", "n", "dimensions"}),
     )

@@ -435,3 +435,30 @@ def test_with_api_keys_the_first_paint_holds_health_and_asks_for_a_key(
     page.fill("#key-input", key)
     page.click("#key-submit")
     page.wait_for_selector(f'tr[data-batch-id="{own["id"]}"]')
+
+
+def test_a_batch_links_to_its_retries_and_a_retry_to_the_batch_it_retries(
+    server_factory: Callable[..., LiveServer], page: Page
+) -> None:
+    server = server_factory("--max-context-length", "50")
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        batch = submit(api, [chat_line("fine"), chat_line("too-long", "word " * 200)])
+        wait_for_status(api, batch["id"], {"completed"})
+        retry = api.post(f"/v1/batches/{batch['id']}/retry", json={}).json()
+        wait_for_status(api, retry["id"], {"completed"})
+    page.goto(server.base_url + "/")
+    page.click(f'tr[data-batch-id="{batch["id"]}"]')
+    link = page.locator(f'#detail-fields dd[data-field="retries"] a[data-batch-link="{retry["id"]}"]')
+    link.wait_for()
+    assert (
+        page.locator('#detail-fields dd[data-field="retry_of"]').inner_text() == "\u2013"
+    )  # the dash of an empty field
+    link.click()
+    page.wait_for_function("id => document.getElementById('detail-id').textContent === id", arg=retry["id"])
+    back = page.locator(f'#detail-fields dd[data-field="retry_of"] a[data-batch-link="{batch["id"]}"]')
+    back.wait_for()
+    assert (
+        page.locator('#detail-fields dd[data-field="retries"]').inner_text() == "\u2013"
+    )  # the dash of an empty field
+    back.click()
+    page.wait_for_function("id => document.getElementById('detail-id').textContent === id", arg=batch["id"])

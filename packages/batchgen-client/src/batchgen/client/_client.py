@@ -23,12 +23,15 @@ import httpx
 from batchgen.client import _files as files
 from batchgen.client import _follow as follows
 from batchgen.client import _requests as req
+from batchgen.client import _retries as retries
 from batchgen.client import _submit as submits
 from batchgen.client import _wait as waits
+from batchgen.client._exceptions import APIStatusError
 from batchgen.client._files import Download, partial_download
 from batchgen.client._follow import Following, ResultTail
 from batchgen.client._methods import async_method, method
 from batchgen.client._requests import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, JSONObject, RequestSpec
+from batchgen.client._retries import RetryRounds
 from batchgen.client._retry import (
     RetryPolicy,
     error_delay,
@@ -221,9 +224,24 @@ class BatchGenHttpClient(_BaseClient):
         uploaded = self._call(submission.upload())
         created = self._call(submission.create(uploaded))
         batch = self._wait(submission.wait(created))
+        rounds, last = submission.rounds(batch), None
+        if rounds is not None:
+            batch, last = self._retry_rounds(rounds, batch)
         for download in submission.downloads(batch):
             self._download(download)
-        return submission.finish(batch)
+        return submission.finish(batch, last)
+
+    def _retry_rounds(self, rounds: RetryRounds, latest: JSONObject) -> tuple[JSONObject, JSONObject | None]:
+        """Retry until nothing is left or the rounds run out: (the first batch again, the last retry)."""
+        last = None
+        while (spec := rounds.retry(latest)) is not None:
+            try:
+                created = self._call(spec)
+            except APIStatusError as exc:
+                rounds.stop_on(exc)
+                break
+            latest = last = self._wait(rounds.wait(created))
+        return self._call(rounds.original()), last
 
     # --- the methods: one builder each, shared with AsyncBatchGenClient ------------------------
 
@@ -237,6 +255,9 @@ class BatchGenHttpClient(_BaseClient):
     get_batch = method(req.get_batch, _call)
     list_batches = method(req.list_batches, _call)
     cancel_batch = method(req.cancel_batch, _call)
+    retry_batch = method(retries.retry_batch, _call)
+    download_merged_results = method(retries.download_merged_results, _content)
+    download_merged_results_to = method(retries.download_merged_results_to, _download)
     wait_for_batch = method(waits.wait_for_batch, _wait)
     follow_results = method(follows.follow_results, _follow)
     submit_batch = method(submits.submit_batch, _submit)
@@ -371,9 +392,26 @@ class AsyncBatchGenClient(_BaseClient):
         uploaded = await self._call(submission.upload())
         created = await self._call(submission.create(uploaded))
         batch = await self._wait(submission.wait(created))
+        rounds, last = submission.rounds(batch), None
+        if rounds is not None:
+            batch, last = await self._retry_rounds(rounds, batch)
         for download in submission.downloads(batch):
             await self._download(download)
-        return submission.finish(batch)
+        return submission.finish(batch, last)
+
+    async def _retry_rounds(
+        self, rounds: RetryRounds, latest: JSONObject
+    ) -> tuple[JSONObject, JSONObject | None]:
+        """Retry until nothing is left or the rounds run out: (the first batch again, the last retry)."""
+        last = None
+        while (spec := rounds.retry(latest)) is not None:
+            try:
+                created = await self._call(spec)
+            except APIStatusError as exc:
+                rounds.stop_on(exc)
+                break
+            latest = last = await self._wait(rounds.wait(created))
+        return await self._call(rounds.original()), last
 
     # --- the methods: one builder each, shared with BatchGenHttpClient -------------------------
 
@@ -387,6 +425,9 @@ class AsyncBatchGenClient(_BaseClient):
     get_batch = async_method(req.get_batch, _call)
     list_batches = async_method(req.list_batches, _call)
     cancel_batch = async_method(req.cancel_batch, _call)
+    retry_batch = async_method(retries.retry_batch, _call)
+    download_merged_results = async_method(retries.download_merged_results, _content)
+    download_merged_results_to = async_method(retries.download_merged_results_to, _download)
     wait_for_batch = async_method(waits.wait_for_batch, _wait)
     follow_results = method(follows.follow_results, _follow)
     submit_batch = async_method(submits.submit_batch, _submit)

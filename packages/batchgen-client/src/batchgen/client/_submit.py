@@ -21,6 +21,7 @@ from batchgen.client._exceptions import BatchGenClientError
 from batchgen.client._files import Download, download_file_to, endpoint_of
 from batchgen.client._options import DEFAULT_COMPLETION_WINDOW, BatchOptions
 from batchgen.client._requests import JSONObject, RequestSpec, StrPath
+from batchgen.client._retries import RetryRounds
 from batchgen.client._wait import ProgressCallback, Wait, check_poll_interval, finish_wait
 
 __all__ = ["Submission", "object_id", "submit_batch"]
@@ -43,6 +44,7 @@ def submit_batch(
     raise_on_failure: bool = False,
     progress: bool | None = None,
     on_progress: ProgressCallback | None = None,
+    retry_failed: int = 0,
 ) -> Submission:
     """Upload → create → wait → download; returns the final batch.
 
@@ -50,8 +52,21 @@ def submit_batch(
     `error_file_path` is given, the error file) is downloaded whenever the final batch names
     one — a failed or cancelled batch may carry partial results. `poll_interval`, `progress`
     and `on_progress` are `wait_for_batch`'s.
+
+    `retry_failed=N` retries what did not succeed (`retry_batch`), up to N times, each time once
+    the batch before has ended, until nothing is left; the output path then receives the merged
+    results (`download_merged_results_to`: one line per request, its best result), and the
+    batch returned is the first one, its `retries` listing the retries made (`raise_on_failure`
+    judges the last of them). It cannot be combined with `error_file_path`.
     """
     check_poll_interval(poll_interval)
+    if isinstance(retry_failed, bool) or not isinstance(retry_failed, int) or retry_failed < 0:
+        raise ValueError(f"retry_failed must be a whole number >= 0, got {retry_failed!r}")
+    if retry_failed and error_file_path is not None:
+        raise ValueError(
+            "retry_failed writes the merged results (failures included) to the output path; "
+            "error_file_path cannot be combined with it"
+        )
     return Submission(
         input_file_path=Path(input_file_path),
         endpoint=endpoint if endpoint is not None else endpoint_of(input_file_path),
@@ -63,6 +78,7 @@ def submit_batch(
         output_file_path=output_file_path,
         error_file_path=error_file_path,
         raise_on_failure=raise_on_failure,
+        retry_failed=retry_failed,
     )
 
 
@@ -80,6 +96,7 @@ class Submission:
     output_file_path: StrPath | None
     error_file_path: StrPath | None
     raise_on_failure: bool
+    retry_failed: int = 0
 
     def upload(self) -> RequestSpec:
         return req.upload_file(self.input_file_path, "batch")
@@ -97,8 +114,25 @@ class Submission:
             on_progress=self.on_progress,
         )
 
+    def rounds(self, batch: Mapping[str, Any]) -> RetryRounds | None:
+        """The retries to make of the batch that ended (None without `retry_failed`)."""
+        if not self.retry_failed:
+            return None
+        return RetryRounds(
+            object_id(batch, "batch"),
+            self.retry_failed,
+            self.poll_interval,
+            self.timeout,
+            self.progress,
+            self.on_progress,
+        )
+
     def downloads(self, batch: Mapping[str, Any]) -> list[Download]:
-        """A download for each result file that was asked for and that the final batch names."""
+        """A download for each result file that was asked for and that the final batch names
+        (with `retry_failed`: the merged results of the batch and its retries)."""
+        if self.retry_failed:
+            path = self.output_file_path
+            return [] if path is None else [RetryRounds.merged_download(object_id(batch, "batch"), path)]
         wanted = [("output_file_id", self.output_file_path), ("error_file_id", self.error_file_path)]
         downloads: list[Download] = []
         for key, path in wanted:
@@ -107,9 +141,11 @@ class Submission:
                 downloads.append(download_file_to(file_id, path))
         return downloads
 
-    def finish(self, batch: JSONObject) -> JSONObject:
-        """The batch `submit_batch` returns, once its results are downloaded."""
-        return finish_wait(batch, raise_on_failure=self.raise_on_failure)
+    def finish(self, batch: JSONObject, last: JSONObject | None = None) -> JSONObject:
+        """The batch `submit_batch` returns, once its results are downloaded; `raise_on_failure`
+        judges `last`, the last retry made, when there is one."""
+        finish_wait(last if last is not None else batch, raise_on_failure=self.raise_on_failure)
+        return batch
 
 
 def object_id(obj: Mapping[str, Any], kind: str) -> str:

@@ -5,6 +5,7 @@
     batchgen tail batch_abc --errors     # result lines as the server writes them
     batchgen watch                       # progress bars of every active batch, until they end
     batchgen download batch_abc -o output.jsonl
+    batchgen retry batch_abc -o merged.jsonl   # rerun what failed, write the best result of each
 
 The server is `--base-url`, else $BATCHGEN_BASE_URL, else http://localhost:10900. The API key is
 `--api-key`, else $BATCHGEN_API_KEY, else $OPENAI_API_KEY (sent as `Authorization: Bearer KEY`;
@@ -96,12 +97,15 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     for path in (args.output, args.error_output):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"the folder of {path!r} does not exist")
+    if args.retry_failed and args.error_output is not None:
+        raise UsageError("--retry-failed writes every request's best line to --output; drop --error-output")
     seen: list[JSONObject] = []
 
     def announce(batch: JSONObject) -> None:
-        if not seen:
-            _say(f"batch {batch.get('id')} created; waiting for it (Ctrl-C stops waiting, not the batch)")
-        seen[:] = [batch]
+        if not seen or seen[-1].get("id") != batch.get("id"):
+            kind = "batch" if not seen else "retry batch"
+            _say(f"{kind} {batch.get('id')} created; waiting for it (Ctrl-C stops waiting, not the batch)")
+        seen.append(batch)
 
     try:
         batch = client.submit_batch(
@@ -112,16 +116,44 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
             error_file_path=args.error_output,
             progress=False if args.no_progress else None,
             on_progress=announce,
+            retry_failed=args.retry_failed,
             **_batch_options(args),
         )
     except KeyboardInterrupt:
         if seen:
-            batch_id = seen[0].get("id")
+            batch_id = seen[-1].get("id")
             _say(f"stopped waiting; batch {batch_id} keeps running (see `{PROG} status {batch_id}`)")
         raise
     _print_json(batch)
     _say_cache_savings(batch)
-    return _exit_for(batch)
+    made = batch.get("retries") or []
+    if not args.retry_failed:
+        return _exit_for(batch)
+    last = client.get_batch(made[-1]) if made else batch
+    _say(f"{len(made)} retries made; wrote the merged results of {batch.get('id')} to {args.output}")
+    return _exit_for(last)
+
+
+def _retry(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
+    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
+        raise UsageError(f"the folder of {args.output!r} does not exist")
+    options = {option.name: getattr(args, option.name) for option in fields(BatchOptions)}
+    if options["metadata"] is not None:
+        options["metadata"] = dict(options["metadata"])
+    outcomes = None if args.only is None else [args.only]
+    retry = client.retry_batch(args.id, outcomes, **options)
+    if args.output is None and not args.wait:
+        _print_json(retry)
+        return EXIT_OK
+    _say(f"retry batch {retry.get('id')} of {args.id} created; waiting for it")
+    retry = client.wait_for_batch(
+        retry["id"], poll_interval=args.poll_interval, progress=False if args.no_progress else None
+    )
+    _print_json(retry)
+    if args.output is not None:
+        path = client.download_merged_results_to(args.id, args.output)
+        _say(f"wrote the merged results of {args.id} and its retries to {path} ({path.stat().st_size} bytes)")
+    return _exit_for(retry)
 
 
 def _status(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
@@ -157,6 +189,12 @@ def _download(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     if not Path(args.output).resolve().parent.is_dir():
         raise UsageError(f"the folder of {args.output!r} does not exist")
     file_id = args.id
+    if args.merged:
+        if not _is_batch_id(args.id) or args.errors:
+            raise UsageError("--merged needs a batch id (and no --errors)")
+        path = client.download_merged_results_to(args.id, args.output)
+        _say(f"wrote {path} ({path.stat().st_size} bytes: the merged results of {args.id} and its retries)")
+        return EXIT_OK
     if _is_batch_id(args.id):
         batch = client.get_batch(args.id)
         kind = "error" if args.errors else "output"
@@ -239,7 +277,44 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--no-progress", action="store_true", help="no progress line (default: shown on a terminal)"
     )
+    submit.add_argument(
+        "--retry-failed",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="retry what did not succeed up to N times, until nothing is left; OUT then gets the merged "
+        "results, every request's best line (default: 0, no retry)",
+    )
     _add_batch_options(submit.add_argument_group("batch options"))
+
+    retry = add(
+        "retry",
+        _retry,
+        "make a new batch over the lines of an ended batch that did not succeed, and print it as JSON",
+    )
+    retry.add_argument("id", metavar="ID", help="the batch id (its earlier retries count too)")
+    retry.add_argument(
+        "--only",
+        choices=("failed", "not_run"),
+        help="only lines whose best result is an error, or only lines that never ran (default: both)",
+    )
+    retry.add_argument("--wait", action="store_true", help="wait for the retry batch to end")
+    retry.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="wait, then write the merged results of ID and its retries (every request's best line) here",
+    )
+    retry.add_argument(
+        "--poll-interval",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help=f"seconds between polls while waiting (default: {ADAPTIVE_POLLING})",
+    )
+    retry.add_argument("--no-progress", action="store_true", help="no progress line while waiting")
+    _add_batch_options(
+        retry.add_argument_group("batch options (default: the original batch's)"), keep_defaults=False
+    )
 
     status = add("status", _status, "print a batch as JSON (and on stderr what the result cache saved it)")
     status.add_argument("id", metavar="ID", help="batch id")
@@ -255,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("id", metavar="ID", help="a batch id (its output file) or a file id")
     download.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write it")
     download.add_argument("--errors", action="store_true", help="the batch's error file instead")
+    download.add_argument(
+        "--merged",
+        action="store_true",
+        help="the merged results of the batch and its retries (every request's best line, input order)",
+    )
 
     tail = add("tail", _tail, "print a batch's result lines as they are written, until it ends")
     tail.add_argument("id", metavar="ID", help="batch id")
@@ -314,16 +394,22 @@ def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
     return options
 
 
-def _add_batch_options(group: argparse._ArgumentGroup) -> None:
-    """A flag per field of `BatchOptions` (`--max-decoding-length`, …), with its default."""
+def _add_batch_options(group: argparse._ArgumentGroup, *, keep_defaults: bool = True) -> None:
+    """A flag per field of `BatchOptions` (`--max-decoding-length`, …), with its default (or none:
+    `retry` takes the original batch's)."""
     for option in fields(BatchOptions):
         flag = flag_of(option)
         name = "--" + option.name.replace("_", "-")
         if flag.pairs:
             group.add_argument(name, type=flag.parse, action="append", metavar=flag.metavar, help=flag.help)
         else:
+            help_text = flag.help if keep_defaults else flag.help.split(" (default")[0]
             group.add_argument(
-                name, type=flag.parse, default=option.default, metavar=flag.metavar, help=flag.help
+                name,
+                type=flag.parse,
+                default=option.default if keep_defaults else None,
+                metavar=flag.metavar,
+                help=help_text,
             )
 
 

@@ -169,6 +169,10 @@ class Batch:
     #: The recent pace of a running batch (never stored: it is measured live).
     progress: ProgressEstimate = UNKNOWN
     owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
+    #: The batch this one retries (``batch_retry``), and the retries made of this one, oldest
+    #: first (never stored in the row: read from the retries' ``retry_of``).
+    retry_of: str | None = None
+    retries: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         errors = None
@@ -205,6 +209,8 @@ class Batch:
             "error": None if self.error is None else attrs.asdict(self.error),
             **self.parameters.to_dict(),
             **self.progress.to_dict(),
+            "retry_of": self.retry_of,
+            "retries": list(self.retries),
         }
 
 

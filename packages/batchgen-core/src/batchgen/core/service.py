@@ -57,6 +57,7 @@ from batchgen.core.batch_options import (
     check_parameters,
     parse_completion_window,
 )
+from batchgen.core.batch_retry import BatchRetries, RetryRequest, with_retries
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
 from batchgen.core.errors import (
@@ -86,6 +87,7 @@ from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
 from batchgen.core.result_cache import FILE_NAME as RESULT_CACHE_FILE
 from batchgen.core.result_cache import FLUSH_INTERVAL_S, ResultCache, ResultCacheSettings
+from batchgen.core.result_merge import FamilyIndex
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
@@ -254,6 +256,8 @@ class BatchService:
         self._shutdown_deadline: float | None = None
         #: The result cache, open while the service runs, when some tenant uses it.
         self.result_cache: ResultCache | None = None
+        #: Retries of ended batches, and the merged view of a batch and its retries.
+        self.retries = BatchRetries(self)
 
     # --- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> BatchService:
@@ -476,6 +480,9 @@ class BatchService:
         output_expires_after_s: int | None = None,
         idempotency_key: str | None = None,
         caller: Caller = EMBEDDED,
+        retry_of: str | None = None,
+        idempotency_call: str | None = None,
+        new_input: FileObject | None = None,
     ) -> Batch:
         """Accept a batch over an uploaded ``batch`` file; it starts in the background.
 
@@ -493,10 +500,15 @@ class BatchService:
         The batch belongs to the caller's tenant, and its input file must be one the caller sees
         (else NotFound, as for a file that does not exist). Over the tenant's own limits the call
         raises IntakeFull naming that limit.
+
+        ``retry_of`` names the batch this one retries (``batch_retry``); ``idempotency_call``
+        then replaces the fingerprint of this call's arguments with the retry call's, and
+        ``new_input`` is its new input file (in place on disk, not recorded yet): its record is
+        made in the same write as the batch's row, so a crash leaves both or neither.
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
-        call = fingerprint(
+        call = idempotency_call or fingerprint(
             input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
         )
         if idempotency_key is not None:
@@ -522,7 +534,9 @@ class BatchService:
         self.webhooks.check_metadata(metadata)
         check_parameters(parameters)
         check_output_expiry(output_expires_after_s)
-        file = self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
+        file = new_input or (
+            self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
+        )
         if file is None or not caller.sees(file.owner):
             raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
         if file.purpose != "batch":
@@ -569,6 +583,7 @@ class BatchService:
             output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
             owner=caller.tenant,
+            retry_of=retry_of,
         )
         # Admission is atomic: the batch's places are held from now until the starter queues it
         # (or it ends first), so every batch answered here is queued in full. A batch larger than
@@ -579,7 +594,9 @@ class BatchService:
             # the row and its key in one step: a failure (a full disk) records neither, and
             # nothing is tracked before the row exists
             self.metadata.insert_batch(
-                batch, idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant)
+                batch,
+                idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant),
+                input_file=new_input,
             )
         except BaseException:
             self.intake_pool.release(batch.id)
@@ -647,7 +664,7 @@ class BatchService:
         batch = active.snapshot() if active is not None else self.metadata.get_batch(batch_id)
         if batch is None or not caller.sees(batch.owner):
             raise NotFound(f"No batch with id '{batch_id}'.")
-        return batch
+        return with_retries(self, [batch])[0]
 
     @_storage_call("list the batches")
     async def list_batches(
@@ -662,7 +679,27 @@ class BatchService:
             after=after, limit=limit, descending=order == "desc", owner=caller.owner_filter
         )
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
-        return live, has_more
+        return with_retries(self, live), has_more
+
+    @_storage_call("retry the batch")
+    async def retry_batch(
+        self,
+        batch_id: str,
+        request: RetryRequest | None = None,
+        *,
+        idempotency_key: str | None = None,
+        caller: Caller = EMBEDDED,
+    ) -> Batch:
+        """A new batch over the lines of an ended batch that did not succeed (``batch_retry``)."""
+        return await self.retries.retry(
+            batch_id, request or RetryRequest(), idempotency_key=idempotency_key, caller=caller
+        )
+
+    @_storage_call("read the merged results")
+    async def merged_results(self, batch_id: str, *, caller: Caller = EMBEDDED) -> FamilyIndex:
+        """The best result so far of every request of a batch and its retries (``result_merge``);
+        the caller reads it (``merged_chunks``, in a worker thread) and closes it."""
+        return (await self.retries.index(batch_id, caller))[1]
 
     @_storage_call("cancel the batch")
     async def cancel_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:

@@ -81,8 +81,15 @@ class MetadataStore(Protocol):
     def delete_idempotency_key(self, key: str) -> None:
         """Forget a key (its object is gone); forgetting an unknown key is harmless."""
 
-    def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
-        """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``."""
+    def insert_batch(
+        self,
+        batch: Batch,
+        *,
+        idempotency: IdempotencyRecord | None = None,
+        input_file: FileObject | None = None,
+    ) -> None:
+        """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``.
+        With ``input_file`` (a retry's new input), that file's record is made in the same step."""
 
     def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
         """Overwrite a recorded batch with this state, and add the ``outbox`` messages (its webhook
@@ -116,6 +123,14 @@ class MetadataStore(Protocol):
 
     def batches_using_file(self, file_id: str) -> list[Batch]:
         """Batches whose input, output or error file is ``file_id``."""
+
+    def retries_of(self, batch_ids: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """For each of ``batch_ids`` that has retries, the ids of the batches whose ``retry_of``
+        names it, oldest first."""
+
+    def retry_family(self, batch_id: str) -> list[str]:
+        """``batch_id`` and its retries, theirs, and so on: every batch of its family, oldest first
+        (empty when no such batch is stored)."""
 
     def usage(self, owner: str | None = None) -> list[TenantUsage]:
         """Per owner (or for ``owner`` only): batches, finished requests and tokens, as saved."""

@@ -95,6 +95,7 @@ _BATCH_COLUMNS = {
     "cancelling_at": int,
     "cancelled_at": int,
     "owner": str,
+    "retry_of": str,
 }
 
 _OUTBOX_COLUMNS = {
@@ -151,6 +152,7 @@ def _batch_to_row(batch: Batch) -> dict[str, Any]:
         "cancelling_at": batch.cancelling_at,
         "cancelled_at": batch.cancelled_at,
         "owner": batch.owner,
+        "retry_of": batch.retry_of,
     }
 
 
@@ -194,6 +196,7 @@ def _batch_from_row(row: dict[str, Any]) -> Batch:
         cancelling_at=row["cancelling_at"],
         cancelled_at=row["cancelled_at"],
         owner=row.get("owner") or DEFAULT_TENANT,
+        retry_of=row.get("retry_of"),
     )
 
 
@@ -251,6 +254,7 @@ class SQLiteMetadataStore:
             if "owner" not in table.columns_dict:
                 table.add_column("owner", str)
         self._batches.create_index(["owner", "seq"], if_not_exists=True)
+        self._batches.create_index(["retry_of"], if_not_exists=True)
         self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
@@ -378,8 +382,16 @@ class SQLiteMetadataStore:
         self._idempotency.delete_where("key = ?", [key])
 
     # --- batches ---------------------------------------------------------------------------
-    def insert_batch(self, batch: Batch, *, idempotency: IdempotencyRecord | None = None) -> None:
+    def insert_batch(
+        self,
+        batch: Batch,
+        *,
+        idempotency: IdempotencyRecord | None = None,
+        input_file: FileObject | None = None,
+    ) -> None:
         with self._db.atomic():
+            if input_file is not None:  # in the same transaction (a nested block is a savepoint)
+                self.insert_file(input_file)
             self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
             self._put_key(idempotency, batch.id)
 
@@ -453,6 +465,30 @@ class SQLiteMetadataStore:
             [file_id, file_id, file_id],
         )
         return [_batch_from_row(row) for row in rows]
+
+    def retries_of(self, batch_ids: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """The ids of the batches made as retries of each of ``batch_ids`` (oldest first); a batch
+        with none is left out."""
+        found: dict[str, list[str]] = {}
+        for start in range(0, len(batch_ids), 500):
+            chunk = list(batch_ids[start : start + 500])
+            placeholders = ", ".join("?" for _ in chunk)
+            rows = self._db.execute(
+                f"SELECT retry_of, id FROM batches WHERE retry_of IN ({placeholders}) ORDER BY seq", chunk
+            ).fetchall()
+            for parent, child in rows:
+                found.setdefault(parent, []).append(child)
+        return {parent: tuple(children) for parent, children in found.items()}
+
+    def retry_family(self, batch_id: str) -> list[str]:
+        """``batch_id`` and every batch made as a retry of it or of one of its retries, in the
+        order they were created."""
+        query = (
+            "WITH RECURSIVE family(id) AS (SELECT ? UNION SELECT batches.id FROM batches "
+            "JOIN family ON batches.retry_of = family.id) "
+            "SELECT batches.id FROM batches JOIN family ON batches.id = family.id ORDER BY batches.seq"
+        )
+        return [row[0] for row in self._db.execute(query, [batch_id]).fetchall()]
 
     # --- usage -----------------------------------------------------------------------------
     def usage(self, owner: str | None = None) -> list[TenantUsage]:

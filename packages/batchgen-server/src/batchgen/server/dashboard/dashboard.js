@@ -400,6 +400,28 @@
     ["metadata", (b) => (b.metadata ? JSON.stringify(b.metadata) : "–")],
   ];
 
+  // A retry names the batch it retries (retry_of), and a batch lists its retries: links that open them.
+  function batchLink(batchId) {
+    const link = element("a", { href: "#", class: "batch-link", "data-batch-link": batchId, text: batchId });
+    link.addEventListener("click", (event) => {
+      event.preventDefault();
+      select(batchId);
+    });
+    return link;
+  }
+
+  function retryLinks(batch) {
+    const retries = Array.isArray(batch.retries) ? batch.retries : [];
+    const list = retries.length === 0 ? [document.createTextNode("–")]
+      : retries.flatMap((id, index) => (index ? [document.createTextNode(", "), batchLink(id)] : [batchLink(id)]));
+    return [
+      element("dt", { text: "retry of" }),
+      element("dd", { "data-field": "retry_of" }, batch.retry_of ? batchLink(batch.retry_of) : "–"),
+      element("dt", { text: "retries" }),
+      element("dd", { "data-field": "retries" }, ...list),
+    ];
+  }
+
   function showErrors(batch) {
     const problems = [];
     if (batch.errors && Array.isArray(batch.errors.data)) {
@@ -497,6 +519,7 @@
     $("detail").dataset.status = batch.status;
     const fields = $("detail-fields");
     fields.replaceChildren(...FIELDS.flatMap(([name, show]) => [element("dt", { text: name }), element("dd", { text: show(batch) })]));
+    fields.append(...retryLinks(batch));
     showErrors(batch);
     const cancel = $("cancel-batch");
     cancel.hidden = !CANCELLABLE.has(batch.status);
