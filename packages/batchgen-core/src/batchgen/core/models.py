@@ -161,6 +161,10 @@ class Batch:
     cancelled_at: int | None = None
     #: The recent pace of a running batch (never stored: it is measured live).
     progress: ProgressEstimate = UNKNOWN
+    #: Whether that pace says the batch will not finish by ``expires_at`` (live, never stored;
+    #: ``deadline_watch``), and when the batch was first found so (stored: its one event).
+    at_risk: bool = False
+    at_risk_at: int | None = None
     owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,6 +202,7 @@ class Batch:
             "error": None if self.error is None else attrs.asdict(self.error),
             **self.parameters.to_dict(),
             **self.progress.to_dict(),
+            "at_risk": self.at_risk,
         }
 
 

@@ -59,6 +59,7 @@ from batchgen.core.batch_options import (
 )
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
+from batchgen.core.deadline_watch import DeadlineWatch
 from batchgen.core.errors import (
     Conflict,
     IntakeFull,
@@ -179,6 +180,7 @@ class _Parts:
             outbox=lambda batch: service.webhooks.messages(batch, now()),
             on_end=service.telemetry.batch_ended,
         )
+        self.deadlines = DeadlineWatch(self.tracker, service.webhooks)
         self.files = FileCatalogue(
             metadata,
             service.blobs,
@@ -277,6 +279,7 @@ class BatchService:
             )
             self.maintenance.add("fsync results", self.settings.fsync_interval_ms / 1000, self._sync_results)
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
+            self.maintenance.add("deadline watch", self.settings.maintenance_interval_s, parts.deadlines.check)
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
             self._exit_stack = stack.pop_all()
@@ -748,6 +751,10 @@ class BatchService:
             status = active.snapshot().status
             counts[status] = counts.get(status, 0) + 1
         return counts
+
+    def batches_at_risk(self) -> int:
+        """Running batches whose pace says they will not finish by their deadline (``deadline_watch``)."""
+        return 0 if self._parts is None else self._parts.deadlines.at_risk()
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share of the slots while other tenants have queued work too (default 1)."""
