@@ -248,7 +248,9 @@ class BatchTracker:
                 self._metadata.insert_file(active.unrecorded[0])
                 active.unrecorded.pop(0)
             self.save(
-                state, first_terminal=state.status.is_terminal and not active.saved_terminal, messages=messages
+                state,
+                first_terminal=state.status.is_terminal and not active.saved_terminal,
+                messages=messages,
             )
         except Exception as exc:
             fault = storage_fault(exc, f"save batch {active.id}")

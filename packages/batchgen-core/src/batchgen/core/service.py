@@ -279,7 +279,9 @@ class BatchService:
             )
             self.maintenance.add("fsync results", self.settings.fsync_interval_ms / 1000, self._sync_results)
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
-            self.maintenance.add("deadline watch", self.settings.maintenance_interval_s, parts.deadlines.check)
+            self.maintenance.add(
+                "deadline watch", self.settings.maintenance_interval_s, parts.deadlines.check
+            )
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
             self._exit_stack = stack.pop_all()
