@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 from pathlib import Path
 
 import anyio
@@ -22,6 +23,7 @@ from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backe
 from batchgen.core.batch_progress import estimate
 from batchgen.core.deadline_watch import AT_RISK_EVENT, will_miss
 from batchgen.core.models import Batch, RequestCounts
+from batchgen.core.storage import SQLiteMetadataStore
 
 NOW = 1_800_000_000
 
@@ -156,3 +158,21 @@ async def test_a_batch_with_time_to_spare_is_never_at_risk(tmp_path: Path) -> No
             await anyio.sleep(0.05)
         assert not _at_risk_events(service)
         assert service.metadata.get_batch(batch.id).at_risk_at is None  # type: ignore[union-attr]
+
+
+def test_a_database_from_before_deadlines_opens_and_saves_the_at_risk_mark(tmp_path: Path) -> None:
+    """A batches table without ``at_risk_at`` (an older version's) gains it; its rows read None."""
+    path = tmp_path / "metadata.sqlite3"
+    SQLiteMetadataStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE batches DROP COLUMN at_risk_at")
+    store = SQLiteMetadataStore(path)
+    try:
+        old = _batch(10, 0, 3600, 0, BatchStatus.IN_PROGRESS)
+        store.insert_batch(old)
+        assert store.get_batch(old.id) == old and old.at_risk_at is None
+        marked = attrs.evolve(old, at_risk_at=NOW)
+        store.save_batch(marked)
+        assert store.get_batch(old.id) == marked
+    finally:
+        store.close()

@@ -126,6 +126,9 @@ def test_a_batch_that_cannot_finish_in_time_is_at_risk_and_sends_one_event_acros
                 assert time.monotonic() < deadline, "the batch was never found at risk"
                 time.sleep(0.05)
             assert _metric(server.base_url, "batchgen_batches_at_risk") == 1
+            page = httpx.get(f"{server.base_url}/").text  # the dashboard, rendered with its batches
+            [row] = [row for row in page.split("<tr") if f'data-batch-id="{batch_id}"' in row]
+            assert 'data-at-risk="true"' in row and 'class="at-risk"' in row
             receiver.wait_for_deliveries(1, timeout_s=15)
             [event_id] = set(_at_risk_ids(receiver))
             assert all(r.event()["data"] == {"id": batch_id} for r in receiver.delivered())
