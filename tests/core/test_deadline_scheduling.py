@@ -268,3 +268,32 @@ def test_a_deadline_must_be_a_number() -> None:
         assert intake.size == 0 and "a" not in intake
     else:
         raise AssertionError("a NaN deadline was accepted")
+
+
+@given(
+    batches=st.lists(
+        st.tuples(st.sampled_from(TENANTS), st.integers(1, 12), st.integers(0, 50), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+)
+@settings(max_examples=200, deadline=None)
+def test_with_model_shares_only_admissible_batches_are_taken_and_each_request_once(
+    batches: list[tuple[str, int, int, bool]],
+) -> None:
+    """The pop the scheduler uses with several models (``admissible``): deadlines or not, it takes
+    only batches the test admits, each queued request once, and stops only when none is left."""
+    intake = IntakePool(10_000)
+    allowed = set()
+    for number, (tenant, size, deadline, admissible) in enumerate(batches):
+        intake.add(f"b{number}", make_index(0, [5] * size), tenant=tenant, deadline=deadline)
+        if admissible:
+            allowed.add(f"b{number}")
+    taken: Counter[tuple[str, int]] = Counter()
+    while (entry := intake.pop(lambda batch_id: batch_id in allowed)) is not None:
+        assert entry.batch_id in allowed
+        taken[(entry.batch_id, entry.line)] += 1
+    assert all(count == 1 for count in taken.values())
+    expected = {(f"b{n}", line) for n, (_, size, _, ok) in enumerate(batches) if ok for line in range(size)}
+    assert set(taken) == expected
+    assert intake.size == sum(size for _, size, _, ok in batches if not ok)
