@@ -10,7 +10,7 @@ first (``deadline_turns.DeadlineTurns``: batches of the same deadline in turn, a
 without a deadline all share one, and so take plain turns. Which tenant takes a turn never depends
 on deadlines. A small batch queued behind a huge one of another tenant starts at once instead of
 waiting for the huge one to drain; behind one of its own tenant, at once too when its deadline is
-nearer, else within ``FAIR_TURN_EVERY`` admissions.
+nearer, else at its first fair turn.
 
 A batch that was accepted but is not indexed yet holds a **reservation**: room counted against
 ``free`` from the moment the batch is accepted, so that concurrent creates cannot all be promised
@@ -194,6 +194,9 @@ class IntakePool:
         """
         if batch_id in self._queues:
             raise ValueError(f"batch {batch_id} is already queued")
+        due = math.inf if deadline is None else float(deadline)
+        if math.isnan(due):
+            raise ValueError("a deadline must be a number")
         pending = array("l", range(len(index)) if lines is None else lines)
         if lines is not None and pending:
             if min(pending) < 0 or max(pending) >= len(index):
@@ -211,9 +214,6 @@ class IntakePool:
         self.release(batch_id)
         if not pending:
             return 0
-        due = math.inf if deadline is None else float(deadline)
-        if math.isnan(due):
-            raise ValueError("a deadline must be a number")
         self._queues[batch_id] = _BatchQueue(index, pending, tenant, due)
         turns = self._tenants.get(tenant)
         if turns is None:
