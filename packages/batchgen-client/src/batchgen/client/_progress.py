@@ -25,12 +25,14 @@ from batchgen.client._cache_savings import cache_savings
 from batchgen.client._requests import TERMINAL_STATUSES
 
 __all__ = [
+    "AT_RISK_MARKER",
     "BatchProgress",
     "Counts",
     "RateMeter",
     "counts_of",
     "format_duration",
     "format_progress",
+    "is_at_risk",
     "progress_for",
     "server_rate",
 ]
@@ -40,6 +42,8 @@ MIN_BAR_WIDTH = 8
 MAX_BAR_WIDTH = 30
 ID_WIDTH = 18
 ERASE_TO_END_OF_LINE = "\x1b[K"
+#: Shown at the end of a running batch's line while the server marks it `at_risk`.
+AT_RISK_MARKER = "AT RISK: ends after it expires"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,11 @@ def counts_of(batch: Mapping[str, Any]) -> Counts | None:
     if not all(isinstance(value, int) and value >= 0 for value in values):
         return None
     return Counts(*values)
+
+
+def is_at_risk(batch: Mapping[str, Any]) -> bool:
+    """Whether the server says the batch, at its recent pace, ends after its `expires_at`."""
+    return batch.get("at_risk") is True
 
 
 def server_rate(batch: Mapping[str, Any]) -> float | None:
@@ -141,11 +150,15 @@ def format_progress(
         stats.append(f"ETA {format_duration((counts.total - counts.done) / rate)}")
     if rate is not None:
         stats.append(f"{rate:,.1f} req/s" if rate < 10 else f"{rate:,.0f} req/s")
+    risk = not ended and is_at_risk(batch)
+    if risk:
+        stats.append(AT_RISK_MARKER)
     before, after = f"{head} {share:4.0%} ", " " + ", ".join(stats)
     # Sized against the widest the stats get for this total, so the bar keeps its width.
     widest = len(f" {counts.total}/{counts.total} done, {counts.total} failed, ETA 00m00s, 9,999 req/s")
     if savings is not None and savings.requests:
         widest += len(f", {counts.total} from cache")
+    widest += len(f", {AT_RISK_MARKER}") if risk else 0
     bar_width = BAR_WIDTH if width is None else min(width - len(before) - widest - 2, MAX_BAR_WIDTH)
     if bar_width < MIN_BAR_WIDTH:
         return before + after.lstrip()
@@ -210,7 +223,7 @@ class BatchProgress:
         if rate is None:
             rate = self._meter.rate()
         text = format_progress(batch, rate=rate, elapsed=now - self._started, width=width)
-        self._line.show(text, key=(batch.get("status"), counts))
+        self._line.show(text, key=(batch.get("status"), counts, is_at_risk(batch)))
 
     def close(self) -> None:
         self._line.close()

@@ -27,6 +27,7 @@ from batchgen.client._progress import (
     _isatty,
     counts_of,
     format_progress,
+    is_at_risk,
     server_rate,
 )
 from batchgen.client._requests import TERMINAL_STATUSES, JSONObject
@@ -88,7 +89,7 @@ class BatchBoard:
                 rate = meter.rate()
             width = self._width() if self.redraw else None
             text = format_progress(batch, rate=rate, elapsed=_duration(batch), width=width)
-            lines.append((batch_id, text, (batch.get("status"), counts)))
+            lines.append((batch_id, text, (batch.get("status"), counts, is_at_risk(batch))))
         if self.redraw:
             self._draw_block([text for _, text, _ in lines])
         else:

@@ -1,7 +1,7 @@
 """The `batchgen` command: submit a batch and wait for it, look at batches, fetch and follow results.
 
     batchgen submit input.jsonl -o output.jsonl --max-decoding-length 512
-    batchgen status batch_abc            # the batch object, as JSON on stdout
+    batchgen status batch_abc            # the batch object, as JSON on stdout (stderr: AT RISK)
     batchgen tail batch_abc --errors     # result lines as the server writes them
     batchgen watch                       # progress bars of every active batch, until they end
     batchgen download batch_abc -o output.jsonl
@@ -46,6 +46,7 @@ from batchgen.client._exceptions import (
     batch_error_summary,
 )
 from batchgen.client._options import BatchOptions, flag_of
+from batchgen.client._progress import AT_RISK_MARKER, is_at_risk
 from batchgen.client._requests import DEFAULT_BASE_URL, ENDPOINTS, JSONObject
 from batchgen.client._retry import RetryPolicy
 from batchgen.client._wait import ADAPTIVE_POLLING
@@ -160,6 +161,8 @@ def _status(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     batch = client.get_batch(args.id)
     _print_json(batch)
     _say_cache_savings(batch)
+    if is_at_risk(batch):
+        _say(f"batch {batch.get('id')}: {AT_RISK_MARKER} (at {batch.get('expires_at')}, Unix seconds)")
     return EXIT_OK
 
 
@@ -316,7 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         retry.add_argument_group("batch options (default: the original batch's)"), keep_defaults=False
     )
 
-    status = add("status", _status, "print a batch as JSON (and on stderr what the result cache saved it)")
+    status = add(
+        "status",
+        _status,
+        "print a batch as JSON (and on stderr what the result cache saved it, and a note while it is at risk "
+        "of missing its deadline)",
+    )
     status.add_argument("id", metavar="ID", help="batch id")
 
     listing = add("list", _list, "print the batches, newest first, as JSON")

@@ -125,7 +125,9 @@ class BatchStarter:
             self._tracker.move(active, BatchStatus.IN_PROGRESS)
         else:
             self._tracker.persist(active)
-        self._intake_pool.add(active.id, index, lines, tenant=active.batch.owner)
+        self._intake_pool.add(
+            active.id, index, lines, tenant=active.batch.owner, deadline=active.batch.expires_at
+        )
         if self._on_queued is not None:
             self._on_queued(active.id)
         self._wake_scheduler()

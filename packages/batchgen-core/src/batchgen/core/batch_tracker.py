@@ -29,6 +29,7 @@ import attrs
 from batchgen.core.batch_lifecycle import advance
 from batchgen.core.batch_log import log_transition
 from batchgen.core.batch_progress import ProgressWindow
+from batchgen.core.deadline_watch import will_miss
 from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts, Usage
 from batchgen.core.scheduling import IntakePool
@@ -107,7 +108,9 @@ class ActiveBatch:
         batch = self._with_counters(self.batch if self.unsaved_reason is None else self.saved)
         if batch.status not in _RUNNING:  # ended, or cancelling: no time left to predict
             return batch
-        return attrs.evolve(batch, progress=self.progress.estimate(self.finished, batch.request_counts.total))
+        wall_now = time.time()
+        progress = self.progress.estimate(self.finished, batch.request_counts.total, wall_now)
+        return attrs.evolve(batch, progress=progress, at_risk=will_miss(batch, progress, wall_now))
 
     def _with_counters(self, batch: Batch) -> Batch:
         return attrs.evolve(
@@ -245,15 +248,20 @@ class BatchTracker:
         else:
             active.batch = attrs.evolve(active.batch, error_file_id=file.id)
 
-    def persist(self, active: ActiveBatch) -> bool:
-        """Save the batch (its unrecorded result files first); on a storage fault keep it unsaved
-        (``flush`` retries) and return False."""
+    def persist(self, active: ActiveBatch, messages: Sequence[OutboxMessage] = ()) -> bool:
+        """Save the batch (its unrecorded result files first), with ``messages`` (webhook events
+        of this change, in the same write); on a storage fault keep it unsaved (``flush`` retries,
+        without the messages) and return False."""
         state = active.state()
         try:
             while active.unrecorded:
                 self._metadata.insert_file(active.unrecorded[0])
                 active.unrecorded.pop(0)
-            self.save(state, first_terminal=state.status.is_terminal and not active.saved_terminal)
+            self.save(
+                state,
+                first_terminal=state.status.is_terminal and not active.saved_terminal,
+                messages=messages,
+            )
         except Exception as exc:
             fault = storage_fault(exc, f"save batch {active.id}")
             if fault is None:
@@ -270,9 +278,11 @@ class BatchTracker:
         active.dirty = False
         return True
 
-    def save(self, batch: Batch, *, first_terminal: bool) -> None:
-        """Save the batch; the first save of a terminal status carries its webhook messages."""
-        messages = self._outbox(batch) if first_terminal and self._outbox is not None else ()
+    def save(self, batch: Batch, *, first_terminal: bool, messages: Sequence[OutboxMessage] = ()) -> None:
+        """Save the batch, with ``messages``; the first save of a terminal status carries its
+        webhook messages too."""
+        if first_terminal and self._outbox is not None:
+            messages = (*messages, *self._outbox(batch))
         if messages:
             self._metadata.save_batch(batch, outbox=messages)
         else:

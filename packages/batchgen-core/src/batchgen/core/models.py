@@ -168,6 +168,10 @@ class Batch:
     cancelled_at: int | None = None
     #: The recent pace of a running batch (never stored: it is measured live).
     progress: ProgressEstimate = UNKNOWN
+    #: Whether that pace says the batch will not finish by ``expires_at`` (live, never stored;
+    #: ``deadline_watch``), and when the batch was first found so (stored: its one event).
+    at_risk: bool = False
+    at_risk_at: int | None = None
     owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
     #: The batch this one retries (``batch_retry``), and the retries made of this one, oldest
     #: first (never stored in the row: read from the retries' ``retry_of``).
@@ -211,6 +215,7 @@ class Batch:
             **self.progress.to_dict(),
             "retry_of": self.retry_of,
             "retries": list(self.retries),
+            "at_risk": self.at_risk,
         }
 
 

@@ -60,6 +60,7 @@ from batchgen.core.batch_options import (
 from batchgen.core.batch_retry import BatchRetries, RetryRequest, with_retries
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
+from batchgen.core.deadline_watch import DeadlineWatch
 from batchgen.core.errors import (
     Conflict,
     IntakeFull,
@@ -186,6 +187,7 @@ class _Parts:
             outbox=lambda batch: service.webhooks.messages(batch, now()),
             on_end=service.telemetry.batch_ended,
         )
+        self.deadlines = DeadlineWatch(self.tracker, service.webhooks)
         self.files = FileCatalogue(
             metadata,
             service.blobs,
@@ -296,6 +298,9 @@ class BatchService:
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
             if self.result_cache is not None:
                 self.maintenance.add("write result cache", FLUSH_INTERVAL_S, self.result_cache.flush)
+            self.maintenance.add(
+                "deadline watch", self.settings.maintenance_interval_s, parts.deadlines.check
+            )
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
             self._exit_stack = stack.pop_all()
@@ -805,6 +810,10 @@ class BatchService:
             status = active.snapshot().status
             counts[status] = counts.get(status, 0) + 1
         return counts
+
+    def batches_at_risk(self) -> int:
+        """Running batches whose pace says they will not finish by their deadline (``deadline_watch``)."""
+        return 0 if self._parts is None else self._parts.deadlines.at_risk()
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share of the slots while other tenants have queued work too (default 1)."""

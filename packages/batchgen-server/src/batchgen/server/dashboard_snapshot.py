@@ -30,6 +30,10 @@ PAGE_SIZE = 20
 NO_VALUE = "\N{EN DASH}"
 #: What the page says where a key is needed to show anything.
 KEY_NEEDED = "enter an API key to see this"
+#: Next to a running batch's status when its pace says it ends after its expires_at (as the script draws it).
+AT_RISK_MARK = (
+    '<span class="at-risk" title="at its recent pace this batch ends after it expires">at risk</span>'
+)
 
 
 @attrs.frozen
@@ -153,7 +157,8 @@ def batch_rows(snapshot: Snapshot) -> str:
             ("Batch", f"<code>{html.escape(batch['id'])}</code>"),
             (
                 "Status",
-                f'<span class="status {html.escape(batch["status"])}">{html.escape(batch["status"])}</span>',
+                f'<span class="status {html.escape(batch["status"])}">{html.escape(batch["status"])}</span>'
+                + (AT_RISK_MARK if batch.get("at_risk") is True else ""),
             ),
             (
                 "Progress",
@@ -167,8 +172,9 @@ def batch_rows(snapshot: Snapshot) -> str:
             ("Finished", _clock(_finished_at(batch))),
         ]
         tds = "".join(f'<td data-label="{label}">{content}</td>' for label, content in cells)
+        at_risk = ' data-at-risk="true"' if batch.get("at_risk") is True else ""
         rows.append(
-            f'<tr data-batch-id="{html.escape(batch["id"])}" data-status="{html.escape(batch["status"])}">'
-            f"{tds}</tr>"
+            f'<tr data-batch-id="{html.escape(batch["id"])}" data-status="{html.escape(batch["status"])}"'
+            f"{at_risk}>{tds}</tr>"
         )
     return "".join(rows)

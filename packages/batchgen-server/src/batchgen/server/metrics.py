@@ -171,6 +171,11 @@ class ServiceCollector(Collector):
         ):
             yield GaugeMetricFamily(name, documentation, value=value)
         yield self._batches()
+        yield GaugeMetricFamily(
+            "batchgen_batches_at_risk",
+            "Running batches whose recent pace says they will not finish by their expires_at.",
+            value=service.batches_at_risk(),
+        )
         yield from self._outbox()
         yield from self._upstreams()
         yield from result_cache_metrics(service)

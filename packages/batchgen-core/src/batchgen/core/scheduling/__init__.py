@@ -1,7 +1,8 @@
 """Scheduling: the intake pool, the scheduling pool and the scheduler, in one vocabulary.
 
 - the **intake pool** (``IntakePool``) queues accepted requests as small entries (batch, line,
-  offset, length), never bodies, and hands them out in turn across batches;
+  offset, length), never bodies, and hands them out in turn across tenants, and within a
+  tenant earliest deadline first (``deadline_turns``);
 - the **scheduling pool** (``SchedulingPool``) counts the slots in which admitted requests run;
 - the **scheduler** (``Scheduler``) moves requests from the intake pool into free slots and runs
   them, releasing each slot however its request ends.

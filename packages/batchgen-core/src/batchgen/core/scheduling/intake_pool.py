@@ -4,9 +4,13 @@ across each tenant's batches.
 Entries are tiny: per batch it keeps the file's line index (offset and length of each line) and
 the positions still to run, never a request body. ``pop`` gives the tenants with queued work turns
 in order (deficit round-robin: a tenant of weight ``w`` takes ``w`` requests per round, on
-average, when ``w`` is not whole), and within a tenant's turn takes its batches in turn, so a
-small batch queued behind a huge one (of the same tenant or another) starts at once instead of
-waiting for the huge one to drain.
+average, when ``w`` is not whole). Within a tenant's turn, its batches are taken earliest deadline
+first (``deadline_turns.DeadlineTurns``: batches of the same deadline in turn, and one admission in
+``FAIR_TURN_EVERY`` for the tenant's least recently admitted batch, so none starves); batches queued
+without a deadline all share one, and so take plain turns. Which tenant takes a turn never depends
+on deadlines. A small batch queued behind a huge one of another tenant starts at once instead of
+waiting for the huge one to drain; behind one of its own tenant, at once too when its deadline is
+nearer, else at its first fair turn.
 
 A batch that was accepted but is not indexed yet holds a **reservation**: room counted against
 ``free`` from the moment the batch is accepted, so that concurrent creates cannot all be promised
@@ -16,6 +20,7 @@ the same places. ``add`` converts a batch's reservation into queued entries; ``r
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -24,7 +29,10 @@ from typing import NamedTuple
 from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
 from batchgen.core.models import DEFAULT_TENANT
+from batchgen.core.scheduling.deadline_turns import FAIR_TURN_EVERY, DeadlineTurns
 from batchgen.core.scheduling.drain_meter import DrainMeter
+
+__all__ = ["FAIR_TURN_EVERY", "IntakeEntry", "IntakePool"]
 
 
 class IntakeEntry(NamedTuple):
@@ -40,25 +48,26 @@ class IntakeEntry(NamedTuple):
 
 
 class _BatchQueue:
-    __slots__ = ("cursor", "index", "pending", "tenant")
+    __slots__ = ("cursor", "deadline", "index", "pending", "tenant")
 
-    def __init__(self, index: LineIndex, pending: array, tenant: str) -> None:
+    def __init__(self, index: LineIndex, pending: array, tenant: str, deadline: float) -> None:
         self.index = index
         self.pending = pending
         self.tenant = tenant
+        self.deadline = deadline
         self.cursor = 0
 
     def __len__(self) -> int:
         return len(self.pending) - self.cursor
 
 
-class _TenantTurns:
-    """A tenant with queued work: its batches in turn order, and what is left of its turn."""
+class _TenantTurns(DeadlineTurns):
+    """A tenant with queued work: its batches in deadline order, and what is left of its turn."""
 
-    __slots__ = ("batches", "credit")
+    __slots__ = ("credit",)
 
     def __init__(self) -> None:
-        self.batches: deque[str] = deque()
+        super().__init__()
         self.credit = 0.0
 
 
@@ -166,12 +175,18 @@ class IntakePool:
         return 0 if queue is None else len(queue)
 
     def add(
-        self, batch_id: str, index: LineIndex, lines: Iterable[int] | None = None, tenant: str | None = None
+        self,
+        batch_id: str,
+        index: LineIndex,
+        lines: Iterable[int] | None = None,
+        tenant: str | None = None,
+        deadline: float | None = None,
     ) -> int:
         """Queue ``lines`` (all lines of ``index`` when None) of a batch; return how many.
 
         The batch belongs to ``tenant`` (default: the tenant its reservation was made for, else
-        the default tenant).
+        the default tenant). Among its tenant's batches, the one with the earliest ``deadline``
+        (the batch's ``expires_at``; None: later than any) is admitted first (``DeadlineTurns``).
 
         The batch's reservation, if it holds one, is converted: the queued requests take its
         places, and any it held beyond them are given back. Raises IntakeFull, queueing nothing
@@ -179,6 +194,9 @@ class IntakePool:
         """
         if batch_id in self._queues:
             raise ValueError(f"batch {batch_id} is already queued")
+        due = math.inf if deadline is None else float(deadline)
+        if math.isnan(due):
+            raise ValueError("a deadline must be a number")
         pending = array("l", range(len(index)) if lines is None else lines)
         if lines is not None and pending:
             if min(pending) < 0 or max(pending) >= len(index):
@@ -196,12 +214,12 @@ class IntakePool:
         self.release(batch_id)
         if not pending:
             return 0
-        self._queues[batch_id] = _BatchQueue(index, pending, tenant)
+        self._queues[batch_id] = _BatchQueue(index, pending, tenant, due)
         turns = self._tenants.get(tenant)
         if turns is None:
             turns = self._tenants[tenant] = _TenantTurns()
             self._tenant_turns.append(tenant)
-        turns.batches.append(batch_id)
+        turns.join(batch_id, due)
         self._size += len(pending)
         self._queued_per_tenant[tenant] += len(pending)
         return len(pending)
@@ -212,7 +230,8 @@ class IntakePool:
 
     def pop(self, admissible: Callable[[str], bool] | None = None) -> IntakeEntry | None:
         """Take the next request: tenants with queued work take turns (each as many requests as
-        its weight), and within a tenant's turn its batches take turns.
+        its weight), and within a tenant's turn its batches go earliest deadline first, with the
+        fair turns of ``DeadlineTurns``.
 
         With ``admissible`` (the scheduler's fair shares between models), batches it refuses are
         passed over: the first tenant in turn with an admissible batch takes its turn now with
@@ -221,53 +240,60 @@ class IntakePool:
         """
         if not self._tenant_turns:
             return None
-        if admissible is not None and not self._bring_forward(admissible):
-            return None
-        while True:
+        if admissible is not None:
+            found = self._bring_forward(admissible)
+            if found is None:
+                return None
+            batch_id, fair = found
             tenant = self._tenant_turns[0]
             turns = self._tenants[tenant]
-            if turns.credit >= 1:
-                break
-            turns.credit += self._weights.get(tenant, 1.0)  # its turn begins
-            if turns.credit >= 1:
-                break
-            self._tenant_turns.rotate(-1)  # a weight below 1 saves up over rounds
-        batch_id = turns.batches.popleft()
+        else:
+            while True:
+                tenant = self._tenant_turns[0]
+                turns = self._tenants[tenant]
+                if turns.credit >= 1:
+                    break
+                turns.credit += self._weights.get(tenant, 1.0)  # its turn begins
+                if turns.credit >= 1:
+                    break
+                self._tenant_turns.rotate(-1)  # a weight below 1 saves up over rounds
+            if len(turns.groups) > 1:
+                batch_id, fair = turns.preferred()
+            else:  # one deadline (the common case, inlined): its batches take turns
+                batch_id, fair = turns.groups[turns.deadlines[0]][0], False
         queue = self._queues[batch_id]
         line = queue.pending[queue.cursor]
         queue.cursor += 1
         self._size -= 1
         self._queued_per_tenant[tenant] -= 1
         turns.credit -= 1
-        if len(queue):
-            turns.batches.append(batch_id)
-        else:
+        if not len(queue):
+            turns.took(batch_id, queue.deadline, fair=fair, drained=True)
             del self._queues[batch_id]
-        if not turns.batches:
+        elif admissible is not None or len(turns.groups) > 1:
+            turns.took(batch_id, queue.deadline, fair=fair)
+        else:  # one deadline, and the batch took its turn: ``took``, inlined
+            turns.groups[queue.deadline].rotate(-1)
+            turns.recency.move_to_end(batch_id)
+        if not turns.recency:
             self._forget_tenant(tenant)
         elif turns.credit < 1:
             self._tenant_turns.rotate(-1)
         return IntakeEntry(batch_id, line, queue.index.offsets[line], queue.index.lengths[line])
 
-    def _bring_forward(self, admissible: Callable[[str], bool]) -> bool:
-        """Put the first tenant (in turn order) with an admissible batch first, with that batch
-        first among its own and credit for one request; False when there is none."""
-        candidates = (
-            (position, self._tenants[tenant], batch_position)
-            for position, tenant in enumerate(self._tenant_turns)
-            for batch_position, batch in enumerate(self._tenants[tenant].batches)
-            if admissible(batch)
-        )
-        first = next(candidates, None)
-        if first is None:
-            return False
-        position, turns, found = first
-        self._tenant_turns.rotate(-position)
-        batch_id = turns.batches[found]
-        del turns.batches[found]
-        turns.batches.appendleft(batch_id)
-        turns.credit = max(turns.credit, 1.0)
-        return True
+    def _bring_forward(self, admissible: Callable[[str], bool]) -> tuple[str, bool] | None:
+        """Put the first tenant (in turn order) with an admissible batch first, with credit for
+        one request, and return that batch (the one it prefers, if admissible, else its earliest
+        admissible one) and whether it takes a fair turn; None when there is none."""
+        for position, tenant in enumerate(self._tenant_turns):
+            turns = self._tenants[tenant]
+            found = turns.first_admissible(admissible)
+            if found is None:
+                continue
+            self._tenant_turns.rotate(-position)
+            turns.credit = max(turns.credit, 1.0)
+            return found
+        return None
 
     def _forget_tenant(self, tenant: str) -> None:
         """A tenant whose last queued request left: out of the turns (its weight is kept)."""
@@ -283,10 +309,10 @@ class IntakePool:
         if queue is None:
             return 0
         turns = self._tenants[queue.tenant]
-        turns.batches.remove(batch_id)
+        turns.leave(batch_id, queue.deadline)
         dropped = len(queue)
         self._size -= dropped
         self._queued_per_tenant[queue.tenant] -= dropped
-        if not turns.batches:
+        if not turns.recency:
             self._forget_tenant(queue.tenant)
         return dropped

@@ -96,6 +96,7 @@ _BATCH_COLUMNS = {
     "cancelled_at": int,
     "owner": str,
     "retry_of": str,
+    "at_risk_at": int,
 }
 
 _OUTBOX_COLUMNS = {
@@ -153,6 +154,7 @@ def _batch_to_row(batch: Batch) -> dict[str, Any]:
         "cancelled_at": batch.cancelled_at,
         "owner": batch.owner,
         "retry_of": batch.retry_of,
+        "at_risk_at": batch.at_risk_at,
     }
 
 
@@ -197,6 +199,7 @@ def _batch_from_row(row: dict[str, Any]) -> Batch:
         cancelled_at=row["cancelled_at"],
         owner=row.get("owner") or DEFAULT_TENANT,
         retry_of=row.get("retry_of"),
+        at_risk_at=row.get("at_risk_at"),
     )
 
 

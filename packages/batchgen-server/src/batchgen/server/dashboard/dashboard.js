@@ -312,13 +312,21 @@
     return element("div", { class: "progress" }, bar, element("small", { text: detail }));
   }
 
+  // A running batch whose pace says it will end after its expires_at: marked "at risk".
+  const AT_RISK_TITLE = "at its recent pace this batch ends after it expires";
+  function atRiskMark(batch) {
+    return batch.at_risk === true ? [element("span", { class: "at-risk", title: AT_RISK_TITLE, text: "at risk" })] : [];
+  }
+
   function batchRow(batch) {
     const row = element("tr", { "data-batch-id": batch.id, "data-status": batch.status });
+    if (batch.at_risk === true) row.dataset.atRisk = "true";
     if (batch.id === selected) row.classList.add("selected");
     const rate = batch.requests_per_second;
     row.append(
       element("td", { "data-label": "Batch" }, element("code", { text: batch.id })),
-      element("td", { "data-label": "Status" }, element("span", { class: `status ${batch.status}`, text: batch.status })),
+      element("td", { "data-label": "Status" }, element("span", { class: `status ${batch.status}`, text: batch.status }),
+        ...atRiskMark(batch)),
       element("td", { "data-label": "Progress" }, progressBar(batch)),
       element("td", { class: "number", "data-label": "Rate",
         text: rate === null || rate === undefined ? "–" : `${number(rate, 2)}/s` }),
@@ -384,7 +392,8 @@
     ["rate", (b) => (b.requests_per_second === null ? "–"
       : `${number(b.requests_per_second, 2)} requests/s (exponentially weighted over about two minutes)`)],
     ["time left", (b) => duration(b.estimated_seconds_remaining)],
-    ["expected done", (b) => clock(b.estimated_completion_at)],
+    ["expected done", (b) => clock(b.estimated_completion_at)
+      + (b.at_risk === true ? ` (at risk: after it expires, ${clock(b.expires_at)})` : "")],
     ["tokens", (b) => (b.usage ? `${b.usage.input_tokens} in, ${b.usage.output_tokens} out` : "–")],
     ["result cache", (b) => (b.usage && b.usage.cached_requests
       ? `${b.usage.cached_requests.toLocaleString()} requests answered from the cache, `
