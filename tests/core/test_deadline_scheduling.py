@@ -31,7 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from batchgen.core.batch_options import parse_completion_window
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
+from batchgen.core.scheduling.deadline_turns import DEADLINE_GRID_SHARE, deadline_grid, deadline_slot
 from batchgen.core.scheduling.intake_pool import FAIR_TURN_EVERY
 from tests.core.test_scheduling_state_machines import make_index
 
@@ -297,3 +299,56 @@ def test_with_model_shares_only_admissible_batches_are_taken_and_each_request_on
     expected = {(f"b{n}", line) for n, (_, size, _, ok) in enumerate(batches) if ok for line in range(size)}
     assert set(taken) == expected
     assert intake.size == sum(size for _, size, _, ok in batches if not ok)
+
+
+# --- the deadline a batch is queued with (deadline_slot) ---------------------------------------
+
+_WINDOWS = st.integers(1, 365 * 86400)
+_CREATED = st.integers(1_600_000_000, 2_000_000_000)
+
+
+@given(_CREATED, _WINDOWS, _CREATED, _WINDOWS)
+def test_deadlines_further_apart_than_their_grid_keep_their_order(
+    created_a: int, window_a: int, created_b: int, window_b: int
+) -> None:
+    """A slot is never before its deadline nor a grid past it, and a deadline at least its own grid
+    before another never gets the later slot."""
+    a_due, b_due = created_a + window_a, created_b + window_b
+    slot_a, slot_b = deadline_slot(created_a, a_due), deadline_slot(created_b, b_due)
+    grid_a = deadline_grid(window_a)
+    assert a_due <= slot_a < a_due + grid_a
+    assert grid_a >= window_a * DEADLINE_GRID_SHARE
+    if a_due + grid_a <= b_due:
+        assert slot_a <= slot_b
+
+
+@given(_CREATED, st.sampled_from(["1h", "24h", "7d"]), st.integers(0, 600))
+def test_batches_of_one_window_created_minutes_apart_take_turns(created: int, window: str, gap: int) -> None:
+    """Two batches of the same window created up to ten minutes apart usually share one slot;
+    when they do, the later one is admitted every other time, as without deadlines."""
+    window_s = parse_completion_window(window)
+    first = deadline_slot(created, created + window_s)
+    second = deadline_slot(created + gap, created + gap + window_s)
+    assert first <= second
+    if first != second:  # the grid's edge fell between the two deadlines
+        assert second - first == deadline_grid(window_s)
+        return
+    intake = IntakePool(10_000)
+    scheduler = _one_slot_scheduler(intake)
+    intake.add("first", make_index(0, [5] * 40), tenant="t", deadline=first)
+    intake.add("second", make_index(0, [5] * 10), tenant="t", deadline=second)
+    taken = []
+    for _ in range(20):
+        [entry] = scheduler.admit()
+        taken.append(entry.batch_id)
+        scheduler.finish(entry)
+    assert taken.count("second") == 10
+
+
+def test_a_24h_batch_created_a_minute_after_another_shares_its_slot_mostly() -> None:
+    """The share of creation moments where a one-minute gap splits two 24h deadlines is the gap
+    over the grid (4.55 h): under 1 in 200."""
+    window_s = parse_completion_window("24h")
+    created = range(1_700_000_000, 1_700_000_000 + 86400, 37)
+    split = sum(deadline_slot(c, c + window_s) != deadline_slot(c + 60, c + 60 + window_s) for c in created)
+    assert 0 < split < len(created) / 200

@@ -24,6 +24,7 @@ from batchgen.core.batch_tracker import ActiveBatch, BatchTracker
 from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
+from batchgen.core.scheduling.deadline_turns import deadline_slot
 
 _decode = msgspec.json.Decoder().decode
 logger = logging.getLogger("batchgen.service")
@@ -125,9 +126,8 @@ class BatchStarter:
             self._tracker.move(active, BatchStatus.IN_PROGRESS)
         else:
             self._tracker.persist(active)
-        self._intake_pool.add(
-            active.id, index, lines, tenant=active.batch.owner, deadline=active.batch.expires_at
-        )
+        deadline = deadline_slot(active.batch.created_at, active.batch.expires_at)
+        self._intake_pool.add(active.id, index, lines, tenant=active.batch.owner, deadline=deadline)
         if self._on_queued is not None:
             self._on_queued(active.id)
         self._wake_scheduler()

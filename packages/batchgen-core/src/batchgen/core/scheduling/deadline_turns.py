@@ -26,6 +26,12 @@ state machines):
 - Tenants: nothing here changes which tenant an admission goes to (the intake pool decides that
   from the tenants' weights alone), so deadlines never move work between tenants.
 
+The deadline a batch is queued with is its ``deadline_slot``: its ``expires_at`` rounded up to a
+grid about an eighth of its window wide (a power of two seconds). Batches whose deadlines are
+that close count as having the same one and take turns, so two ``24h`` batches created minutes
+apart share their tenant's admissions evenly, as before deadlines existed, while a ``1h`` batch
+still goes ahead of a ``7d`` one.
+
 Every step is O(1) but for a batch joining (a heap push) and a batch taken out of its deadline's
 turn order (a fair turn, a batch passed over as not admissible, a drop): O(its deadline's batches).
 """
@@ -33,14 +39,35 @@ turn order (a fair turn, a batch passed over as not admissible, a drop): O(its d
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-__all__ = ["FAIR_TURN_EVERY", "DeadlineTurns"]
+__all__ = ["DEADLINE_GRID_SHARE", "FAIR_TURN_EVERY", "DeadlineTurns", "deadline_grid", "deadline_slot"]
 
 #: One admission in this many, of a tenant whose batches have different deadlines, goes to its
 #: least recently admitted batch (the minimum share that keeps a far deadline from starving).
 FAIR_TURN_EVERY = 8
+#: A deadline is rounded up to a grid of about this share of its batch's window (``deadline_slot``).
+DEADLINE_GRID_SHARE = 1 / 8
+
+
+def deadline_grid(window_s: float) -> float:
+    """The grid a batch's deadline is rounded to: the power of two seconds at least
+    ``DEADLINE_GRID_SHARE`` of its window (one second at the least)."""
+    share = window_s * DEADLINE_GRID_SHARE
+    return 1.0 if share <= 1 else 2.0 ** math.ceil(math.log2(share))
+
+
+def deadline_slot(created_at: float, expires_at: float) -> float:
+    """The deadline a batch is scheduled by: ``expires_at`` rounded up to its window's grid.
+
+    Deadlines closer than their grid mostly share a slot (and so take turns), and the order of
+    deadlines that are further apart is kept: when ``a.expires_at + grid(a) <= b.expires_at``,
+    ``a``'s slot is not after ``b``'s.
+    """
+    grid = deadline_grid(expires_at - created_at)
+    return math.ceil(expires_at / grid) * grid
 
 
 class DeadlineTurns:
