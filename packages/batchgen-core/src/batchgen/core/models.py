@@ -162,6 +162,8 @@ class Batch:
     #: The recent pace of a running batch (never stored: it is measured live).
     progress: ProgressEstimate = UNKNOWN
     owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
+    #: "completion" (lines as requests finish) or "input" (rewritten in input order at the end).
+    output_order: str = "completion"
 
     def to_dict(self) -> dict[str, Any]:
         errors = None
@@ -197,6 +199,7 @@ class Batch:
             "usage": self.usage.to_dict(),
             "error": None if self.error is None else attrs.asdict(self.error),
             **self.parameters.to_dict(),
+            "output_order": self.output_order,
             **self.progress.to_dict(),
         }
 

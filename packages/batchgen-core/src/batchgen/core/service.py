@@ -81,6 +81,8 @@ from batchgen.core.models import (
     PoolStatus,
     RequestCounts,
 )
+from batchgen.core.ordering_step import OrderingStep
+from batchgen.core.output_order import COMPLETION, OUTPUT_ORDERS, check_output_order
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
@@ -153,6 +155,9 @@ class ServiceSettings:
     #: whether a batch may name its own URL in its metadata (``webhook_outbox``).
     webhook_urls: tuple[str, ...] = attrs.field(default=(), converter=_names, repr=redacted_repr)
     webhook_batch_urls: bool = False
+    #: The order of a batch's result files when its create call does not say (``output_order``):
+    #: "completion" (as requests finish) or "input" (rewritten in input order when it ends).
+    output_order: str = attrs.field(default=COMPLETION, validator=attrs.validators.in_(OUTPUT_ORDERS))
 
 
 class _Parts:
@@ -204,6 +209,8 @@ class _Parts:
             separate_error_file=settings.error_file == "openai",
             telemetry=service.telemetry,
         )
+        self.ordering = OrderingStep(self.tracker, metadata, service._spawn)
+        self.tracker.end_in_order = self.ordering.begin
 
 
 class BatchService:
@@ -278,7 +285,7 @@ class BatchService:
             self.maintenance.add("fsync results", self.settings.fsync_interval_ms / 1000, self._sync_results)
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
             self.maintenance.start(tasks)
-            recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
+            recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn, parts.ordering.begin)
             self._exit_stack = stack.pop_all()
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -454,6 +461,7 @@ class BatchService:
         metadata: dict[str, str] | None = None,
         parameters: BatchParameters | None = None,
         output_expires_after_s: int | None = None,
+        output_order: str | None = None,
         idempotency_key: str | None = None,
         caller: Caller = EMBEDDED,
     ) -> Batch:
@@ -464,7 +472,9 @@ class BatchService:
         estimated from the rate at which requests are finishing.
 
         ``output_expires_after_s`` deletes the batch's output and error files that long after
-        each is created. With ``idempotency_key``, a repeat of the same call returns the batch the
+        each is created. ``output_order`` ("completion" or "input"; None: the server's
+        ``output_order``) says whether the result files are rewritten in input order when the batch
+        completes or is cancelled. With ``idempotency_key``, a repeat of the same call returns the batch the
         first call created, and the same key with different arguments raises Conflict. While the
         service is unhealthy, a new batch is refused with ServiceUnavailable; while only the
         storage fails (a database locked by another process), the write itself decides
@@ -476,8 +486,15 @@ class BatchService:
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
+        order = self.settings.output_order if output_order is None else check_output_order(output_order)
         call = fingerprint(
-            input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
+            input_file_id,
+            endpoint,
+            completion_window,
+            metadata,
+            parameters.to_dict(),
+            output_expires_after_s,
+            *(() if order == COMPLETION else (order,)),  # fingerprints of earlier keys stay the same
         )
         if idempotency_key is not None:
             earlier = parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
@@ -549,6 +566,7 @@ class BatchService:
             output_expires_after_s=output_expires_after_s,
             request_counts=RequestCounts(total=file.line_count),
             owner=caller.tenant,
+            output_order=order,
         )
         # Admission is atomic: the batch's places are held from now until the starter queues it
         # (or it ends first), so every batch answered here is queued in full. A batch larger than

@@ -92,6 +92,7 @@ _BATCH_COLUMNS = {
     "cancelling_at": int,
     "cancelled_at": int,
     "owner": str,
+    "output_order": str,
 }
 
 _OUTBOX_COLUMNS = {
@@ -145,6 +146,7 @@ def _batch_to_row(batch: Batch) -> dict[str, Any]:
         "cancelling_at": batch.cancelling_at,
         "cancelled_at": batch.cancelled_at,
         "owner": batch.owner,
+        "output_order": batch.output_order,
     }
 
 
@@ -182,6 +184,7 @@ def _batch_from_row(row: dict[str, Any]) -> Batch:
         cancelling_at=row["cancelling_at"],
         cancelled_at=row["cancelled_at"],
         owner=row.get("owner") or DEFAULT_TENANT,
+        output_order=row.get("output_order") or "completion",
     )
 
 
