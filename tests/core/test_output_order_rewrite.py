@@ -18,13 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchgen.core.errors import InvalidRequest
 from batchgen.core.output_order import (
     UnorderableResults,
     check_output_order,
     ordering_path,
     rewrite_in_input_order,
 )
-from batchgen.core.errors import InvalidRequest
 from batchgen.core.results import error_line
 
 
@@ -42,7 +42,11 @@ def _result(custom_id: str, failed: bool) -> bytes:
     if failed:
         return error_line(custom_id, "backend_error", "it failed", "/v1/chat/completions")
     body = {"choices": [{"message": {"content": f"answer to {custom_id}"}}], "usage": {"prompt_tokens": 1}}
-    record = {"id": f"req-{custom_id}", "custom_id": custom_id, "response": {"status_code": 200, "body": body}}
+    record = {
+        "id": f"req-{custom_id}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "body": body},
+    }
     return json.dumps(record).encode() + b"\n"
 
 
@@ -84,7 +88,9 @@ def test_a_missing_result_file_is_nothing_to_do(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "lines", [[b"x", b"a"], [b"a", b"a"]], ids=["custom_id not in the input", "a custom_id twice"]
 )
-def test_results_that_do_not_map_onto_the_input_are_left_untouched(tmp_path: Path, lines: list[bytes]) -> None:
+def test_results_that_do_not_map_onto_the_input_are_left_untouched(
+    tmp_path: Path, lines: list[bytes]
+) -> None:
     input_path = _input(tmp_path, ["a", "b"])
     result = tmp_path / "out.jsonl"
     original = b"".join(_result(custom_id.decode(), False) for custom_id in lines)
@@ -162,7 +168,7 @@ def test_a_million_lines_are_ordered_with_memory_far_below_their_size(tmp_path: 
     finally:
         tracemalloc.stop()
     assert done.lines == MILLION and done.bytes == size == result.stat().st_size
-    # about 40 bytes a line (the line index, the hash table, where each result lies): holding the
+    # about 60 bytes a line (the line index, the hash table, where each result lies): holding the
     # results themselves would take their whole size
     assert peak < size / 4, (peak, size)
     with open(result, "rb") as stream:

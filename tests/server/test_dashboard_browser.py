@@ -435,3 +435,23 @@ def test_with_api_keys_the_first_paint_holds_health_and_asks_for_a_key(
     page.fill("#key-input", key)
     page.click("#key-submit")
     page.wait_for_selector(f'tr[data-batch-id="{own["id"]}"]')
+
+
+def test_the_details_show_the_order_of_the_batch_s_results(
+    server_factory: Callable[..., LiveServer], page: Page
+) -> None:
+    server = server_factory()
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        ordered = submit(api, [chat_line("a"), chat_line("b")], output_order="input")
+        plain = submit(api, [chat_line("c")])
+        for batch in (ordered, plain):
+            wait_for_status(api, batch["id"], {"completed"})
+    page.goto(server.base_url + "/")
+    for batch, shown in ((ordered, "input order"), (plain, "completion order")):
+        page.click(f'tr[data-batch-id="{batch["id"]}"]')
+        page.wait_for_function(
+            "id => document.getElementById('detail-id').textContent === id", arg=batch["id"]
+        )
+        page.wait_for_function(
+            "text => document.getElementById('detail-fields').textContent.includes(text)", arg=shown
+        )

@@ -9,7 +9,9 @@ lines. The default stays the completion order, and a bad value is a 400 naming t
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +21,6 @@ from hypothesis import strategies as st
 from litestar.testing import TestClient
 
 from tests.conftest import in_process_app
-
 from tests.helpers import (
     TERMINAL,
     ApiFactory,
@@ -87,7 +88,11 @@ def test_an_ordered_batch_ends_with_its_files_in_input_order(
     assert sorted(line["custom_id"] for line in output + errors) == sorted(expected)  # exactly once
     failed = {f"req-{n}" for n in failing if n < len(tokens)}
     assert {line["custom_id"] for line in output + errors if line["error"]} == failed
-    assert batch["request_counts"] == {"total": len(lines), "completed": len(lines) - len(failed), "failed": len(failed)}
+    assert batch["request_counts"] == {
+        "total": len(lines),
+        "completed": len(lines) - len(failed),
+        "failed": len(failed),
+    }
 
 
 def test_the_default_order_is_completion_and_the_server_flag_changes_it(api_factory: ApiFactory) -> None:
@@ -107,7 +112,9 @@ def test_the_default_order_is_completion_and_the_server_flag_changes_it(api_fact
     assert batch["output_order"] == "completion"
 
 
-@pytest.mark.parametrize("value", ["Input", "", "random", 1, True, ["input"], {"order": "input"}, "x" * 10_000])
+@pytest.mark.parametrize(
+    "value", ["Input", "", "random", 1, True, ["input"], {"order": "input"}, "x" * 10_000]
+)
 def test_an_unknown_output_order_is_a_400_naming_it(api: httpx.Client, value: object) -> None:
     file_id = upload(api, jsonl(chat_line("a")))["id"]
     error = api_error(post_batch(api, file_id, output_order=value), 400)
@@ -132,3 +139,27 @@ def test_the_incremental_file_serves_while_an_ordered_batch_runs(api_factory: Ap
     ids = [line["custom_id"] for line in file_lines(client, batch["output_file_id"])]
     assert ids == [custom_id for custom_id in _ids(lines) if custom_id in set(ids)]  # cancelled: ordered too
     assert len(ids) == batch["request_counts"]["completed"] and len(ids) >= len(got)
+
+
+def test_a_restart_finishes_the_rewrite_of_a_batch_left_cancelling(tmp_path: Path) -> None:
+    """A server stopped while an ordered batch's cancel was being put in order leaves it
+    ``cancelling`` with its file in completion order (as made here by hand); the next start puts
+    the file in order before the batch ends ``cancelled``."""
+    lines = _lines([30, 1, 20, 2, 10, 3, 25, 4], set())
+    storage = tmp_path / "left"
+    with TestClient(in_process_app(storage, *SPREAD), timeout=30) as first:
+        batch = wait_for_status(first, submit(first, lines)["id"], TERMINAL)
+        appended = [line["custom_id"] for line in file_lines(first, batch["output_file_id"])]
+    assert appended != _ids(lines)
+    with sqlite3.connect(storage / "metadata.sqlite3") as database:
+        database.execute(
+            "UPDATE batches SET status = 'cancelling', output_order = 'input', completed_at = NULL, "
+            "finalizing_at = NULL, cancelling_at = created_at WHERE id = ?",
+            [batch["id"]],
+        )
+    database.close()
+    with TestClient(in_process_app(storage, *SPREAD), timeout=30) as second:
+        batch = wait_for_status(second, batch["id"], TERMINAL)
+        assert batch["status"] == "cancelled" and batch["output_order"] == "input"
+        assert [line["custom_id"] for line in file_lines(second, batch["output_file_id"])] == _ids(lines)
+        assert batch["request_counts"]["completed"] == len(lines)

@@ -86,7 +86,9 @@ def test_both_clients_create_and_submit_with_output_order(server: LiveServer, tm
             created = await client.create_batch((await client.upload_file(path))["id"], output_order="input")
             assert created["output_order"] == "input"
             await client.wait_for_batch(created["id"], poll_interval=0.1)
-            batch = await client.submit_batch(path, tmp_path / "async.jsonl", output_order="input", progress=False)
+            batch = await client.submit_batch(
+                path, tmp_path / "async.jsonl", output_order="input", progress=False
+            )
             assert batch["output_order"] == "input"
 
     anyio.run(asynchronous)

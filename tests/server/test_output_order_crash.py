@@ -32,7 +32,9 @@ def test_a_kill_during_the_ordered_rewrite_serves_no_half_made_file(
     server_factory: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
     expected = [f"r{n}" for n in range(TOTAL)]
-    input_path = write_jsonl(tmp_path / "in.jsonl", (chat_line(custom_id, "hi", max_tokens=1) for custom_id in expected))
+    input_path = write_jsonl(
+        tmp_path / "in.jsonl", (chat_line(custom_id, "hi", max_tokens=1) for custom_id in expected)
+    )
     server = server_factory(*FLAGS, storage="ordered")
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         batch = create_batch(client, upload(client, input_path)["id"])

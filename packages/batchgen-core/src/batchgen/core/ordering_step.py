@@ -31,9 +31,7 @@ logger = logging.getLogger("batchgen.service")
 class OrderingStep:
     """Rewrites ordered batches' result files, then ends them."""
 
-    def __init__(
-        self, tracker: BatchTracker, metadata: MetadataStore, spawn: Callable[..., object]
-    ) -> None:
+    def __init__(self, tracker: BatchTracker, metadata: MetadataStore, spawn: Callable[..., object]) -> None:
         """``spawn(async_fn, *args)`` runs the rewrite in the background."""
         self._tracker = tracker
         self._metadata = metadata

@@ -12,7 +12,7 @@ follow the order of the input file's request lines, without holding the lines in
    neighbouring lines, through a small write buffer; that file is fsynced, renamed over the result
    file in one ``os.replace`` and the folder is fsynced.
 
-Memory is therefore about 40 bytes per input line, whatever the lines hold. Readers never see a
+Memory is therefore about 60 bytes per input line, whatever the lines hold. Readers never see a
 half-made file: until the rename they read the file as it was appended (a download already under
 way keeps reading it), afterwards the whole ordered one. A crash before the rename leaves the
 appended file as it was and a stray ``.ordering`` file, which the next rewrite overwrites; a
@@ -131,7 +131,9 @@ def rewrite_in_input_order(input_path: str | os.PathLike[str], result_path: Path
     return Rewrite(sum(1 for length in lengths if length >= 0), written)
 
 
-def _locate_lines(input_file: Any, in_offsets: array, in_lengths: array, result_path: Path) -> tuple[array, array]:
+def _locate_lines(
+    input_file: Any, in_offsets: array, in_lengths: array, result_path: Path
+) -> tuple[array, array]:
     """For each input line number, where its result line lies in ``result_path`` (offset, length;
     length -1 when it has none)."""
     count = len(in_offsets)

@@ -16,8 +16,7 @@ from pathlib import Path
 from batchgen.core.batch_lifecycle import advance
 from batchgen.core.batch_log import log_transition
 from batchgen.core.batch_starter import BatchStarter
-from batchgen.core.batch_tracker import BatchTracker, now
-from batchgen.core.batch_tracker import ActiveBatch
+from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
 from batchgen.core.models import BatchStatus
 from batchgen.core.output_order import INPUT, remove_leftovers
 from batchgen.core.storage import BlobStore, MetadataStore
