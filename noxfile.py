@@ -191,6 +191,7 @@ BENCHMARKS = (
     "embedding_throughput",
     "polling",
     "responsiveness",
+    "output_order",
 )  # gpu.py: by name, on a GPU machine
 
 

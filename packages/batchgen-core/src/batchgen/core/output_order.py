@@ -4,8 +4,9 @@ A batch's result lines are appended as its requests finish (``"completion"``, th
 ``"input"``, once the batch is done its output and error files are rewritten so that their lines
 follow the order of the input file's request lines, without holding the lines in memory:
 
-1. the input's custom_ids go into a hash table of 64-bit hashes and line numbers (two ``array``
-   columns, 16 bytes a slot, at most half full);
+1. one pass over the input puts its custom_ids into a hash table of 64-bit hashes and line
+   numbers (two ``array`` columns, 16 bytes a slot, at most half full) and notes where each
+   request line starts;
 2. one pass over the result file finds each line's input line number through that table and
    notes where the line lies (its offset and length, 12 bytes a line); the table is then freed;
 3. the lines are copied in input order into ``{name}.ordering`` beside the file, in reads of
@@ -34,7 +35,6 @@ from typing import Any
 import attrs
 import msgspec
 
-from batchgen.core.batch_file import index_batch_file
 from batchgen.core.errors import InvalidRequest
 
 COMPLETION = "completion"
@@ -93,11 +93,9 @@ def rewrite_in_input_order(input_path: str | os.PathLike[str], result_path: Path
     if not result_path.exists():
         return Rewrite(0, 0)
     temporary = ordering_path(result_path)
-    index = index_batch_file(os.fspath(input_path))
-    count = len(index)
-    with open(input_path, "rb") as input_file:
-        offsets, lengths = _locate_lines(input_file, index.offsets, index.lengths, result_path)
-    del index
+    with open(input_path, "rb", buffering=_COPY_BYTES) as input_file:
+        offsets, lengths = _locate_lines(input_file, result_path)
+    count = len(offsets)
     written = 0
     source = os.open(result_path, os.O_RDONLY)
     try:
@@ -131,31 +129,36 @@ def rewrite_in_input_order(input_path: str | os.PathLike[str], result_path: Path
     return Rewrite(sum(1 for length in lengths if length >= 0), written)
 
 
-def _locate_lines(
-    input_file: Any, in_offsets: array, in_lengths: array, result_path: Path
-) -> tuple[array, array]:
-    """For each input line number, where its result line lies in ``result_path`` (offset, length;
-    length -1 when it has none)."""
-    count = len(in_offsets)
-    size = 1 << max(4, (2 * count).bit_length())  # at most half full
+def _locate_lines(input_file: Any, result_path: Path) -> tuple[array, array]:
+    """For each input request line (the non-blank lines, numbered as ``batch_file.LineIndex``
+    numbers them), where its result line lies in ``result_path`` (offset, length; length -1 when
+    it has none)."""
+    bound = _newlines(input_file) + 1  # at least the number of request lines
+    size = 1 << max(4, (2 * bound).bit_length())  # at most half full
     mask = size - 1
     hashes = array("q", bytes(8 * size))
     slots = array("q", bytes(8 * size))  # input line number + 1; 0 is an empty slot
+    starts = array("q")  # where each input request line starts
     shared = False  # two input custom_ids with one hash: matches are confirmed by reading
-    for number in range(count):
-        input_file.seek(in_offsets[number])
-        key = hash(_decode_id(input_file.read(in_lengths[number])).custom_id)
-        slot = key & mask
-        while slots[slot]:
-            if hashes[slot] == key:
-                shared = True
-            slot = (slot + 1) & mask
-        hashes[slot] = key
-        slots[slot] = number + 1
+    position = 0
+    input_file.seek(0)
+    for raw in input_file:
+        if raw.strip():
+            key = hash(_decode_id(raw).custom_id)
+            slot = key & mask
+            while slots[slot]:
+                if hashes[slot] == key:
+                    shared = True
+                slot = (slot + 1) & mask
+            hashes[slot] = key
+            starts.append(position)
+            slots[slot] = len(starts)
+        position += len(raw)
+    count = len(starts)
 
     def input_custom_id(number: int) -> str:
-        input_file.seek(in_offsets[number])
-        return _decode_id(input_file.read(in_lengths[number])).custom_id
+        input_file.seek(starts[number])
+        return _decode_id(input_file.readline()).custom_id
 
     offsets = array("q", bytes(8 * count))
     lengths = array("l", [-1]) * count
@@ -181,6 +184,14 @@ def _locate_lines(
             lengths[number] = len(raw)
             position += len(raw)
     return offsets, lengths
+
+
+def _newlines(stream: Any) -> int:
+    count = 0
+    stream.seek(0)
+    while block := stream.read(_COPY_BYTES):
+        count += block.count(b"\n")
+    return count
 
 
 def _pread_all(fd: int, length: int, offset: int) -> bytes:
