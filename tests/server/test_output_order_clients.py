@@ -115,3 +115,15 @@ def test_batchgen_submit_output_order_input(server: LiveServer, tmp_path: Path) 
         timeout=60,
     )
     assert refused.returncode == 2 and "--output-order" in refused.stderr
+
+
+def test_follow_results_yields_each_line_of_an_ordered_batch_once(server: LiveServer, tmp_path: Path) -> None:
+    path, ids = _input(tmp_path)
+    with BatchGenHttpClient(server.base_url) as client:
+        created = client.create_batch(client.upload_file(path)["id"], output_order="input")
+        followed = [
+            json.loads(line)["custom_id"] for line in client.follow_results(created["id"], poll_interval=0.05)
+        ]
+        done = client.get_batch(created["id"])
+        assert _ids(client.download_file_content(done["output_file_id"])) == ids
+    assert sorted(followed) == sorted(ids)

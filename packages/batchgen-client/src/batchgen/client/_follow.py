@@ -11,7 +11,9 @@ A batch created with `output_order: "input"` has its files rewritten in input or
 completes or is cancelled, so the bytes after `offset` are no longer the lines that followed:
 its tails remember the custom_ids they handed out, read nothing while the batch is `finalizing`
 or `cancelling` (the rewrite may be under way), and once it has ended read each file again from
-the start, handing out only the lines not handed out before.
+the start, handing out only the lines not handed out before. A read sent just before the batch
+ended may still get the rewritten file from `offset` on: its first piece is the end of some line,
+not a line with a custom_id, and is dropped; its whole lines are real lines, remembered as any.
 
 No I/O here: the clients get `following.poll()`, send each of `following.tails(batch)`'s
 `tail.request()`, then call `start` with the status and `feed` with each chunk of the body.
@@ -46,7 +48,6 @@ class ResultTail:
         self._skip = 0
         self._pending = bytearray()
         self._seen: set[str] | None = set() if remember else None
-        self._filtering = False
 
     def reread(self) -> None:
         """The file was rewritten with its lines in another order: read it again from the start,
@@ -54,7 +55,6 @@ class ResultTail:
         self.offset = 0
         self._skip = 0
         self._pending.clear()
-        self._filtering = True
 
     def _hand_out(self, lines: list[str]) -> list[str]:
         if self._seen is None:
@@ -62,10 +62,11 @@ class ResultTail:
         fresh: list[str] = []
         for line in lines:
             custom_id = _custom_id(line)
-            if custom_id is not None:
-                if self._filtering and custom_id in self._seen:
-                    continue
-                self._seen.add(custom_id)
+            if custom_id is None:  # the tail of a line: a read began in the rewritten file
+                continue
+            if custom_id in self._seen:  # custom_ids are unique in a batch: a line seen before
+                continue
+            self._seen.add(custom_id)
             fresh.append(line)
         return fresh
 
