@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from litestar.testing import TestClient
 
+from batchgen.server.cli import build_parser, settings_from_args
 from tests.conftest import in_process_app
 from tests.helpers import (
     TERMINAL,
@@ -163,3 +164,13 @@ def test_a_restart_finishes_the_rewrite_of_a_batch_left_cancelling(tmp_path: Pat
         assert batch["status"] == "cancelled" and batch["output_order"] == "input"
         assert [line["custom_id"] for line in file_lines(second, batch["output_file_id"])] == _ids(lines)
         assert batch["request_counts"]["completed"] == len(lines)
+
+
+def test_the_server_flag_is_in_help_and_refuses_other_values(capsys: pytest.CaptureFixture[str]) -> None:
+    help_text = build_parser().format_help()
+    assert "--output-order {completion,input}" in help_text
+    assert settings_from_args(["--output-order", "input"]).service_settings().output_order == "input"
+    assert settings_from_args([]).service_settings().output_order == "completion"
+    with pytest.raises(SystemExit) as refused:
+        settings_from_args(["--output-order", "sorted"])
+    assert refused.value.code == 2 and "--output-order" in capsys.readouterr().err
