@@ -192,6 +192,7 @@ BENCHMARKS = (
     "result_cache",
     "polling",
     "responsiveness",
+    "output_order",
 )  # gpu.py: by name, on a GPU machine
 
 

@@ -264,6 +264,7 @@ def test_submit_has_a_flag_for_every_batch_option() -> None:
         "--temperature": ("0.5", 0.5),
         "--top-p": ("0.9", 0.9),
         "--top-k": ("5", 5),
+        "--output-order": ("input", "input"),
     }
     assert sorted(flags) == sorted("--" + option.name.replace("_", "-") for option in fields(BatchOptions))
     given = [word for flag, (text, _) in flags.items() for word in (flag, text)]

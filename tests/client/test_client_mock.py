@@ -116,8 +116,8 @@ API_SIGNATURES = {
     "download_file_content": "(self, file_id)",
     "download_file_to": "(self, file_id, path)",
     "create_batch": "(self, input_file_id, endpoint='/v1/chat/completions', completion_window='24h', "
-    "metadata=None, max_decoding_length=None, temperature=None, top_p=None, top_k=None, *, "
-    "idempotency_key=None)",
+    "metadata=None, max_decoding_length=None, temperature=None, top_p=None, top_k=None, "
+    "output_order=None, *, idempotency_key=None)",
     "get_batch": "(self, batch_id)",
     "list_batches": "(self, after=None, limit=None)",
     "cancel_batch": "(self, batch_id)",
@@ -130,7 +130,7 @@ API_SIGNATURES = {
     "follow_results": "(self, batch_id, *, poll_interval=2.0, errors=False)",
     "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=None, "
     "timeout=None, completion_window='24h', metadata=None, max_decoding_length=None, temperature=None, "
-    "top_p=None, top_k=None, error_file_path=None, raise_on_failure=False, progress=None, "
+    "top_p=None, top_k=None, output_order=None, error_file_path=None, raise_on_failure=False, progress=None, "
     "on_progress=None, retry_failed=0)",
     "pool_status": "(self)",
     "health": "(self)",

@@ -462,3 +462,23 @@ def test_a_batch_links_to_its_retries_and_a_retry_to_the_batch_it_retries(
     )  # the dash of an empty field
     back.click()
     page.wait_for_function("id => document.getElementById('detail-id').textContent === id", arg=batch["id"])
+
+
+def test_the_details_show_the_order_of_the_batch_s_results(
+    server_factory: Callable[..., LiveServer], page: Page
+) -> None:
+    server = server_factory()
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        ordered = submit(api, [chat_line("a"), chat_line("b")], output_order="input")
+        plain = submit(api, [chat_line("c")])
+        for batch in (ordered, plain):
+            wait_for_status(api, batch["id"], {"completed"})
+    page.goto(server.base_url + "/")
+    for batch, shown in ((ordered, "input order"), (plain, "completion order")):
+        page.click(f'tr[data-batch-id="{batch["id"]}"]')
+        page.wait_for_function(
+            "id => document.getElementById('detail-id').textContent === id", arg=batch["id"]
+        )
+        page.wait_for_function(
+            "text => document.getElementById('detail-fields').textContent.includes(text)", arg=shown
+        )

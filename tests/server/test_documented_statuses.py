@@ -192,6 +192,7 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
     ("400", "one BatchGen does not serve is a", lambda w: _create(w, endpoint="/v1/audio/speech")),
     ("400", "a bad value's", lambda w: _create(w, metadata={"k": 5})),
     ("400", "any other field is a", lambda w: _create(w, unknown_field=1)),
+    ("400", "Anything else is a", lambda w: _create(w, output_order="sorted")),
     ("404", "for an unknown `input_file_id`", lambda w: _create(w, input_file_id="file-never-stored")),
     (
         "404",

@@ -45,3 +45,14 @@ positive_int = _number(int, lambda n: n > 0, "a positive integer")
 non_negative_int = _number(int, lambda n: n >= 0, "an integer >= 0")
 positive_float = _number(float, lambda x: x > 0, "a positive number")
 non_negative_float = _number(float, lambda x: x >= 0, "a number >= 0")
+
+
+#: The orders a batch's result files can be in (`output_order`).
+OUTPUT_ORDERS = ("completion", "input")
+
+
+def output_order(text: str) -> str:
+    """`completion` or `input`, the orders a batch's result files can be in."""
+    if text not in OUTPUT_ORDERS:
+        raise argparse.ArgumentTypeError(f"expected 'completion' or 'input', got {text!r}")
+    return text

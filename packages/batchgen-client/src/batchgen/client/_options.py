@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from batchgen.client._arguments import key_value, positive_int
+from batchgen.client._arguments import key_value, output_order, positive_int
 
 __all__ = ["DEFAULT_COMPLETION_WINDOW", "BatchOptions", "Flag", "flag_of"]
 
@@ -58,6 +58,15 @@ class BatchOptions:
     temperature: float | None = _option(None, Flag(float, "T", "sampling temperature"))
     top_p: float | None = _option(None, Flag(float, "P", "nucleus sampling probability"))
     top_k: int | None = _option(None, Flag(int, "K", "top-k sampling"))
+    output_order: str | None = _option(
+        None,
+        Flag(
+            output_order,
+            "ORDER",
+            "'input': the result files end in input-line order; 'completion': as requests finish "
+            "(default: the server's, normally completion)",
+        ),
+    )
 
     def body(self) -> dict[str, Any]:
         """These options as fields of the POST /v1/batches body; those left None are omitted."""

@@ -149,12 +149,17 @@ def create_batch(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    output_order: str | None = None,
     *,
     idempotency_key: str | None = None,
 ) -> RequestSpec:
-    """Create a batch. Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
+    """Create a batch. `output_order="input"` puts its result files in input-line order once it
+    ends ("completion", or None for the server's default, leaves them as requests finished).
+    Every attempt sends one `Idempotency-Key`: `idempotency_key`, or a
     fresh uuid4 per call, so a create retried after a lost response is not run twice."""
-    options = BatchOptions(completion_window, metadata, max_decoding_length, temperature, top_p, top_k)
+    options = BatchOptions(
+        completion_window, metadata, max_decoding_length, temperature, top_p, top_k, output_order
+    )
     return create(input_file_id, endpoint, options, idempotency_key=idempotency_key)
 
 

@@ -40,6 +40,7 @@ def submit_batch(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    output_order: str | None = None,
     error_file_path: StrPath | None = None,
     raise_on_failure: bool = False,
     progress: bool | None = None,
@@ -70,7 +71,9 @@ def submit_batch(
     return Submission(
         input_file_path=Path(input_file_path),
         endpoint=endpoint if endpoint is not None else endpoint_of(input_file_path),
-        options=BatchOptions(completion_window, metadata, max_decoding_length, temperature, top_p, top_k),
+        options=BatchOptions(
+            completion_window, metadata, max_decoding_length, temperature, top_p, top_k, output_order
+        ),
         poll_interval=poll_interval,
         timeout=timeout,
         progress=progress,

@@ -219,6 +219,7 @@ class BatchRetries:
                 idempotency_key=idempotency_key,
                 caller=owner,
                 retry_of=original.id,
+                output_order=original.output_order,
                 idempotency_call=call,
                 new_input=new_input,
             )

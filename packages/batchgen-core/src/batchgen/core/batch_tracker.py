@@ -32,6 +32,7 @@ from batchgen.core.batch_progress import ProgressWindow
 from batchgen.core.deadline_watch import will_miss
 from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts, Usage
+from batchgen.core.output_order import INPUT
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
 from batchgen.core.storage_faults import is_database_locked, storage_fault
@@ -148,6 +149,9 @@ class BatchTracker:
         self._intake_pool = intake_pool
         self._abort_request = abort_request
         self._active: dict[str, ActiveBatch] = {}
+        #: Ends a batch whose results go in input order (``output_order: "input"``): rewrites its
+        #: files, then moves it to the status given (``ordering_step.OrderingStep.begin``).
+        self.end_in_order: Callable[[ActiveBatch, BatchStatus], object] | None = None
         #: The storage fault behind the latest refused save (what ``flush`` raises while one waits).
         self._last_fault: StorageUnavailable | None = None
 
@@ -217,9 +221,17 @@ class BatchTracker:
         status = active.status
         if status is BatchStatus.IN_PROGRESS and active.finished >= active.batch.request_counts.total:
             self.move(active, BatchStatus.FINALIZING)
-            self.move(active, BatchStatus.COMPLETED)
+            self._end(active, BatchStatus.COMPLETED)
         elif status is BatchStatus.CANCELLING and not active.in_flight:
-            self.move(active, BatchStatus.CANCELLED)
+            self._end(active, BatchStatus.CANCELLED)
+
+    def _end(self, active: ActiveBatch, target: BatchStatus) -> None:
+        """Move a batch whose last line is written to ``target``: at once, or once its files are in
+        input order when it asked for that."""
+        if active.batch.output_order == INPUT and self.end_in_order is not None:
+            self.end_in_order(active, target)
+        else:
+            self.move(active, target)
 
     def stop_work(self, active: ActiveBatch) -> None:
         """Drop the batch's queued requests and abort those in flight (they end with no line)."""

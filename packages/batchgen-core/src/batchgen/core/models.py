@@ -177,6 +177,8 @@ class Batch:
     #: first (never stored in the row: read from the retries' ``retry_of``).
     retry_of: str | None = None
     retries: tuple[str, ...] = ()
+    #: "completion" (lines as requests finish) or "input" (rewritten in input order at the end).
+    output_order: str = "completion"
 
     def to_dict(self) -> dict[str, Any]:
         errors = None
@@ -212,6 +214,7 @@ class Batch:
             "usage": self.usage.to_dict(),
             "error": None if self.error is None else attrs.asdict(self.error),
             **self.parameters.to_dict(),
+            "output_order": self.output_order,
             **self.progress.to_dict(),
             "retry_of": self.retry_of,
             "retries": list(self.retries),

@@ -83,6 +83,8 @@ from batchgen.core.models import (
     PoolStatus,
     RequestCounts,
 )
+from batchgen.core.ordering_step import OrderingStep
+from batchgen.core.output_order import COMPLETION, OUTPUT_ORDERS, check_output_order
 from batchgen.core.parameters import ServerDefaults
 from batchgen.core.recovery import recover
 from batchgen.core.request_executor import RequestExecutor
@@ -161,6 +163,9 @@ class ServiceSettings:
     #: The tenants whose deterministic requests the result cache answers, and its bounds
     #: (``result_cache``); no tenant: no cache, and no cache file.
     result_cache: ResultCacheSettings = attrs.field(factory=ResultCacheSettings)
+    #: The order of a batch's result files when its create call does not say (``output_order``):
+    #: "completion" (as requests finish) or "input" (rewritten in input order when it ends).
+    output_order: str = attrs.field(default=COMPLETION, validator=attrs.validators.in_(OUTPUT_ORDERS))
 
 
 class _Parts:
@@ -214,6 +219,8 @@ class _Parts:
             telemetry=service.telemetry,
             result_cache=service.result_cache,
         )
+        self.ordering = OrderingStep(self.tracker, metadata, service._spawn)
+        self.tracker.end_in_order = self.ordering.begin
 
 
 class BatchService:
@@ -302,7 +309,7 @@ class BatchService:
                 "deadline watch", self.settings.maintenance_interval_s, parts.deadlines.check
             )
             self.maintenance.start(tasks)
-            recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
+            recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn, parts.ordering.begin)
             self._exit_stack = stack.pop_all()
 
     def _close_result_cache(self) -> None:
@@ -483,6 +490,7 @@ class BatchService:
         metadata: dict[str, str] | None = None,
         parameters: BatchParameters | None = None,
         output_expires_after_s: int | None = None,
+        output_order: str | None = None,
         idempotency_key: str | None = None,
         caller: Caller = EMBEDDED,
         retry_of: str | None = None,
@@ -496,7 +504,9 @@ class BatchService:
         estimated from the rate at which requests are finishing.
 
         ``output_expires_after_s`` deletes the batch's output and error files that long after
-        each is created. With ``idempotency_key``, a repeat of the same call returns the batch the
+        each is created. ``output_order`` ("completion" or "input"; None: the server's
+        ``output_order``) says whether the result files are rewritten in input order when the batch
+        completes or is cancelled. With ``idempotency_key``, a repeat of the same call returns the batch the
         first call created, and the same key with different arguments raises Conflict. While the
         service is unhealthy, a new batch is refused with ServiceUnavailable; while only the
         storage fails (a database locked by another process), the write itself decides
@@ -513,8 +523,15 @@ class BatchService:
         """
         parts = self.parts
         parameters = parameters or BatchParameters()
+        order = self.settings.output_order if output_order is None else check_output_order(output_order)
         call = idempotency_call or fingerprint(
-            input_file_id, endpoint, completion_window, metadata, parameters.to_dict(), output_expires_after_s
+            input_file_id,
+            endpoint,
+            completion_window,
+            metadata,
+            parameters.to_dict(),
+            output_expires_after_s,
+            *(() if order == COMPLETION else (order,)),  # fingerprints of earlier keys stay the same
         )
         if idempotency_key is not None:
             earlier = parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
@@ -589,6 +606,7 @@ class BatchService:
             request_counts=RequestCounts(total=file.line_count),
             owner=caller.tenant,
             retry_of=retry_of,
+            output_order=order,
         )
         # Admission is atomic: the batch's places are held from now until the starter queues it
         # (or it ends first), so every batch answered here is queued in full. A batch larger than

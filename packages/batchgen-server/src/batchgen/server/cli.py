@@ -33,6 +33,7 @@ import attrs
 
 from batchgen.core.backends import BackendSpec, backend_specs
 from batchgen.core.backends.option_types import non_negative_float, positive_int
+from batchgen.core.output_order import OUTPUT_ORDERS
 from batchgen.core.service import ERROR_FILE_MODES
 from batchgen.core.storage.folder_lock import FolderHolder, folder_holder
 from batchgen.server.backend_flags import (
@@ -185,6 +186,15 @@ def build_parser(
         '"response": null and "error" set, and a batch that runs out of its completion window '
         "ends failed (BatchGen's default); 'openai': failed lines go to a separate error file "
         "(error_file_id) and such a batch ends expired (OpenAI's Batch API)",
+    )
+    add(
+        "--output-order",
+        choices=OUTPUT_ORDERS,
+        default=_DEFAULTS.output_order,
+        help="the order of a batch's result lines when its create call sets no output_order: "
+        "'completion': as requests finish (the default); 'input': the output and error files are "
+        "rewritten in input-line order when the batch completes or is cancelled (the incremental "
+        "file serves while it runs)",
     )
     add(
         "--served-model-name",

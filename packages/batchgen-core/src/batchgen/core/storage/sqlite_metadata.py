@@ -97,6 +97,7 @@ _BATCH_COLUMNS = {
     "owner": str,
     "retry_of": str,
     "at_risk_at": int,
+    "output_order": str,
 }
 
 _OUTBOX_COLUMNS = {
@@ -155,6 +156,7 @@ def _batch_to_row(batch: Batch) -> dict[str, Any]:
         "owner": batch.owner,
         "retry_of": batch.retry_of,
         "at_risk_at": batch.at_risk_at,
+        "output_order": batch.output_order,
     }
 
 
@@ -200,6 +202,7 @@ def _batch_from_row(row: dict[str, Any]) -> Batch:
         owner=row.get("owner") or DEFAULT_TENANT,
         retry_of=row.get("retry_of"),
         at_risk_at=row.get("at_risk_at"),
+        output_order=row.get("output_order") or "completion",
     )
 
 

@@ -21,7 +21,7 @@ from batchgen.server.pagination import list_page
 #: What OpenAI's create call takes (every field the ``openai`` SDK sends), then BatchGen's
 #: batch-level sampling defaults. Anything else is refused by name.
 _OPENAI_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after")
-_BATCHGEN_FIELDS = ("max_decoding_length", "temperature", "top_p", "top_k")
+_BATCHGEN_FIELDS = ("max_decoding_length", "temperature", "top_p", "top_k", "output_order")
 _ALLOWED_FIELDS = frozenset(_OPENAI_FIELDS + _BATCHGEN_FIELDS)
 
 
@@ -89,6 +89,7 @@ class BatchesController(Controller):
                 top_k=body.get("top_k"),
             ),
             output_expires_after_s=_output_expiry_seconds(body.get("output_expires_after")),
+            output_order=body.get("output_order"),
             idempotency_key=request.headers.get("idempotency-key"),
             caller=caller,
         )

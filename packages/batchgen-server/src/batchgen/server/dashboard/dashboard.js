@@ -402,6 +402,9 @@
     ["input file", (b) => b.input_file_id],
     ["output file", (b) => b.output_file_id || "–"],
     ["error file", (b) => b.error_file_id || "–"],
+    ["result order", (b) => (b.output_order === "input"
+      ? "input order (the files are rewritten in input order when the batch ends)"
+      : "completion order (lines as requests finish)")],
     ["created", (b) => clock(b.created_at)],
     ["started", (b) => clock(b.in_progress_at)],
     ["finished", (b) => clock(finishedAt(b))],
