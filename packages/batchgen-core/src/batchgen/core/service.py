@@ -67,6 +67,13 @@ from batchgen.core.errors import (
     ServiceUnavailable,
     StorageUnavailable,
 )
+from batchgen.core.chunked_uploads import (
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_UPLOAD_EXPIRY_S,
+    ChunkedUploads,
+    Upload,
+    UploadPart,
+)
 from batchgen.core.file_catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
@@ -134,6 +141,10 @@ class ServiceSettings:
     max_intake_capacity: int = 1_000_000
     max_pool_size: int = 10_240
     max_upload_bytes: int = 512 * 1024 * 1024
+    #: The Uploads API (``chunked_uploads``): the most bytes one upload may declare, and how long
+    #: an upload may take before it expires.
+    max_chunked_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    upload_expiry_s: int = DEFAULT_UPLOAD_EXPIRY_S
     default_max_tokens: int = 256
     max_request_attempts: int = 3
     counters_flush_interval_s: float = 0.5
@@ -187,6 +198,18 @@ class _Parts:
             file_expiry_s=settings.file_expiry_s,
             in_use=service._live_user_of_file,
             served_models=service.model_set,
+        )
+        files = self.files
+        self.uploads = ChunkedUploads(
+            service.settings.storage_path / "uploads",
+            max_upload_bytes=settings.max_chunked_upload_bytes,
+            expiry_s=settings.upload_expiry_s,
+            served_models=service.model_set,
+            register_file=files.register,
+            file_record=metadata.get_file,
+            new_file=files.uploaded_file,
+            final_path=service.blobs.upload_path,
+            stored_bytes=files.stored_bytes,
         )
         self.starter = BatchStarter(
             self.tracker,
@@ -279,6 +302,7 @@ class BatchService:
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn)
+            await parts.uploads.recover()
             self._exit_stack = stack.pop_all()
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -402,6 +426,8 @@ class BatchService:
         ``expires_after_s`` (else the server's ``file_expiry_s``) deletes the file that long after
         its creation. With ``idempotency_key``, the same upload again returns the first file.
         """
+        if caller.limits.max_stored_bytes is not None:
+            self.parts.uploads.check_quota(caller, staging_path.stat().st_size)
         return await self.parts.files.add_file(
             staging_path,
             filename=filename,
@@ -410,6 +436,51 @@ class BatchService:
             idempotency_key=idempotency_key,
             caller=caller,
         )
+
+    # --- the Uploads API (chunked_uploads) ------------------------------------------------
+    @_storage_call("create the upload")
+    async def create_upload(
+        self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
+    ) -> Upload:
+        """A pending upload of ``size`` bytes, to which parts are then added."""
+        return self.parts.uploads.create(
+            filename=filename, purpose=purpose, size=size, mime_type=mime_type, caller=caller
+        )
+
+    @_storage_call("receive the part")
+    async def new_upload_part(self, upload_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, str]:
+        """Where to receive a part of the upload, and the part's id; pass both to
+        ``add_upload_part``, or to ``drop_upload_part`` when receiving failed."""
+        return self.parts.uploads.new_part_path(upload_id, caller)
+
+    def drop_upload_part(self, upload_id: str, received: Path) -> None:
+        """Forget a part whose receiving failed (its bytes are deleted)."""
+        self.blobs.remove(received)
+        self.parts.uploads.part_received(upload_id)
+
+    @_storage_call("store the part")
+    async def add_upload_part(
+        self, upload_id: str, part_id: str, received: Path, *, caller: Caller = EMBEDDED
+    ) -> UploadPart:
+        try:
+            return await self.parts.uploads.add_part(upload_id, part_id, received, caller)
+        finally:
+            self.parts.uploads.part_received(upload_id)
+
+    @_storage_call("complete the upload")
+    async def complete_upload(
+        self, upload_id: str, part_ids: Sequence[str], *, md5: str | None = None, caller: Caller = EMBEDDED
+    ) -> tuple[Upload, FileObject]:
+        """Validate the parts in the order ``part_ids`` names and make them one file."""
+        return await self.parts.uploads.complete(upload_id, part_ids, md5, caller)
+
+    @_storage_call("cancel the upload")
+    async def cancel_upload(self, upload_id: str, *, caller: Caller = EMBEDDED) -> Upload:
+        return await self.parts.uploads.cancel(upload_id, caller)
+
+    @_storage_call("read the upload")
+    async def get_upload(self, upload_id: str, *, caller: Caller = EMBEDDED) -> Upload:
+        return self.parts.uploads.get(upload_id, caller)
 
     @_storage_call("read the file's record")
     async def get_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileObject:
@@ -703,6 +774,7 @@ class BatchService:
                     "in the output file.",
                 )
         parts.files.delete_expired()
+        parts.uploads.expire_due()
 
     # --- monitoring -----------------------------------------------------------------------
     def pool_status(self) -> PoolStatus:
