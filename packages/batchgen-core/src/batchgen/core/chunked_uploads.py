@@ -201,6 +201,22 @@ def _append(source: Path, destination: Any) -> None:
             shutil.copyfileobj(stream, destination, _COPY_BYTES)
 
 
+def _move(source: Path, destination: Path) -> None:
+    """Rename ``source`` to ``destination``, copying when they are on two filesystems."""
+    try:
+        os.replace(source, destination)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        copy = destination.with_name(destination.name + ".moving")
+        try:
+            shutil.copyfile(source, copy)
+            os.replace(copy, destination)
+        finally:
+            copy.unlink(missing_ok=True)
+        source.unlink()
+
+
 class ChunkedUploads:
     """Uploads and their parts under ``root``; files are made through ``register_file``."""
 
@@ -327,7 +343,11 @@ class ChunkedUploads:
             owner=caller.tenant,
         )
         self._folder(upload.id).mkdir()
-        self._save(upload)
+        try:
+            self._save(upload)
+        except BaseException:  # a full disk: no upload is left half made
+            shutil.rmtree(self._folder(upload.id), ignore_errors=True)
+            raise
         return upload
 
     @staticmethod
@@ -523,7 +543,7 @@ class ChunkedUploads:
             final = self._final_path(upload.file_id)
             if not final.exists():
                 await anyio.to_thread.run_sync(self._assemble, upload)
-                os.replace(self._folder(upload.id) / "assembled.jsonl", final)
+                await anyio.to_thread.run_sync(_move, self._folder(upload.id) / "assembled.jsonl", final)
             file = self._new_file(
                 file_id=upload.file_id,
                 path=final,
