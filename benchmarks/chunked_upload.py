@@ -15,6 +15,7 @@ same run: one single-shot ``POST /v1/files`` of the first 400 MB of the same lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,10 +61,8 @@ class DiskSampler:
         total = 0
         for folder, _, names in os.walk(self.root):
             for name in names:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     total += os.stat(os.path.join(folder, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
         return total
 
     def _run(self) -> None:
@@ -102,7 +101,9 @@ def main() -> None:
             sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused", timeout=3600)
             with DiskSampler(storage) as disk:
                 started = time.perf_counter()
-                done = sdk.uploads.upload_file_chunked(file=input_path, mime_type="text/jsonl", purpose="batch")
+                done = sdk.uploads.upload_file_chunked(
+                    file=input_path, mime_type="text/jsonl", purpose="batch"
+                )
                 seconds = time.perf_counter() - started
             peak_rss = peak_rss_mib(server.pid)
             assert done.status == "completed" and done.file is not None and done.file.bytes == size

@@ -25,8 +25,14 @@ _LINES = st.one_of(
     st.just(b"{not json"),
     st.just(b""),  # blank
     st.just(b"\xff\xfe"),  # not UTF-8
-    st.integers(0, 5).map(lambda i: {"custom_id": f"id-{i}", "method": "POST", "url": "/v1/completions",
-                                     "body": {"prompt": "x"}}),  # another url
+    st.integers(0, 5).map(
+        lambda i: {
+            "custom_id": f"id-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x"},
+        }
+    ),  # another url
 )
 
 
@@ -68,7 +74,7 @@ def test_a_valid_file_needs_one_pass_and_keeps_hashes_not_ids(tmp_path: Path) ->
     for start in range(0, len(data), 4096):
         first.feed(data[start : start + 4096])
     assert first.finish() == BatchFileSummary(line_count=5000, url="/v1/chat/completions")
-    ids = first._ids  # noqa: SLF001 - the memory bound is what is tested
+    ids = first._ids
     assert sum(len(bucket) for bucket in ids.accepted) == 5000
     assert all(bucket.itemsize == 8 for bucket in ids.accepted)
 

@@ -29,7 +29,8 @@ from tests.live import LiveServer
 
 def create_upload(client: httpx.Client, size: int, purpose: str = "batch") -> dict[str, Any]:
     response = client.post(
-        "/v1/uploads", json={"bytes": size, "filename": "big.jsonl", "mime_type": "text/jsonl", "purpose": purpose}
+        "/v1/uploads",
+        json={"bytes": size, "filename": "big.jsonl", "mime_type": "text/jsonl", "purpose": purpose},
     )
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
@@ -48,7 +49,9 @@ def add_part(client: httpx.Client, upload_id: str, data: bytes) -> str:
     return str(part["id"])
 
 
-def complete(client: httpx.Client, upload_id: str, part_ids: list[str], md5: str | None = None) -> httpx.Response:
+def complete(
+    client: httpx.Client, upload_id: str, part_ids: list[str], md5: str | None = None
+) -> httpx.Response:
     body: dict[str, Any] = {"part_ids": part_ids}
     if md5 is not None:
         body["md5"] = md5
@@ -68,7 +71,9 @@ def upload_folder(storage: Path, upload_id: str) -> list[str]:
     return sorted(path.name for path in (storage / "uploads" / upload_id).iterdir())
 
 
-_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @_SETTINGS
@@ -152,7 +157,9 @@ def test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes(a
     assert api_error(post_part(api, upload["id"], b"more"), 400)["code"] == "upload_completed"
 
 
-def test_cancel_deletes_the_parts_and_refuses_more(api_factory: Callable[..., httpx.Client], tmp_path: Path) -> None:
+def test_cancel_deletes_the_parts_and_refuses_more(
+    api_factory: Callable[..., httpx.Client], tmp_path: Path
+) -> None:
     client = api_factory()
     upload = create_upload(client, 100)
     part = add_part(client, upload["id"], b"x" * 40)
@@ -217,7 +224,8 @@ def test_a_part_over_64_mib_is_refused_unread(api: httpx.Client) -> None:
 
 def create_upload_response(client: httpx.Client, size: object) -> httpx.Response:
     return client.post(
-        "/v1/uploads", json={"bytes": size, "filename": "big.jsonl", "mime_type": "text/jsonl", "purpose": "batch"}
+        "/v1/uploads",
+        json={"bytes": size, "filename": "big.jsonl", "mime_type": "text/jsonl", "purpose": "batch"},
     )
 
 
@@ -243,7 +251,9 @@ def test_another_tenants_upload_is_not_found_and_quota_counts_pending_parts(
         add_part(alice, second["id"], b"x" * 450)
         # 950 bytes pending: 51 more would pass the limit, though both uploads have room for them
         assert api_error(post_part(alice, upload["id"], b"x" * 51), 413)["code"] == "quota_exceeded"
-        plain = alice.post("/v1/files", files={"file": ("a.jsonl", jsonl(chat_line("q")) * 1)}, data={"purpose": "batch"})
+        plain = alice.post(
+            "/v1/files", files={"file": ("a.jsonl", jsonl(chat_line("q")) * 1)}, data={"purpose": "batch"}
+        )
         assert api_error(plain, 413)["code"] == "quota_exceeded"
         # cancelling frees the space
         alice.post(f"/v1/uploads/{second['id']}/cancel").raise_for_status()

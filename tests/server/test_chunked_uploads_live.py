@@ -7,6 +7,7 @@ the part that hit it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -23,7 +24,16 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import TERMINAL, api_error, chat_line, create_batch, file_lines, jsonl, wait_for_status, write_jsonl
+from tests.helpers import (
+    TERMINAL,
+    api_error,
+    chat_line,
+    create_batch,
+    file_lines,
+    jsonl,
+    wait_for_status,
+    write_jsonl,
+)
 from tests.live import LiveServer
 from tests.server.test_chunked_uploads import add_part, complete, create_upload, file_ids, post_part
 
@@ -32,12 +42,16 @@ def _sdk(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
 
 
-def test_the_openai_sdks_chunked_upload_makes_a_file_a_batch_runs_on(live_server: LiveServer, tmp_path: Path) -> None:
+def test_the_openai_sdks_chunked_upload_makes_a_file_a_batch_runs_on(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
     lines = [chat_line(f"sdk-{i}", f"question {i} " * (i % 9)) for i in range(200)]
     path = write_jsonl(tmp_path / "big.jsonl", lines)
     with _sdk(live_server) as sdk:
         # parts of 997 bytes: lines cut across parts everywhere
-        upload = sdk.uploads.upload_file_chunked(file=path, mime_type="text/jsonl", purpose="batch", part_size=997)
+        upload = sdk.uploads.upload_file_chunked(
+            file=path, mime_type="text/jsonl", purpose="batch", part_size=997
+        )
         assert upload.status == "completed" and upload.file is not None
         assert upload.bytes == upload.file.bytes == path.stat().st_size
         assert upload.filename == "big.jsonl" and upload.file.filename == "big.jsonl"
@@ -60,14 +74,22 @@ def test_the_async_sdks_chunked_upload_with_an_md5(live_server: LiveServer, tmp_
     async def run() -> Any:
         async with openai.AsyncOpenAI(base_url=live_server.api_url, api_key="unused", max_retries=0) as sdk:
             upload = await sdk.uploads.upload_file_chunked(
-                file=path, mime_type="text/jsonl", purpose="batch", part_size=1500,
+                file=path,
+                mime_type="text/jsonl",
+                purpose="batch",
+                part_size=1500,
                 md5=hashlib.md5(data).hexdigest(),
             )
             wrong = None
             try:
                 await sdk.uploads.upload_file_chunked(
-                    file=data, filename="x.jsonl", bytes=len(data), mime_type="text/jsonl", purpose="batch",
-                    part_size=1500, md5="0" * 32,
+                    file=data,
+                    filename="x.jsonl",
+                    bytes=len(data),
+                    mime_type="text/jsonl",
+                    purpose="batch",
+                    part_size=1500,
+                    md5="0" * 32,
                 )
             except openai.BadRequestError as exc:
                 wrong = exc
@@ -109,15 +131,15 @@ def test_kill_9_while_parts_arrive_loses_only_the_part_in_flight(
         yield pieces[-1][1000:] + f"\r\n--{boundary}--\r\n".encode()
 
     def send() -> None:
-        with httpx.Client(base_url=server.base_url, timeout=60) as sender:
-            try:
-                sender.post(
-                    f"/v1/uploads/{upload['id']}/parts",
-                    content=slow_body(),
-                    headers={"Content-Type": "multipart/form-data; boundary=b0undary"},
-                )
-            except httpx.HTTPError:
-                pass
+        with (
+            httpx.Client(base_url=server.base_url, timeout=60) as sender,
+            contextlib.suppress(httpx.HTTPError),
+        ):
+            sender.post(
+                f"/v1/uploads/{upload['id']}/parts",
+                content=slow_body(),
+                headers={"Content-Type": "multipart/form-data; boundary=b0undary"},
+            )
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
@@ -154,12 +176,11 @@ def test_kill_9_while_an_upload_completes_never_serves_a_half_made_file(
             before = file_ids(client)
         record = server.storage_path / "uploads" / upload["id"] / "upload.json"
 
-        def finish(base_url: str = server.base_url, upload_id: str = upload["id"], part_ids: list[str] = ids) -> None:
-            with httpx.Client(base_url=base_url, timeout=60) as sender:
-                try:
-                    complete(sender, upload_id, part_ids)
-                except httpx.HTTPError:
-                    pass
+        def finish(
+            base_url: str = server.base_url, upload_id: str = upload["id"], part_ids: list[str] = ids
+        ) -> None:
+            with httpx.Client(base_url=base_url, timeout=60) as sender, contextlib.suppress(httpx.HTTPError):
+                complete(sender, upload_id, part_ids)
 
         threading.Thread(target=finish, daemon=True).start()
         if moment == "random":
@@ -205,7 +226,8 @@ def test_a_full_disk_fails_only_the_part_that_hit_it(
         running = create_batch(
             client,
             client.post(
-                "/v1/files", files={"file": ("a.jsonl", jsonl(*[chat_line(f"b{i}") for i in range(300)]))},
+                "/v1/files",
+                files={"file": ("a.jsonl", jsonl(*[chat_line(f"b{i}") for i in range(300)]))},
                 data={"purpose": "batch"},
             ).json()["id"],
         )

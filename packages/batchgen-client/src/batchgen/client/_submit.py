@@ -1,7 +1,8 @@
 """`submit_batch` as steps both clients take in the same order, sending what each step returns:
 
 submission = submit_batch(input_file_path, ...)    # a Submission
-uploaded = call(submission.upload())
+uploaded = call(submission.upload())               # or, past the threshold, the file of
+                                                   # chunked(submission.chunked) (`_chunked`)
 created = call(submission.create(uploaded))
 batch = wait(submission.wait(created))
 for download in submission.downloads(batch):
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.client import _requests as req
+from batchgen.client._chunked import DEFAULT_CHUNKED_THRESHOLD, ChunkedUpload, upload_file_chunked
 from batchgen.client._exceptions import BatchGenClientError
 from batchgen.client._files import Download, download_file_to, endpoint_of
 from batchgen.client._options import DEFAULT_COMPLETION_WINDOW, BatchOptions
@@ -43,15 +45,22 @@ def submit_batch(
     raise_on_failure: bool = False,
     progress: bool | None = None,
     on_progress: ProgressCallback | None = None,
+    chunked_upload_threshold: int | None = DEFAULT_CHUNKED_THRESHOLD,
 ) -> Submission:
     """Upload → create → wait → download; returns the final batch.
 
     `endpoint` None means the `url` of the file's first request. The output (and, if
     `error_file_path` is given, the error file) is downloaded whenever the final batch names
     one — a failed or cancelled batch may carry partial results. `poll_interval`, `progress`
-    and `on_progress` are `wait_for_batch`'s.
+    and `on_progress` are `wait_for_batch`'s. A file larger than `chunked_upload_threshold` bytes
+    (256 MiB by default; None: never) is uploaded through the Uploads API in 64 MiB parts
+    (`upload_file_chunked`), so it may be larger than the server's limit for one upload.
     """
     check_poll_interval(poll_interval)
+    size = Path(input_file_path).stat().st_size
+    chunked = None
+    if chunked_upload_threshold is not None and size > chunked_upload_threshold:
+        chunked = upload_file_chunked(input_file_path, "batch")
     return Submission(
         input_file_path=Path(input_file_path),
         endpoint=endpoint if endpoint is not None else endpoint_of(input_file_path),
@@ -63,6 +72,7 @@ def submit_batch(
         output_file_path=output_file_path,
         error_file_path=error_file_path,
         raise_on_failure=raise_on_failure,
+        chunked=chunked,
     )
 
 
@@ -80,6 +90,8 @@ class Submission:
     output_file_path: StrPath | None
     error_file_path: StrPath | None
     raise_on_failure: bool
+    chunked: ChunkedUpload | None = None
+    """The upload through the Uploads API, for a file past the threshold (else `upload`)."""
 
     def upload(self) -> RequestSpec:
         return req.upload_file(self.input_file_path, "batch")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.client._arguments import non_negative_float, non_negative_int, positive_float, positive_int
+from batchgen.client._chunked import DEFAULT_CHUNKED_THRESHOLD
 from batchgen.client._client import BatchGenHttpClient
 from batchgen.client._exceptions import (
     APIConnectionError,
@@ -111,6 +112,7 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
             error_file_path=args.error_output,
             progress=False if args.no_progress else None,
             on_progress=announce,
+            chunked_upload_threshold=args.chunked_upload_threshold,
             **_batch_options(args),
         )
     except KeyboardInterrupt:
@@ -227,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument(
         "--no-progress", action="store_true", help="no progress line (default: shown on a terminal)"
+    )
+    submit.add_argument(
+        "--chunked-upload-threshold",
+        type=non_negative_int,
+        default=DEFAULT_CHUNKED_THRESHOLD,
+        metavar="BYTES",
+        help="upload a file larger than this through the Uploads API, in 64 MiB parts, so it may be "
+        f"larger than the server's limit for one upload (default: {DEFAULT_CHUNKED_THRESHOLD} = 256 MiB)",
     )
     _add_batch_options(submit.add_argument_group("batch options"))
 

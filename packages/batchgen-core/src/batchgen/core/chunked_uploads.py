@@ -37,7 +37,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +71,27 @@ _COPY_BYTES = 1 << 24
 #: copy_file_range errors that mean "copy the bytes by hand instead".
 _NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
 
-PENDING, COMPLETING, COMPLETED, CANCELLED, EXPIRED = "pending", "completing", "completed", "cancelled", "expired"
+PENDING, COMPLETING, COMPLETED, CANCELLED, EXPIRED = (
+    "pending",
+    "completing",
+    "completed",
+    "cancelled",
+    "expired",
+)
 
 
 class UploadQuotaExceeded(PayloadTooLarge):
     """The tenant's ``max_stored_bytes`` would be passed (413)."""
 
     code = "quota_exceeded"
+
+
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _numbers(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 @attrs.frozen
@@ -95,8 +109,8 @@ class Upload:
     owner: str
     status: str = PENDING
     ended_at: int | None = None
-    order: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    sizes: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    order: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    sizes: tuple[int, ...] = attrs.field(default=(), converter=_numbers)
     skip_bom: bool = False
     file_id: str | None = None
     line_count: int = 0
@@ -125,7 +139,12 @@ class UploadPart:
     bytes: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "upload.part", "created_at": self.created_at, "upload_id": self.upload_id}
+        return {
+            "id": self.id,
+            "object": "upload.part",
+            "created_at": self.created_at,
+            "upload_id": self.upload_id,
+        }
 
 
 class _Speculation:
@@ -377,7 +396,9 @@ class ChunkedUploads:
         else:
             self._receiving.pop(upload_id, None)
 
-    async def add_part(self, upload_id: str, part_id: str, received: Path, caller: Caller = EMBEDDED) -> UploadPart:
+    async def add_part(
+        self, upload_id: str, part_id: str, received: Path, caller: Caller = EMBEDDED
+    ) -> UploadPart:
         """Add the part received at ``received`` (consumed, whatever happens)."""
         try:
             async with self._lock(upload_id):
@@ -532,7 +553,9 @@ class ChunkedUploads:
         if isinstance(found, BatchFileSummary):
             return found
         suspects = found
-        return await anyio.to_thread.run_sync(lambda: validate_exactly(chunks(), self._served_models, suspects))
+        return await anyio.to_thread.run_sync(
+            lambda: validate_exactly(chunks(), self._served_models, suspects)
+        )
 
     async def _finish(self, upload: Upload) -> tuple[Upload, FileObject]:
         """Assemble a ``completing`` upload (resuming where it stopped), record its file, and mark

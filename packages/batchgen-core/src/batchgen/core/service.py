@@ -59,6 +59,13 @@ from batchgen.core.batch_options import (
 )
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
+from batchgen.core.chunked_uploads import (
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_UPLOAD_EXPIRY_S,
+    ChunkedUploads,
+    Upload,
+    UploadPart,
+)
 from batchgen.core.errors import (
     Conflict,
     IntakeFull,
@@ -66,13 +73,6 @@ from batchgen.core.errors import (
     NotFound,
     ServiceUnavailable,
     StorageUnavailable,
-)
-from batchgen.core.chunked_uploads import (
-    DEFAULT_MAX_UPLOAD_BYTES,
-    DEFAULT_UPLOAD_EXPIRY_S,
-    ChunkedUploads,
-    Upload,
-    UploadPart,
 )
 from batchgen.core.file_catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint

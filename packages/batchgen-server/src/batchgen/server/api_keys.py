@@ -184,7 +184,13 @@ class KeyStore:
         self._db.execute(
             "UPDATE tenants SET max_queued_requests = ?, max_active_batches = ?, weight = ?, "
             "max_stored_bytes = ? WHERE name = ?",
-            (limits.max_queued_requests, limits.max_active_batches, limits.weight, limits.max_stored_bytes, tenant),
+            (
+                limits.max_queued_requests,
+                limits.max_active_batches,
+                limits.weight,
+                limits.max_stored_bytes,
+                tenant,
+            ),
         )
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:

@@ -36,8 +36,8 @@ from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, han
 from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.dashboard import dashboard, dashboard_asset, favicon
 from batchgen.server.controllers.files import FilesController
-from batchgen.server.controllers.uploads import UploadsController
 from batchgen.server.controllers.monitoring import health, models, pool_status
+from batchgen.server.controllers.uploads import UploadsController
 from batchgen.server.controllers.usage import usage
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics

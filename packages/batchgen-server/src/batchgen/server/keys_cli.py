@@ -149,7 +149,12 @@ def main(argv: Sequence[str]) -> int:
         if args.command == "create":
             given = any(
                 value is not None
-                for value in (args.max_queued_requests, args.max_active_batches, args.weight, args.max_stored_bytes)
+                for value in (
+                    args.max_queued_requests,
+                    args.max_active_batches,
+                    args.weight,
+                    args.max_stored_bytes,
+                )
             )
             key_id, key = store.create_key(
                 args.tenant, admin=args.admin, limits=_limits(args) if given else None

@@ -9,8 +9,8 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
-from batchgen.core.served_models import ServedModel
 from batchgen.core.chunked_uploads import DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_UPLOAD_EXPIRY_S
+from batchgen.core.served_models import ServedModel
 from batchgen.core.service import ServiceSettings
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.server.model_specs import ModelEntry, check_unique_names

@@ -83,7 +83,9 @@ class _PartCollector:
         self._name = name.decode("utf-8", "replace") if name is not None else None
         if self._name == self._file_field:
             if self.file_seen:
-                raise InvalidRequest(f"only one {self._file_field!r} part may be sent", param=self._file_field)
+                raise InvalidRequest(
+                    f"only one {self._file_field!r} part may be sent", param=self._file_field
+                )
             self.file_seen = True
             self._is_file = True
             self._file_head = bytearray() if self._strip_bom else None
@@ -142,7 +144,8 @@ async def receive_upload(
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
         raise InvalidRequest(
-            f"uploads must be multipart/form-data with a {file_field!r} part" + (" and a 'purpose' field" if file_field == "file" else ""),
+            f"uploads must be multipart/form-data with a {file_field!r} part"
+            + (" and a 'purpose' field" if file_field == "file" else ""),
             param="file",
         )
     with open(destination, "wb") as stream:

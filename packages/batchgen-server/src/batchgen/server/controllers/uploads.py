@@ -82,9 +82,15 @@ class UploadsController(Controller):
     ) -> dict[str, Any]:
         """One part: the multipart form field ``data``, at most 64 MiB."""
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isascii() and declared.isdigit():
-            if len(declared) > 18 or int(declared) > MAX_PART_BYTES + MULTIPART_OVERHEAD_BYTES:
-                raise PayloadTooLarge(f"A part may hold at most {MAX_PART_BYTES} bytes; this body is {declared[:20]}.")
+        if (
+            declared is not None
+            and declared.isascii()
+            and declared.isdigit()
+            and (len(declared) > 18 or int(declared) > MAX_PART_BYTES + MULTIPART_OVERHEAD_BYTES)
+        ):
+            raise PayloadTooLarge(
+                f"A part may hold at most {MAX_PART_BYTES} bytes; this body is {declared[:20]}."
+            )
         received, part_id = await service.new_upload_part(upload_id, caller=caller)
         try:
             await receive_upload(
@@ -128,6 +134,9 @@ class UploadsController(Controller):
 
     @post("/{upload_id:str}/cancel", status_code=200)
     async def cancel(
-        self, upload_id: FromPath[str], service: NamedDependency[BatchService], caller: NamedDependency[Caller]
+        self,
+        upload_id: FromPath[str],
+        service: NamedDependency[BatchService],
+        caller: NamedDependency[Caller],
     ) -> dict[str, Any]:
         return (await service.cancel_upload(upload_id, caller=caller)).to_dict()
