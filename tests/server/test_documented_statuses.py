@@ -311,6 +311,62 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
         "test_connection_limits.py::test_a_stalled_upload_is_cut_with_408_and_leaves_nothing",
     ),
     ("413", "| 413 | upload over", "test_bad_input.py::test_oversized_upload_is_413"),
+    # the Uploads API (docs/api.md, "Uploads: files of many gigabytes, in parts")
+    (
+        "400",
+        "whose sizes add up to `bytes` exactly",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "a mismatch is a 400 `md5_mismatch`",
+        "test_chunked_uploads.py::test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes",
+    ),
+    (
+        "400",
+        "adding parts is a 400 `upload_completed`",
+        "test_chunked_uploads.py::test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes",
+    ),
+    (
+        "413",
+        "a part over 64 MiB is a 413",
+        "test_chunked_uploads.py::test_a_part_over_64_mib_is_refused_unread",
+    ),
+    (
+        "400",
+        "more than the declared `bytes` is a 400",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "at most 10,000 parts (400)",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "`bytes` over `--max-upload-total-bytes` is a 400",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "`upload_cancelled` or `upload_expired`",
+        "test_chunked_uploads.py::test_cancel_deletes_the_parts_and_refuses_more",
+    ),
+    (
+        "404",
+        "Another tenant's upload is a 404",
+        "test_chunked_uploads.py::test_another_tenants_upload_is_not_found_and_quota_counts_pending_parts",
+    ),
+    (
+        "413",
+        "gets a 413 `quota_exceeded`",
+        "test_chunked_uploads.py::test_another_tenants_upload_is_not_found_and_quota_counts_pending_parts",
+    ),
+    (
+        "507",
+        "A full disk fails only the call that hit it",
+        "test_chunked_uploads_live.py::test_a_full_disk_fails_only_the_part_that_hit_it",
+    ),
     ("416", "| 416 | a `Range` holding no byte", lambda w: _content(w, "bytes=-0")),
     (
         "429",

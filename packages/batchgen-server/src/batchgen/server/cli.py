@@ -142,14 +142,14 @@ def build_parser(
         type=_POSITIVE_INT,
         default=_DEFAULTS.max_upload_total_bytes,
         help="largest file an upload of the Uploads API (POST /v1/uploads, in parts of at most 64 MiB) "
-        "may declare (default: 8 GiB)",
+        "may declare",
     )
     add(
         "--upload-expiry-s",
         type=_POSITIVE_INT,
         default=_DEFAULTS.upload_expiry_s,
         help="seconds an upload of the Uploads API may stay pending before it expires and its parts "
-        "are deleted (default: 3600)",
+        "are deleted",
     )
     add(
         "--default-max-tokens",
