@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core import chunked_uploads
+from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.errors import InvalidBatchFile
 from tests.helpers import api_error, chat_line, jsonl
 from tests.keys import authorized, create_key
 from tests.live import LiveServer
@@ -136,6 +138,47 @@ def test_lines_across_part_boundaries_are_one_file_and_a_bad_line_is_named_by_it
     batch = api.post("/v1/batches", json={"input_file_id": file["id"], "endpoint": "/v1/chat/completions"})
     assert batch.status_code == 200, batch.text
     assert batch.json()["request_counts"]["total"] == count
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    count=st.integers(1, 300),
+    bad=st.integers(0, 299),
+    model=st.sampled_from(["default", "not-served"]),
+    points=st.lists(st.integers(0, 100_000), max_size=4),
+)
+def test_the_validation_worker_process_names_the_same_lines(
+    api: httpx.Client,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+    count: int,
+    bad: int,
+    model: str,
+    points: list[int],
+) -> None:
+    """Uploads past ``WORKER_MIN_BYTES`` are validated in a worker process, which gets a copy of
+    the served models: a model not served, a bad field and a duplicate id are named there too."""
+    monkeypatch.setattr(chunked_uploads, "WORKER_MIN_BYTES", 0)
+    lines: list[object] = [chat_line(f"w-{i}", f"question {i}") for i in range(count)]
+    if bad < count:
+        lines[bad] = chat_line(f"w-{max(bad - 1, 0)}", model=model)  # a duplicate id, maybe a bad model
+    data = jsonl(*lines)
+    upload = create_upload(api, len(data))
+    part_ids = [add_part(api, upload["id"], part) for part in _cut(data, points)]
+    response = complete(api, upload["id"], part_ids)
+    path = tmp_path_factory.mktemp("worker") / "input.jsonl"
+    path.write_bytes(data)
+    try:  # what the server's own validation of a plain upload says of the same bytes
+        validate_batch_file(str(path), api.app.state["service"].model_set)  # type: ignore[attr-defined]
+    except InvalidBatchFile as exc:
+        assert bad < count and (bad > 0 or model != "default")
+        error = api_error(response, 400)
+        assert error["message"] == str(exc) and error["message"].startswith(
+            f"Invalid batch input file: line {bad + 1}: "
+        )
+        return
+    assert response.status_code == 200, response.text
+    assert api.get(f"/v1/files/{response.json()['file']['id']}/content").content == data
 
 
 def test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes(api: httpx.Client) -> None:

@@ -51,11 +51,15 @@ from batchgen.core.ids import new_object_id
 from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, FileObject
 from batchgen.core.streamed_validation import StreamedValidation, file_chunks, validate_exactly
 from batchgen.core.tenancy import EMBEDDED, Caller
+from batchgen.core.upload_validation_worker import ValidationWorker
 
 logger = logging.getLogger("batchgen.uploads")
 
 #: The largest part (OpenAI's limit: 64 MB; the SDK's parts are 64 MiB).
 MAX_PART_BYTES = 64 * 1024 * 1024
+#: The smallest upload validated in a worker process as its parts arrive (``upload_validation_worker``);
+#: a smaller one is validated in a thread of the server (starting a process would cost more).
+WORKER_MIN_BYTES = 64 * 1024 * 1024
 #: The most parts one upload may have.
 MAX_PARTS = 10_000
 #: The default most bytes one upload may declare (OpenAI's: 8 GB), and how long it stays open.
@@ -265,7 +269,7 @@ class ChunkedUploads:
         self._final_path = final_path
         self._stored_bytes = stored_bytes
         self._locks: dict[str, anyio.Lock] = {}
-        self._speculations: dict[str, _Speculation] = {}
+        self._speculations: dict[str, ValidationWorker | _Speculation] = {}
         self._receiving: dict[str, int] = {}  # parts being received per upload
         root.mkdir(parents=True, exist_ok=True)
 
@@ -421,12 +425,21 @@ class ChunkedUploads:
                 if upload.purpose == "batch":
                     speculation = self._speculations.get(upload_id)
                     if speculation is None:
-                        speculation = self._speculations[upload_id] = _Speculation(self._served_models)
+                        speculation = self._speculate(upload.bytes)
+                        self._speculations[upload_id] = speculation
                     speculation.push(part_id, path)
                 return UploadPart(id=part_id, created_at=created, upload_id=upload_id, bytes=size)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 received.unlink()
+
+    def _speculate(self, size: int) -> ValidationWorker | _Speculation:
+        """A worker process validating the parts as they arrive, else a thread (all workers busy)."""
+        if size >= WORKER_MIN_BYTES:
+            worker = ValidationWorker(self._served_models)
+            if worker.running:
+                return worker
+        return _Speculation(self._served_models)
 
     async def cancel(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
         async with self._lock(upload_id):
@@ -584,7 +597,9 @@ class ChunkedUploads:
                 raise
         completed = attrs.evolve(upload, status=COMPLETED, ended_at=now())
         self._save(completed)
-        self._speculations.pop(upload.id, None)
+        speculation = self._speculations.pop(upload.id, None)
+        if speculation is not None:
+            speculation.close()
         return completed, file
 
     def _assemble(self, upload: Upload) -> None:
