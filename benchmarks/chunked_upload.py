@@ -4,7 +4,8 @@ Writes an input of N chat lines of about 500 bytes each (default 8,000,000 lines
 temporary folder, starts a ``batchgen-server`` subprocess (simulated backend), and uploads the
 file with the unchanged ``openai`` SDK's ``upload_file_chunked`` (64 MiB parts, sent one after
 another; ``complete`` validates and assembles). It reports, end to end, upload + validation MB/s;
-the server's RSS growth (peak ``VmHWM`` during the upload minus its RSS once healthy); and the peak disk the upload
+the server's RSS growth (peak ``VmHWM`` during the upload minus its RSS once healthy) and the peak
+RSS of its validation worker process (``upload_validation_worker``); and the peak disk the upload
 took under the storage folder (sampled every 20 ms) against the file's size. The baseline, in the
 same run: one single-shot ``POST /v1/files`` of the first 400 MB of the same lines (under the
 512 MiB limit of that route). Prints the figures, then one JSON object with them as the last line.
@@ -48,12 +49,26 @@ def rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
-class DiskSampler:
-    """The most bytes the files under ``root`` held at once, sampled in a thread."""
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as listing:
+                found += [int(child) for child in listing.read().split()]
+        except OSError:
+            pass
+    return found
 
-    def __init__(self, root: Path) -> None:
+
+class DiskSampler:
+    """The most bytes the files under ``root`` held at once, and the peak RSS of the server's child
+    processes (the upload's validation worker), sampled in a thread."""
+
+    def __init__(self, root: Path, server_pid: int) -> None:
         self.root = root
+        self.server_pid = server_pid
         self.peak = 0
+        self.children_peak_mib: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -68,6 +83,9 @@ class DiskSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, self._used())
+            for child in children(self.server_pid):
+                with contextlib.suppress(OSError, StopIteration):
+                    self.children_peak_mib[child] = peak_rss_mib(child)
             time.sleep(0.02)
 
     def __enter__(self) -> DiskSampler:
@@ -99,7 +117,7 @@ def main() -> None:
         with running_server(storage, args.port, "--backend", "simulated") as (server, client):
             start_rss = rss_mib(server.pid)
             sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused", timeout=3600)
-            with DiskSampler(storage) as disk:
+            with DiskSampler(storage, server.pid) as disk:
                 started = time.perf_counter()
                 done = sdk.uploads.upload_file_chunked(
                     file=input_path, mime_type="text/jsonl", purpose="batch"
@@ -119,6 +137,7 @@ def main() -> None:
         "upload_validate_s": round(seconds, 1),
         "baseline_single_post_mb_per_s": round(min(BASELINE_BYTES, size) / 1e6 / baseline_s, 1),
         "server_rss_growth_mib": round(peak_rss - start_rss, 1),
+        "validation_worker_peak_rss_mib": round(max(disk.children_peak_mib.values(), default=0.0), 1),
         "peak_disk_bytes": disk.peak,
         "peak_disk_over_file": round(disk.peak / stored, 3),
         "cpus": os.cpu_count(),
@@ -128,7 +147,8 @@ def main() -> None:
         f"{args.lines} lines, {size / 1e9:.2f} GB through upload_file_chunked: "
         f"{figures['upload_validate_mb_per_s']} MB/s upload + validation ({figures['upload_validate_s']} s); "
         f"baseline single POST /v1/files of {min(BASELINE_BYTES, size) / 1e6:.0f} MB: "
-        f"{figures['baseline_single_post_mb_per_s']} MB/s; server RSS growth {figures['server_rss_growth_mib']} MiB; "
+        f"{figures['baseline_single_post_mb_per_s']} MB/s; server RSS growth {figures['server_rss_growth_mib']} MiB "
+        f"(its validation worker's peak RSS: {figures['validation_worker_peak_rss_mib']} MiB); "
         f"peak disk {disk.peak / 1e9:.2f} GB = {figures['peak_disk_over_file']} x the file"
     )
     print(json.dumps(figures))
