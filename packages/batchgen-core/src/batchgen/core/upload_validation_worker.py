@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import signal
 import threading
 from collections.abc import Collection
 from multiprocessing.connection import Connection
@@ -62,6 +63,7 @@ def line_router_copy(served: ModelSet) -> ModelSet:
 
 def _validate(connection: Connection, served: Collection[str] | LineRouter | None) -> None:
     """The worker: validate the parts named on ``connection`` in order until told to finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this
     validation = StreamedValidation(served)
     paths: list[str] = []
     skip = 0
