@@ -48,7 +48,7 @@ from batchgen.core.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.batch_tracker import now
 from batchgen.core.errors import BatchGenError, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.ids import new_object_id
-from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, FileObject
+from batchgen.core.models import UPLOAD_PURPOSES, FileObject
 from batchgen.core.streamed_validation import StreamedValidation, file_chunks, validate_exactly
 from batchgen.core.tenancy import EMBEDDED, Caller
 from batchgen.core.upload_validation_worker import ValidationWorker
@@ -67,6 +67,8 @@ DEFAULT_MAX_UPLOAD_BYTES = 8 * 1024**3
 DEFAULT_UPLOAD_EXPIRY_S = 3600
 #: Ended uploads' records are kept this long after they ended, so late calls get a clear answer.
 ENDED_RECORD_KEEP_S = 7 * 86400
+#: Seconds between scans for the records of uploads that ended ``ENDED_RECORD_KEEP_S`` ago.
+PRUNE_INTERVAL_S = 3600
 #: The longest filename and mime_type accepted.
 MAX_NAME_CHARS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -271,6 +273,9 @@ class ChunkedUploads:
         self._locks: dict[str, anyio.Lock] = {}
         self._speculations: dict[str, ValidationWorker | _Speculation] = {}
         self._receiving: dict[str, int] = {}  # parts being received per upload
+        #: The pending uploads and when each expires (``expire_due`` reads no record until then).
+        self._pending_expiry: dict[str, int] = {}
+        self._next_prune = 0
         root.mkdir(parents=True, exist_ok=True)
 
     # --- records ---------------------------------------------------------------------------
@@ -371,6 +376,7 @@ class ChunkedUploads:
         except BaseException:  # a full disk: no upload is left half made
             shutil.rmtree(self._folder(upload.id), ignore_errors=True)
             raise
+        self._pending_expiry[upload.id] = upload.expires_at
         return upload
 
     @staticmethod
@@ -451,6 +457,7 @@ class ChunkedUploads:
         """Cancel or expire a pending upload: the record says so, the parts are deleted."""
         ended = attrs.evolve(upload, status=status, ended_at=now())
         self._save(ended)
+        self._pending_expiry.pop(upload.id, None)
         self._drop_parts(upload.id)
         return ended
 
@@ -597,6 +604,7 @@ class ChunkedUploads:
                 raise
         completed = attrs.evolve(upload, status=COMPLETED, ended_at=now())
         self._save(completed)
+        self._pending_expiry.pop(upload.id, None)
         speculation = self._speculations.pop(upload.id, None)
         if speculation is not None:
             speculation.close()
@@ -639,16 +647,21 @@ class ChunkedUploads:
         """Expire pending uploads past their ``expires_at`` (deleting their parts), and forget
         uploads that ended long ago."""
         moment = now()
-        for upload in list(self.uploads()):
-            if upload.status == PENDING and upload.expires_at <= moment:
-                if not self._lock(upload.id).locked():
-                    self._end(upload, EXPIRED)
+        for upload_id, expires_at in list(self._pending_expiry.items()):
+            if expires_at > moment or self._lock(upload_id).locked():
+                continue
+            upload = self._load(upload_id)
+            if upload is not None and upload.status == PENDING:
+                self._end(upload, EXPIRED)
+            self._pending_expiry.pop(upload_id, None)
+            self._locks.pop(upload_id, None)
+        if moment >= self._next_prune:  # a scan of every record, once an hour
+            self._next_prune = moment + PRUNE_INTERVAL_S
+            for upload in list(self.uploads()):
+                ended = upload.ended_at or moment
+                if upload.status in (COMPLETED, CANCELLED, EXPIRED) and ended + ENDED_RECORD_KEEP_S <= moment:
+                    shutil.rmtree(self._folder(upload.id), ignore_errors=True)
                     self._locks.pop(upload.id, None)
-            elif upload.status in (COMPLETED, CANCELLED, EXPIRED) and (
-                (upload.ended_at or moment) + ENDED_RECORD_KEEP_S <= moment
-            ):
-                shutil.rmtree(self._folder(upload.id), ignore_errors=True)
-                self._locks.pop(upload.id, None)
 
     async def recover(self) -> None:
         """At start: finish uploads a crash left ``completing``, and drop parts half received."""
@@ -656,13 +669,10 @@ class ChunkedUploads:
             folder = self._folder(upload.id)
             for leftover in folder.glob("*.receiving"):
                 leftover.unlink(missing_ok=True)
+            if upload.status == PENDING:
+                self._pending_expiry[upload.id] = upload.expires_at
             if upload.status == COMPLETING:
                 try:
                     await self._finish(upload)
                 except Exception:  # a full disk, say: completing again retries
                     logger.exception("could not finish completing upload %s", upload.id)
-
-
-def owner_stored_bytes(files: Iterator[FileObject]) -> int:
-    """The bytes of uploaded files (not batch results) among ``files``."""
-    return sum(file.bytes for file in files if file.purpose != OUTPUT_PURPOSE)
