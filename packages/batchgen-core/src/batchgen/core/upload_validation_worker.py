@@ -2,7 +2,8 @@
 
 Validation costs more CPU than receiving the bytes, and in the server's process it would share
 one interpreter lock with the receiving. So while a ``batch`` upload's parts arrive, a worker
-process (``ValidationWorker``) validates them in the order they arrived (``StreamedValidation``,
+process (``ValidationWorker``: a fresh Python running ``main`` here, which imports the core and
+nothing of the server, talking over a socket pair) validates them in the order they arrived (``StreamedValidation``,
 then, if it asks for one, the exact pass over the same parts): on a machine with two cores the
 validation of part k runs while part k+1 is received. The worker gets a picklable copy of what
 validation needs of the served models (``line_router_copy``: each model's names, backend name and
@@ -14,8 +15,10 @@ validates itself.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import signal
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Collection
 from multiprocessing.connection import Connection
@@ -33,6 +36,8 @@ UTF8_BOM = b"\xef\xbb\xbf"
 #: Worker processes validating at once; an upload that finds them all busy is validated at complete.
 MAX_WORKERS = 2
 _workers = threading.BoundedSemaphore(MAX_WORKERS)
+#: What the worker process runs (``python -c``: ``-m`` would import this module twice).
+_WORKER_MAIN = "from batchgen.core.upload_validation_worker import main; main()"
 
 
 @attrs.frozen
@@ -88,6 +93,8 @@ def _validate(connection: Connection, served: Collection[str] | LineRouter | Non
             return
     except (EOFError, OSError):  # the server went away, or a part was deleted (cancelled)
         return
+    finally:
+        connection.close()
 
 
 class ValidationWorker:
@@ -103,15 +110,18 @@ class ValidationWorker:
             return
         try:
             copy = line_router_copy(served) if isinstance(served, ModelSet) else served
-            context = multiprocessing.get_context("spawn")
-            self._connection, child = context.Pipe()
-            self._process = context.Process(
-                target=_validate, args=(child, copy), name="batchgen upload validation"
-            )
-            self._process.daemon = True
-            self._process.start()
-            child.close()
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                )
+            self._connection = Connection(ours.detach())
+            self._connection.send(copy)
         except Exception:  # no worker: the upload is validated at complete
+            if self._process is not None:
+                self._process.kill()
             self._connection = None
             self._process = None
             _workers.release()
@@ -151,8 +161,20 @@ class ValidationWorker:
         connection.close()
         process, self._process = self._process, None
         with contextlib.suppress(Exception):
-            process.join(timeout=5)
-            if process.is_alive():
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join(timeout=5)
+                process.wait(timeout=5)
         _workers.release()
+
+
+def main() -> None:
+    """The worker process (``_WORKER_MAIN FD``, where FD is its end of a socket pair); the first
+    message is the served models."""
+    connection = Connection(int(sys.argv[1]))
+    try:
+        served = connection.recv()
+    except (EOFError, OSError):
+        return
+    _validate(connection, served)
