@@ -160,6 +160,46 @@ def test_kill_9_while_parts_arrive_loses_only_the_part_in_flight(
         assert client.get(f"/v1/files/{done.json()['file']['id']}/content").content == data
 
 
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(child) for child in (task / "children").read_text().split()}
+    return found
+
+
+def test_kill_9_with_a_validation_worker_running_leaves_no_process_and_the_upload_completes(
+    server_factory: Callable[..., LiveServer],
+) -> None:
+    # 70 MB: past WORKER_MIN_BYTES, so a worker process validates the parts as they arrive
+    data = jsonl(*[chat_line(f"v-{i}", "w" * 900) for i in range(70_000)])
+    half = len(data) // 2
+    server = server_factory(storage="worker")
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        upload = create_upload(client, len(data))
+        first = add_part(client, upload["id"], data[:half])
+        workers = _children(server.process.pid)
+        assert workers, "no validation worker was started"
+    _kill(server)
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the validation worker outlived the server"
+        time.sleep(0.05)
+    server = server_factory(storage="worker")
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        second = add_part(client, upload["id"], data[half:])
+        done = complete(client, upload["id"], [first, second])
+        assert done.status_code == 200, done.text
+        assert done.json()["file"]["bytes"] == len(data)
+        assert client.get(f"/v1/files/{done.json()['file']['id']}/content").content == data
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
 @pytest.mark.parametrize("moment", ["random", "assembling"])
 def test_kill_9_while_an_upload_completes_never_serves_a_half_made_file(
     server_factory: Callable[..., LiveServer], moment: str
