@@ -334,7 +334,7 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
     ),
     (
         "400",
-        "more than the declared `bytes` is a 400",
+        "64 MiB) is a 400",
         "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
     ),
     (

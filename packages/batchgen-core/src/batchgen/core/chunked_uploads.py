@@ -418,10 +418,12 @@ class ChunkedUploads:
                 if size == 0:
                     raise InvalidRequest("a part must hold at least one byte", param="data")
                 have = sum(self.parts(upload_id).values())
-                if have + size > upload.bytes:
+                room = upload.bytes + min(upload.bytes, MAX_PART_BYTES)  # a part sent twice fits
+                if have + size > room:
                     raise InvalidRequest(
                         f"This part ({size} bytes) would make the upload's parts {have + size} bytes, more "
-                        f"than the {upload.bytes} bytes the upload was created with",
+                        f"than the {upload.bytes} bytes the upload was created with and one part more "
+                        f"(at most {room} bytes may be sent)",
                         param="data",
                     )
                 self.check_quota(caller, size)
@@ -605,9 +607,7 @@ class ChunkedUploads:
         completed = attrs.evolve(upload, status=COMPLETED, ended_at=now())
         self._save(completed)
         self._pending_expiry.pop(upload.id, None)
-        speculation = self._speculations.pop(upload.id, None)
-        if speculation is not None:
-            speculation.close()
+        self._drop_parts(upload.id)  # parts sent but not named (a part sent again by a retry)
         return completed, file
 
     def _assemble(self, upload: Upload) -> None:
