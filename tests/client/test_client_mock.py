@@ -110,6 +110,7 @@ def test_public_api_is_pinned() -> None:
 
 API_SIGNATURES = {
     "upload_file": "(self, path, purpose='batch', *, idempotency_key=None)",
+    "upload_file_chunked": "(self, path, purpose='batch', *, part_size=67108864, md5=True)",
     "list_files": "(self, after=None, limit=None, order=None, purpose=None)",
     "get_file": "(self, file_id)",
     "delete_file": "(self, file_id)",
@@ -131,7 +132,7 @@ API_SIGNATURES = {
     "submit_batch": "(self, input_file_path, output_file_path=None, endpoint=None, *, poll_interval=None, "
     "timeout=None, completion_window='24h', metadata=None, max_decoding_length=None, temperature=None, "
     "top_p=None, top_k=None, output_order=None, error_file_path=None, raise_on_failure=False, progress=None, "
-    "on_progress=None, retry_failed=0)",
+    "on_progress=None, retry_failed=0, chunked_upload_threshold=268435456)",
     "pool_status": "(self)",
     "health": "(self)",
     "list_models": "(self)",

@@ -293,3 +293,53 @@ def test_a_database_from_before_retries_opens_and_its_batches_can_be_retried(tmp
         assert api.get(f"/v1/batches/{batch['id']}").json()["retry_of"] is None
         retry = _retry(api, batch["id"]).json()
         assert api.get(f"/v1/batches/{batch['id']}").json()["retries"] == [retry["id"]]
+
+
+def test_a_retry_the_intake_pool_has_no_room_for_is_429_and_makes_nothing(api_factory: ApiFactory) -> None:
+    """A retry is admitted like a new batch: with the intake pool full it is a 429 with
+    Retry-After, no retry is linked and no input file is left behind; with room again it works."""
+    api = api_factory(
+        "--max-context-length",
+        "50",
+        "--max-intake-capacity",
+        "4",
+        "--simulated-latency-s",
+        "30",
+        "--max-pool-size",
+        "1",
+    )
+    lines = [chat_line("long-1", TOO_LONG), chat_line("long-2", TOO_LONG)]
+    failed = wait_for_status(api, create_batch(api, upload(api, jsonl(*lines))["id"])["id"], TERMINAL)
+    inputs_before = _input_files(api)
+    filler = create_batch(api, upload(api, jsonl(*(chat_line(f"f{i}") for i in range(4))))["id"])
+    refused = _retry(api, failed["id"])
+    assert refused.status_code == 429, refused.text
+    assert "Retry-After" in refused.headers
+    assert api.get(f"/v1/batches/{failed['id']}").json()["retries"] == []
+    assert _input_files(api) - inputs_before == {filler["input_file_id"]}  # no retry input left
+    api.post(f"/v1/batches/{filler['id']}/cancel")
+    wait_for_status(api, filler["id"], TERMINAL)
+    assert _retry(api, failed["id"]).status_code == 200
+
+
+def _input_files(client: httpx.Client) -> set[str]:
+    return {file["id"] for file in client.get("/v1/files", params={"purpose": "batch"}).json()["data"]}
+
+
+def test_a_batch_whose_results_are_gone_is_409_results_missing(api_factory: ApiFactory) -> None:
+    """Deleting the input file, or any result file of the family, leaves nothing to judge the
+    lines by: both the retry and the merged view are 409 results_missing, and nothing is made."""
+    api = api_factory("--max-context-length", "50")
+    lines = [chat_line("ok"), chat_line("long-1", TOO_LONG)]
+    for gone in ("input_file_id", "output_file_id", "error_file_id"):
+        batch = wait_for_status(api, create_batch(api, upload(api, jsonl(*lines))["id"])["id"], TERMINAL)
+        if batch[gone] is None:  # this server writes errors into the output file
+            continue
+        assert api.delete(f"/v1/files/{batch[gone]}").status_code == 200
+        inputs_before = _input_files(api)
+        assert api_error(_retry(api, batch["id"]), 409)["code"] == "results_missing", gone
+        assert (
+            api_error(api.get(f"/v1/batches/{batch['id']}/merged_results"), 409)["code"] == "results_missing"
+        )
+        assert api.get(f"/v1/batches/{batch['id']}").json()["retries"] == []
+        assert _input_files(api) == inputs_before

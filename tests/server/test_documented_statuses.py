@@ -312,6 +312,97 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
         "test_connection_limits.py::test_a_stalled_upload_is_cut_with_408_and_leaves_nothing",
     ),
     ("413", "| 413 | upload over", "test_bad_input.py::test_oversized_upload_is_413"),
+    # the Uploads API (docs/api.md, "Uploads: files of many gigabytes, in parts")
+    (
+        "400",
+        "whose sizes add up to `bytes` exactly",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "a mismatch is a 400 `md5_mismatch`",
+        "test_chunked_uploads.py::test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes",
+    ),
+    (
+        "400",
+        "adding parts is a 400 `upload_completed`",
+        "test_chunked_uploads.py::test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes",
+    ),
+    (
+        "413",
+        "a part over 64 MiB is a 413",
+        "test_chunked_uploads.py::test_a_part_over_64_mib_is_refused_unread",
+    ),
+    (
+        "400",
+        "64 MiB) is a 400",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "at most 10,000 parts (400)",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "`bytes` over `--max-upload-total-bytes` is a 400",
+        "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "400",
+        "`upload_cancelled` or `upload_expired`",
+        "test_chunked_uploads.py::test_cancel_deletes_the_parts_and_refuses_more",
+    ),
+    (
+        "404",
+        "Another tenant's upload is a 404",
+        "test_chunked_uploads.py::test_another_tenants_upload_is_not_found_and_quota_counts_pending_parts",
+    ),
+    (
+        "413",
+        "gets a 413 `quota_exceeded`",
+        "test_chunked_uploads.py::test_another_tenants_upload_is_not_found_and_quota_counts_pending_parts",
+    ),
+    (
+        "507",
+        "A full disk fails only the call that hit it",
+        "test_chunked_uploads_live.py::test_a_full_disk_fails_only_the_part_that_hit_it",
+    ),
+    # retrying what did not succeed (docs/api.md, "Retrying what did not succeed")
+    (
+        "404",
+        "another tenant's batch is a 404",
+        "test_batch_retry.py::test_another_tenants_batch_is_not_found_and_a_retry_stays_in_its_tenant",
+    ),
+    (
+        "400",
+        "whose `status_code` is below",
+        "test_batch_retry.py::test_the_merged_view_ranks_a_success_over_an_error_and_the_later_attempt_first",
+    ),
+    (
+        "400",
+        "or a `status_code` of",
+        "test_batch_retry.py::test_the_merged_view_ranks_a_success_over_an_error_and_the_later_attempt_first",
+    ),
+    ("400", "Any other field is a", "test_batch_retry.py::test_refusals_are_openai_shaped_4xx"),
+    ("413", " 413 beyond)", "test_batch_retry.py::test_refusals_are_openai_shaped_4xx"),
+    ("409", "(`batch_not_final`)", "test_batch_retry.py::test_refusals_are_openai_shaped_4xx"),
+    (
+        "429",
+        "A retry is admitted like any new batch",
+        "test_batch_retry.py::test_a_retry_the_intake_pool_has_no_room_for_is_429_and_makes_nothing",
+    ),
+    (
+        "409",
+        "the same key with another body, or a key already used for another call",
+        "test_batch_retry.py::test_the_same_key_and_body_give_the_same_retry_and_another_body_is_a_conflict",
+    ),
+    ("404", "It answers", "test_batch_retry.py::test_refusals_are_openai_shaped_4xx"),
+    (
+        "409",
+        "`results_missing` as above",
+        "test_batch_retry.py::test_a_batch_whose_results_are_gone_is_409_results_missing",
+    ),
     ("416", "| 416 | a `Range` holding no byte", lambda w: _content(w, "bytes=-0")),
     (
         "429",

@@ -77,7 +77,10 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
         client.headers.update(alice)
         wait_for_status(client, made.json()["id"], {"completed"})
         client.headers.pop("Authorization")
-        yield Keyed(client, keys, {"file_id": file_id, "batch_id": made.json()["id"]})
+        upload_body = {"bytes": 10, "filename": "a.jsonl", "mime_type": "text/jsonl", "purpose": "batch"}
+        upload_id = client.post("/v1/uploads", json=upload_body, headers=alice).json()["id"]
+        objects = {"file_id": file_id, "batch_id": made.json()["id"], "upload_id": upload_id}
+        yield Keyed(client, keys, objects)
 
 
 def routes(app: Litestar) -> list[tuple[str, str, bool]]:

@@ -52,7 +52,13 @@ def _routes(tmp_path: Path) -> list[tuple[str, str]]:
 
 def _call(client: httpx.Client, method: str, template: str, ids: dict[str, str]) -> httpx.Response:
     path = template.format_map(
-        {"file_id": ids["file_id"], "batch_id": ids["batch_id"], "name": "x", "path": "x"}
+        {
+            "file_id": ids["file_id"],
+            "batch_id": ids["batch_id"],
+            "upload_id": ids["upload_id"],
+            "name": "x",
+            "path": "x",
+        }
     )
     if (method, template) == ("POST", "/v1/files"):
         return post_file(client, jsonl(chat_line("locked")))
@@ -96,6 +102,10 @@ def test_every_route_answers_while_another_process_holds_the_database_locked(
             "file_id": upload(client, jsonl(chat_line("spare")))["id"],
             "batch_id": running["id"],
             "input_file_id": upload(client, jsonl(chat_line("unused")))["id"],
+            "upload_id": client.post(
+                "/v1/uploads",
+                json={"bytes": 10, "filename": "a.jsonl", "mime_type": "text/jsonl", "purpose": "batch"},
+            ).json()["id"],
         }
 
     answers: dict[tuple[str, str], httpx.Response] = {}

@@ -20,12 +20,14 @@ from typing import Self
 
 import httpx
 
+from batchgen.client import _chunked as chunks
 from batchgen.client import _files as files
 from batchgen.client import _follow as follows
 from batchgen.client import _requests as req
 from batchgen.client import _retries as retries
 from batchgen.client import _submit as submits
 from batchgen.client import _wait as waits
+from batchgen.client._chunked import ChunkedUpload, completed_file, part_id
 from batchgen.client._exceptions import APIStatusError
 from batchgen.client._files import Download, partial_download
 from batchgen.client._follow import Following, ResultTail
@@ -220,8 +222,16 @@ class BatchGenHttpClient(_BaseClient):
         finally:
             response.close()
 
+    def _chunked(self, chunked: ChunkedUpload) -> JSONObject:
+        upload = self._call(chunked.create())
+        part_ids = [part_id(self._call(chunked.part(upload, index))) for index in range(chunked.part_count)]
+        return self._call(chunked.complete(upload, part_ids))
+
     def _submit(self, submission: Submission) -> JSONObject:
-        uploaded = self._call(submission.upload())
+        if submission.chunked is not None:
+            uploaded = completed_file(self._chunked(submission.chunked))
+        else:
+            uploaded = self._call(submission.upload())
         created = self._call(submission.create(uploaded))
         batch = self._wait(submission.wait(created))
         rounds, last = submission.rounds(batch), None
@@ -246,6 +256,7 @@ class BatchGenHttpClient(_BaseClient):
     # --- the methods: one builder each, shared with AsyncBatchGenClient ------------------------
 
     upload_file = method(req.upload_file, _call)
+    upload_file_chunked = method(chunks.upload_file_chunked, _chunked)
     list_files = method(req.list_files, _call)
     get_file = method(req.get_file, _call)
     delete_file = method(req.delete_file, _call)
@@ -388,8 +399,18 @@ class AsyncBatchGenClient(_BaseClient):
         finally:
             await response.aclose()
 
+    async def _chunked(self, chunked: ChunkedUpload) -> JSONObject:
+        upload = await self._call(chunked.create())
+        part_ids = []
+        for index in range(chunked.part_count):
+            part_ids.append(part_id(await self._call(chunked.part(upload, index))))
+        return await self._call(chunked.complete(upload, part_ids))
+
     async def _submit(self, submission: Submission) -> JSONObject:
-        uploaded = await self._call(submission.upload())
+        if submission.chunked is not None:
+            uploaded = completed_file(await self._chunked(submission.chunked))
+        else:
+            uploaded = await self._call(submission.upload())
         created = await self._call(submission.create(uploaded))
         batch = await self._wait(submission.wait(created))
         rounds, last = submission.rounds(batch), None
@@ -416,6 +437,7 @@ class AsyncBatchGenClient(_BaseClient):
     # --- the methods: one builder each, shared with BatchGenHttpClient -------------------------
 
     upload_file = async_method(req.upload_file, _call)
+    upload_file_chunked = async_method(chunks.upload_file_chunked, _chunked)
     list_files = async_method(req.list_files, _call)
     get_file = async_method(req.get_file, _call)
     delete_file = async_method(req.delete_file, _call)

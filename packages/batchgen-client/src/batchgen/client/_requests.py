@@ -56,6 +56,32 @@ class Upload:
 
 
 @dataclass(frozen=True, slots=True)
+class PartUpload:
+    """`length` bytes of a file from `offset`, sent as the multipart `data` field of a part of a
+    chunked upload; read afresh for every attempt."""
+
+    path: Path
+    offset: int
+    length: int
+
+    def body(self) -> tuple[bytes, str]:
+        """The multipart body (built here in one buffer: httpx sends that fastest) and its
+        content type."""
+        boundary = uuid.uuid4().hex
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="data"; filename="part"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        tail = f"\r\n--{boundary}--\r\n".encode()
+        body = bytearray(head)
+        with self.path.open("rb") as stream:
+            stream.seek(self.offset)
+            body += stream.read(self.length)
+        body += tail
+        return bytes(body), f"multipart/form-data; boundary={boundary}"
+
+
+@dataclass(frozen=True, slots=True)
 class RequestSpec:
     """One API call, independent of attempts: the same spec is sent again on each retry."""
 
@@ -65,6 +91,7 @@ class RequestSpec:
     json: Mapping[str, Any] | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     upload: Upload | None = None
+    part: PartUpload | None = None
     retry: bool = True
     """False for calls whose error status is itself the answer (`health`)."""
     accept_statuses: frozenset[int] = frozenset()
@@ -230,14 +257,19 @@ def build_request(
         handle = stack.enter_context(spec.upload.path.open("rb"))
         files = {"file": (spec.upload.path.name, handle, UPLOAD_CONTENT_TYPE)}
         data = {"purpose": spec.upload.purpose}
+    headers = dict(spec.headers)
+    content = None
+    if spec.part is not None:
+        content, headers["Content-Type"] = spec.part.body()
     return client.build_request(
         spec.method,
         spec.path,
         params=dict(spec.params) or None,
         json=spec.json,
-        headers=dict(spec.headers) or None,
+        headers=headers or None,
         files=files,
         data=data,
+        content=content,
     )
 
 

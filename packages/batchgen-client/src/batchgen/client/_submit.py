@@ -1,7 +1,8 @@
 """`submit_batch` as steps both clients take in the same order, sending what each step returns:
 
 submission = submit_batch(input_file_path, ...)    # a Submission
-uploaded = call(submission.upload())
+uploaded = call(submission.upload())               # or, past the threshold, the file of
+                                                   # chunked(submission.chunked) (`_chunked`)
 created = call(submission.create(uploaded))
 batch = wait(submission.wait(created))
 for download in submission.downloads(batch):
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.client import _requests as req
+from batchgen.client._chunked import DEFAULT_CHUNKED_THRESHOLD, ChunkedUpload, upload_file_chunked
 from batchgen.client._exceptions import BatchGenClientError
 from batchgen.client._files import Download, download_file_to, endpoint_of
 from batchgen.client._options import DEFAULT_COMPLETION_WINDOW, BatchOptions
@@ -46,13 +48,16 @@ def submit_batch(
     progress: bool | None = None,
     on_progress: ProgressCallback | None = None,
     retry_failed: int = 0,
+    chunked_upload_threshold: int | None = DEFAULT_CHUNKED_THRESHOLD,
 ) -> Submission:
     """Upload → create → wait → download; returns the final batch.
 
     `endpoint` None means the `url` of the file's first request. The output (and, if
     `error_file_path` is given, the error file) is downloaded whenever the final batch names
     one — a failed or cancelled batch may carry partial results. `poll_interval`, `progress`
-    and `on_progress` are `wait_for_batch`'s.
+    and `on_progress` are `wait_for_batch`'s. A file larger than `chunked_upload_threshold` bytes
+    (256 MiB by default; None: never) is uploaded through the Uploads API in 64 MiB parts
+    (`upload_file_chunked`), so it may be larger than the server's limit for one upload.
 
     `retry_failed=N` retries what did not succeed (`retry_batch`), up to N times, each time once
     the batch before has ended, until nothing is left; the output path then receives the merged
@@ -68,6 +73,10 @@ def submit_batch(
             "retry_failed writes the merged results (failures included) to the output path; "
             "error_file_path cannot be combined with it"
         )
+    size = Path(input_file_path).stat().st_size
+    chunked = None
+    if chunked_upload_threshold is not None and size > chunked_upload_threshold:
+        chunked = upload_file_chunked(input_file_path, "batch")
     return Submission(
         input_file_path=Path(input_file_path),
         endpoint=endpoint if endpoint is not None else endpoint_of(input_file_path),
@@ -82,6 +91,7 @@ def submit_batch(
         error_file_path=error_file_path,
         raise_on_failure=raise_on_failure,
         retry_failed=retry_failed,
+        chunked=chunked,
     )
 
 
@@ -100,6 +110,8 @@ class Submission:
     error_file_path: StrPath | None
     raise_on_failure: bool
     retry_failed: int = 0
+    chunked: ChunkedUpload | None = None
+    """The upload through the Uploads API, for a file past the threshold (else `upload`)."""
 
     def upload(self) -> RequestSpec:
         return req.upload_file(self.input_file_path, "batch")

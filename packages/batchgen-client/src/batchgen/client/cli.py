@@ -38,6 +38,7 @@ from typing import Any
 
 from batchgen.client._arguments import non_negative_float, non_negative_int, positive_float, positive_int
 from batchgen.client._cache_savings import format_cache_savings
+from batchgen.client._chunked import DEFAULT_CHUNKED_THRESHOLD
 from batchgen.client._client import BatchGenHttpClient
 from batchgen.client._exceptions import (
     APIConnectionError,
@@ -118,6 +119,7 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
             progress=False if args.no_progress else None,
             on_progress=announce,
             retry_failed=args.retry_failed,
+            chunked_upload_threshold=args.chunked_upload_threshold,
             **_batch_options(args),
         )
     except KeyboardInterrupt:
@@ -287,6 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="retry what did not succeed up to N times, until nothing is left; OUT then gets the merged "
         "results, every request's best line (default: 0, no retry)",
+    )
+    submit.add_argument(
+        "--chunked-upload-threshold",
+        type=non_negative_int,
+        default=DEFAULT_CHUNKED_THRESHOLD,
+        metavar="BYTES",
+        help="upload a file larger than this through the Uploads API, in 64 MiB parts, so it may be "
+        f"larger than the server's limit for one upload (default: {DEFAULT_CHUNKED_THRESHOLD} = 256 MiB)",
     )
     _add_batch_options(submit.add_argument_group("batch options"))
 

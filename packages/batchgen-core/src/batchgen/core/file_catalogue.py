@@ -165,6 +165,50 @@ class FileCatalogue:
             raise
         return file
 
+    # --- files made by the Uploads API (chunked_uploads) ----------------------------------
+    def uploaded_file(
+        self,
+        *,
+        file_id: str,
+        path: Path,
+        size: int,
+        filename: str,
+        purpose: str,
+        line_count: int,
+        url: str | None,
+        owner: str,
+    ) -> FileObject:
+        """The record of a file an upload assembled (validated already), not saved yet."""
+        created = now()
+        lifetime = self._file_expiry_s
+        return FileObject(
+            id=file_id,
+            bytes=size,
+            created_at=created,
+            filename=filename,
+            purpose=purpose,
+            path=str(path),
+            line_count=line_count,
+            url=url,
+            expires_at=None if lifetime is None else created + lifetime,
+            owner=owner,
+        )
+
+    def register(self, file: FileObject) -> None:
+        self._metadata.insert_file(file)
+
+    def stored_bytes(self, owner: str) -> int:
+        """The bytes of the files ``owner`` uploaded (batch results not counted)."""
+        total, after = 0, None
+        while True:
+            files, has_more = self._metadata.list_files(
+                after=after, limit=10000, descending=False, purpose=None, owner=owner
+            )
+            total += sum(file.bytes for file in files if file.purpose != OUTPUT_PURPOSE)
+            if not has_more or not files:
+                return total
+            after = files[-1].id
+
     # --- result files ----------------------------------------------------------------------
     def result_file(self, batch: Batch, path: Path, kind: str) -> FileObject:
         """The record of a batch's output or error file (its lines are appended as requests

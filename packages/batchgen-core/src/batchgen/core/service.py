@@ -60,6 +60,13 @@ from batchgen.core.batch_options import (
 from batchgen.core.batch_retry import BatchRetries, RetryRequest, with_retries
 from batchgen.core.batch_starter import BatchStarter
 from batchgen.core.batch_tracker import BatchTracker, now
+from batchgen.core.chunked_uploads import (
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_UPLOAD_EXPIRY_S,
+    ChunkedUploads,
+    Upload,
+    UploadPart,
+)
 from batchgen.core.deadline_watch import DeadlineWatch
 from batchgen.core.errors import (
     Conflict,
@@ -141,6 +148,10 @@ class ServiceSettings:
     max_intake_capacity: int = 1_000_000
     max_pool_size: int = 10_240
     max_upload_bytes: int = 512 * 1024 * 1024
+    #: The Uploads API (``chunked_uploads``): the most bytes one upload may declare, and how long
+    #: an upload may take before it expires.
+    max_chunked_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    upload_expiry_s: int = DEFAULT_UPLOAD_EXPIRY_S
     default_max_tokens: int = 256
     max_request_attempts: int = 3
     counters_flush_interval_s: float = 0.5
@@ -201,6 +212,18 @@ class _Parts:
             file_expiry_s=settings.file_expiry_s,
             in_use=service._live_user_of_file,
             served_models=service.model_set,
+        )
+        files = self.files
+        self.uploads = ChunkedUploads(
+            service.settings.storage_path / "uploads",
+            max_upload_bytes=settings.max_chunked_upload_bytes,
+            expiry_s=settings.upload_expiry_s,
+            served_models=service.model_set,
+            register_file=files.register,
+            file_record=metadata.get_file,
+            new_file=files.uploaded_file,
+            final_path=service.blobs.upload_path,
+            stored_bytes=files.stored_bytes,
         )
         self.starter = BatchStarter(
             self.tracker,
@@ -310,6 +333,7 @@ class BatchService:
             )
             self.maintenance.start(tasks)
             recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn, parts.ordering.begin)
+            await parts.uploads.recover()
             self._exit_stack = stack.pop_all()
 
     def _close_result_cache(self) -> None:
@@ -438,6 +462,8 @@ class BatchService:
         ``expires_after_s`` (else the server's ``file_expiry_s``) deletes the file that long after
         its creation. With ``idempotency_key``, the same upload again returns the first file.
         """
+        if caller.limits.max_stored_bytes is not None:
+            self.parts.uploads.check_quota(caller, staging_path.stat().st_size)
         return await self.parts.files.add_file(
             staging_path,
             filename=filename,
@@ -446,6 +472,51 @@ class BatchService:
             idempotency_key=idempotency_key,
             caller=caller,
         )
+
+    # --- the Uploads API (chunked_uploads) ------------------------------------------------
+    @_storage_call("create the upload")
+    async def create_upload(
+        self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
+    ) -> Upload:
+        """A pending upload of ``size`` bytes, to which parts are then added."""
+        return self.parts.uploads.create(
+            filename=filename, purpose=purpose, size=size, mime_type=mime_type, caller=caller
+        )
+
+    @_storage_call("receive the part")
+    async def new_upload_part(self, upload_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, str]:
+        """Where to receive a part of the upload, and the part's id; pass both to
+        ``add_upload_part``, or to ``drop_upload_part`` when receiving failed."""
+        return self.parts.uploads.new_part_path(upload_id, caller)
+
+    def drop_upload_part(self, upload_id: str, received: Path) -> None:
+        """Forget a part whose receiving failed (its bytes are deleted)."""
+        self.blobs.remove(received)
+        self.parts.uploads.part_received(upload_id)
+
+    @_storage_call("store the part")
+    async def add_upload_part(
+        self, upload_id: str, part_id: str, received: Path, *, caller: Caller = EMBEDDED
+    ) -> UploadPart:
+        try:
+            return await self.parts.uploads.add_part(upload_id, part_id, received, caller)
+        finally:
+            self.parts.uploads.part_received(upload_id)
+
+    @_storage_call("complete the upload")
+    async def complete_upload(
+        self, upload_id: str, part_ids: Sequence[str], *, md5: str | None = None, caller: Caller = EMBEDDED
+    ) -> tuple[Upload, FileObject]:
+        """Validate the parts in the order ``part_ids`` names and make them one file."""
+        return await self.parts.uploads.complete(upload_id, part_ids, md5, caller)
+
+    @_storage_call("cancel the upload")
+    async def cancel_upload(self, upload_id: str, *, caller: Caller = EMBEDDED) -> Upload:
+        return await self.parts.uploads.cancel(upload_id, caller)
+
+    @_storage_call("read the upload")
+    async def get_upload(self, upload_id: str, *, caller: Caller = EMBEDDED) -> Upload:
+        return self.parts.uploads.get(upload_id, caller)
 
     @_storage_call("read the file's record")
     async def get_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileObject:
@@ -783,6 +854,7 @@ class BatchService:
                     "in the output file.",
                 )
         parts.files.delete_expired()
+        parts.uploads.expire_due()
 
     # --- monitoring -----------------------------------------------------------------------
     def pool_status(self) -> PoolStatus:

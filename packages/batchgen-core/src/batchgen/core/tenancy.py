@@ -45,13 +45,15 @@ class TenantLimits:
 
     ``max_queued_requests`` counts the requests of the tenant's batches still waiting for a slot
     (and those of batches accepted but not queued yet); ``max_active_batches`` the batches not
-    ended yet. ``weight`` is the tenant's share of the slots while several tenants have work: a
+    ended yet. ``max_stored_bytes`` counts the bytes of the files the tenant uploaded (not batch
+    results) and of the parts of its uploads not completed yet (``chunked_uploads``). ``weight`` is the tenant's share of the slots while several tenants have work: a
     tenant of weight 2 is admitted twice as many requests per round as one of weight 1.
     """
 
     max_queued_requests: int | None = None
     max_active_batches: int | None = None
     weight: float = attrs.field(default=1.0, validator=_positive_weight)
+    max_stored_bytes: int | None = None
 
     def never_fits(self, tenant: str, requests: int) -> str | None:
         """Why a batch of ``requests`` can never be accepted under these limits (however long the

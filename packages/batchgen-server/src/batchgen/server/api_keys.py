@@ -124,6 +124,9 @@ class KeyStore:
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(tenants)")}
+        if "max_stored_bytes" not in columns:  # a database made before the Uploads API
+            self._db.execute("ALTER TABLE tenants ADD COLUMN max_stored_bytes INTEGER")
         self._db.execute(f"PRAGMA busy_timeout = {int(READ_BUSY_TIMEOUT_S * 1000)}")
         self._data_version = -1
         self._keys_version = -1
@@ -179,8 +182,15 @@ class KeyStore:
 
     def _set_limits(self, tenant: str, limits: TenantLimits) -> None:
         self._db.execute(
-            "UPDATE tenants SET max_queued_requests = ?, max_active_batches = ?, weight = ? WHERE name = ?",
-            (limits.max_queued_requests, limits.max_active_batches, limits.weight, tenant),
+            "UPDATE tenants SET max_queued_requests = ?, max_active_batches = ?, weight = ?, "
+            "max_stored_bytes = ? WHERE name = ?",
+            (
+                limits.max_queued_requests,
+                limits.max_active_batches,
+                limits.weight,
+                limits.max_stored_bytes,
+                tenant,
+            ),
         )
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
@@ -217,9 +227,10 @@ class KeyStore:
 
     def tenants(self) -> list[TenantRecord]:
         rows = self._db.execute(
-            "SELECT name, max_queued_requests, max_active_batches, weight, created_at FROM tenants ORDER BY name"
+            "SELECT name, max_queued_requests, max_active_batches, weight, created_at, max_stored_bytes "
+            "FROM tenants ORDER BY name"
         ).fetchall()
-        return [TenantRecord(row[0], TenantLimits(row[1], row[2], row[3]), row[4]) for row in rows]
+        return [TenantRecord(row[0], TenantLimits(row[1], row[2], row[3], row[5]), row[4]) for row in rows]
 
     def has_keys(self) -> bool:
         """Whether any key was ever made (then every /v1 call needs a valid one). Revoking every

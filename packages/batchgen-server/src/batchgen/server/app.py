@@ -38,6 +38,7 @@ from batchgen.server.controllers.dashboard import dashboard, dashboard_asset, fa
 from batchgen.server.controllers.files import FilesController
 from batchgen.server.controllers.monitoring import health, models, pool_status
 from batchgen.server.controllers.retries import RetriesController
+from batchgen.server.controllers.uploads import UploadsController
 from batchgen.server.controllers.usage import usage
 from batchgen.server.errors import handle_http_error, handle_service_error, handle_unexpected_error
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
@@ -120,6 +121,7 @@ def create_app(
     app = Litestar(
         route_handlers=[
             FilesController,
+            UploadsController,
             BatchesController,
             RetriesController,
             pool_status,

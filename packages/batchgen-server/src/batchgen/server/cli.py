@@ -151,6 +151,20 @@ def build_parser(
         help="largest file accepted by POST /v1/files (413 above it)",
     )
     add(
+        "--max-upload-total-bytes",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.max_upload_total_bytes,
+        help="largest file an upload of the Uploads API (POST /v1/uploads, in parts of at most 64 MiB) "
+        "may declare",
+    )
+    add(
+        "--upload-expiry-s",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.upload_expiry_s,
+        help="seconds an upload of the Uploads API may stay pending before it expires and its parts "
+        "are deleted",
+    )
+    add(
         "--default-max-tokens",
         type=_POSITIVE_INT,
         default=_DEFAULTS.default_max_tokens,

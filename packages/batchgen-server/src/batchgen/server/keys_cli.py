@@ -74,6 +74,12 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         "gets 400) (default: no limit)",
     )
     parser.add_argument(
+        "--max-stored-bytes",
+        type=_non_negative_int,
+        help="most bytes the tenant may hold in files it uploaded and in parts of uploads (POST "
+        "/v1/uploads) not completed yet; more gets 413 (default: no limit)",
+    )
+    parser.add_argument(
         "--weight",
         type=_weight,
         default=None,
@@ -122,6 +128,7 @@ def _limits(args: argparse.Namespace) -> TenantLimits:
     return TenantLimits(
         max_queued_requests=args.max_queued_requests,
         max_active_batches=args.max_active_batches,
+        max_stored_bytes=args.max_stored_bytes,
         weight=1.0 if args.weight is None else args.weight,
     )
 
@@ -142,7 +149,12 @@ def main(argv: Sequence[str]) -> int:
         if args.command == "create":
             given = any(
                 value is not None
-                for value in (args.max_queued_requests, args.max_active_batches, args.weight)
+                for value in (
+                    args.max_queued_requests,
+                    args.max_active_batches,
+                    args.weight,
+                    args.max_stored_bytes,
+                )
             )
             key_id, key = store.create_key(
                 args.tenant, admin=args.admin, limits=_limits(args) if given else None
@@ -160,11 +172,12 @@ def main(argv: Sequence[str]) -> int:
                     f"{_when(record.created_at):<21} {_when(record.last_used_at):<21} {_when(record.revoked_at):<21}"
                 )
             print()
-            print(f"{'TENANT':<20} {'MAX QUEUED':<11} {'MAX BATCHES':<12} WEIGHT")
+            print(f"{'TENANT':<20} {'MAX QUEUED':<11} {'MAX BATCHES':<12} {'WEIGHT':<7} MAX STORED BYTES")
             for name, tenant_limits in limits.items():
                 print(
                     f"{name:<20} {_limit(tenant_limits.max_queued_requests):<11} "
-                    f"{_limit(tenant_limits.max_active_batches):<12} {tenant_limits.weight:g}"
+                    f"{_limit(tenant_limits.max_active_batches):<12} {tenant_limits.weight:<7g} "
+                    f"{_limit(tenant_limits.max_stored_bytes)}"
                 )
         elif args.command == "revoke":
             if not store.revoke(args.id):

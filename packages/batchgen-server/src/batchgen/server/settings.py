@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
+from batchgen.core.chunked_uploads import DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_UPLOAD_EXPIRY_S
 from batchgen.core.result_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResultCacheSettings
 from batchgen.core.served_models import ServedModel
 from batchgen.core.service import ServiceSettings
@@ -48,6 +49,8 @@ class ServerSettings:
     max_pool_size: int = 10_240
     max_context_length: int | None = None
     max_upload_bytes: int = 512 * 1024 * 1024
+    max_upload_total_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    upload_expiry_s: int = DEFAULT_UPLOAD_EXPIRY_S
     default_max_tokens: int = 256
     fsync_interval_ms: int = 1000
     shutdown_grace_s: float = 10.0
@@ -93,6 +96,8 @@ class ServerSettings:
             max_intake_capacity=self.max_intake_capacity,
             max_pool_size=self.max_pool_size,
             max_upload_bytes=self.max_upload_bytes,
+            max_chunked_upload_bytes=self.max_upload_total_bytes,
+            upload_expiry_s=self.upload_expiry_s,
             default_max_tokens=self.default_max_tokens,
             fsync_interval_ms=self.fsync_interval_ms,
             shutdown_grace_s=self.shutdown_grace_s,

@@ -34,8 +34,12 @@ class ReceivedUpload:
 class _PartCollector:
     """python-multipart callbacks that route the file part to disk and keep small fields."""
 
-    def __init__(self, destination: BinaryIO, max_file_bytes: int) -> None:
+    def __init__(
+        self, destination: BinaryIO, max_file_bytes: int, file_field: str = "file", strip_bom: bool = True
+    ) -> None:
         self._destination = destination
+        self._file_field = file_field
+        self._strip_bom = strip_bom
         self._max_file_bytes = max_file_bytes
         self._header_field = bytearray()
         self._header_value = bytearray()
@@ -77,12 +81,14 @@ class _PartCollector:
         _, options = parse_options_header(self._headers.get("content-disposition", b""))
         name = options.get(b"name")
         self._name = name.decode("utf-8", "replace") if name is not None else None
-        if self._name == "file":
+        if self._name == self._file_field:
             if self.file_seen:
-                raise InvalidRequest("only one 'file' part may be sent", param="file")
+                raise InvalidRequest(
+                    f"only one {self._file_field!r} part may be sent", param=self._file_field
+                )
             self.file_seen = True
             self._is_file = True
-            self._file_head = bytearray()
+            self._file_head = bytearray() if self._strip_bom else None
             raw_filename = options.get(b"filename")
             self.filename = raw_filename.decode("utf-8", "replace") if raw_filename else None
 
@@ -122,18 +128,28 @@ class _PartCollector:
 
 
 async def receive_upload(
-    content_type: str, body: AsyncIterator[bytes], destination: Path, max_file_bytes: int
+    content_type: str,
+    body: AsyncIterator[bytes],
+    destination: Path,
+    max_file_bytes: int,
+    *,
+    file_field: str = "file",
+    strip_bom: bool = True,
 ) -> ReceivedUpload:
-    """Stream a multipart body into ``destination``; return the form fields and file details."""
+    """Stream a multipart body into ``destination``; return the form fields and file details.
+
+    The file is the part named ``file_field``; a UTF-8 byte order mark at its start is left out
+    unless ``strip_bom`` is false (a part of a chunked upload keeps its exact bytes)."""
     kind, options = parse_options_header(content_type)
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
         raise InvalidRequest(
-            "uploads must be multipart/form-data with a 'file' part and a 'purpose' field",
+            f"uploads must be multipart/form-data with a {file_field!r} part"
+            + (" and a 'purpose' field" if file_field == "file" else ""),
             param="file",
         )
     with open(destination, "wb") as stream:
-        collector = _PartCollector(stream, max_file_bytes)
+        collector = _PartCollector(stream, max_file_bytes, file_field, strip_bom)
         parser = MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
         try:
             async for chunk in body:
@@ -148,5 +164,5 @@ async def receive_upload(
             param="file",
         )
     if not collector.file_seen:
-        raise InvalidRequest("the upload has no 'file' part", param="file")
+        raise InvalidRequest(f"the upload has no {file_field!r} part", param=file_field)
     return ReceivedUpload(collector.fields, collector.filename, collector.size)

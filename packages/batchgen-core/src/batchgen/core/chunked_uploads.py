@@ -1,0 +1,678 @@
+"""OpenAI's Uploads API: a file of many gigabytes received as parts, then made one file.
+
+An upload is created with the file's name, purpose and size; parts (each at most
+``MAX_PART_BYTES``, at most ``MAX_PARTS`` of them) arrive in any order, possibly at once; ``complete``
+names the parts in the file's order (and may give the md5 of the whole file). Completing checks
+the order and sizes and the md5, validates the bytes as a normal upload is validated (streamed over
+the parts, bounded memory, lines numbered across part boundaries: ``streamed_validation``), and
+only then assembles the file and records it: a normal file, usable for batches. An upload not
+completed by its ``expires_at`` expires; a cancelled or expired upload's parts are deleted.
+
+On disk, under ``{storage}/uploads/{upload_id}/``::
+
+    upload.json        the upload's record (replaced atomically on every change)
+    {part_id}.part     a part received whole (written as ``{part_id}.receiving``, then renamed)
+    assembled.jsonl    the file being assembled: the first part renamed, the others appended in
+                       order, each deleted once appended (the parts take the disk space once)
+
+Completing is crash safe. Before assembling, the record turns ``completing`` with the part order,
+their sizes, the new file's id and what validation found; assembly resumes from the record after a
+restart (a part is deleted only once appended, so a partly appended part is appended again after
+cutting the file back). The file is served only once its metadata row exists, which is written
+after the assembled file is in its place, so no half-made file is ever listed or served.
+
+While parts arrive, they are validated in the order they arrived, in a worker thread
+(``_Speculation``): when ``complete`` names that same order (the SDK sends parts one after another),
+validation is then nearly done; otherwise it runs over the parts in the order named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+
+from batchgen.core.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.batch_tracker import now
+from batchgen.core.errors import BatchGenError, InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.ids import new_object_id
+from batchgen.core.models import UPLOAD_PURPOSES, FileObject
+from batchgen.core.streamed_validation import StreamedValidation, file_chunks, validate_exactly
+from batchgen.core.tenancy import EMBEDDED, Caller
+from batchgen.core.upload_validation_worker import ValidationWorker
+
+logger = logging.getLogger("batchgen.uploads")
+
+#: The largest part (OpenAI's limit: 64 MB; the SDK's parts are 64 MiB).
+MAX_PART_BYTES = 64 * 1024 * 1024
+#: The smallest upload validated in a worker process as its parts arrive (``upload_validation_worker``);
+#: a smaller one is validated in a thread of the server (starting a process would cost more).
+WORKER_MIN_BYTES = 64 * 1024 * 1024
+#: The most parts one upload may have.
+MAX_PARTS = 10_000
+#: The default most bytes one upload may declare (OpenAI's: 8 GB), and how long it stays open.
+DEFAULT_MAX_UPLOAD_BYTES = 8 * 1024**3
+DEFAULT_UPLOAD_EXPIRY_S = 3600
+#: Ended uploads' records are kept this long after they ended, so late calls get a clear answer.
+ENDED_RECORD_KEEP_S = 7 * 86400
+#: Seconds between scans for the records of uploads that ended ``ENDED_RECORD_KEEP_S`` ago.
+PRUNE_INTERVAL_S = 3600
+#: The longest filename and mime_type accepted.
+MAX_NAME_CHARS = 1024
+UTF8_BOM = b"\xef\xbb\xbf"
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_COPY_BYTES = 1 << 24
+#: copy_file_range errors that mean "copy the bytes by hand instead".
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
+
+PENDING, COMPLETING, COMPLETED, CANCELLED, EXPIRED = (
+    "pending",
+    "completing",
+    "completed",
+    "cancelled",
+    "expired",
+)
+
+
+class UploadQuotaExceeded(PayloadTooLarge):
+    """The tenant's ``max_stored_bytes`` would be passed (413)."""
+
+    code = "quota_exceeded"
+
+
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _numbers(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class Upload:
+    """An upload's record. ``order``, ``sizes``, ``file_id``, ``line_count`` and ``url`` are set
+    once it is ``completing`` (validated, being assembled)."""
+
+    id: str
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: str
+    mime_type: str
+    owner: str
+    status: str = PENDING
+    ended_at: int | None = None
+    order: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    sizes: tuple[int, ...] = attrs.field(default=(), converter=_numbers)
+    skip_bom: bool = False
+    file_id: str | None = None
+    line_count: int = 0
+    url: str | None = None
+
+    def to_dict(self, file: FileObject | None = None) -> dict[str, Any]:
+        """The Upload object of OpenAI's API (``completing`` is still ``pending`` there)."""
+        return {
+            "id": self.id,
+            "object": "upload",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": PENDING if self.status == COMPLETING else self.status,
+            "file": None if file is None else file.to_dict(),
+        }
+
+
+@attrs.frozen
+class UploadPart:
+    id: str
+    created_at: int
+    upload_id: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "upload.part",
+            "created_at": self.created_at,
+            "upload_id": self.upload_id,
+        }
+
+
+class _Speculation:
+    """Validation of the parts in the order they arrived, one after another in a worker thread."""
+
+    def __init__(self, served_models: Collection[str] | LineRouter | None) -> None:
+        self.order: list[str] = []
+        self._validation = StreamedValidation(served_models)
+        self._queue: list[Path] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self.broken = False
+        self._skip_bom = True  # the first bytes of the first part
+        self._thread = threading.Thread(target=self._run, name="upload validation", daemon=True)
+        self._thread.start()
+
+    def push(self, part_id: str, path: Path) -> None:
+        with self._wake:
+            self.order.append(part_id)
+            self._queue.append(path)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                path = self._queue.pop(0)
+            if self.broken:
+                continue
+            try:
+                for chunk in file_chunks([str(path)]):
+                    if self._skip_bom:
+                        chunk = chunk.removeprefix(UTF8_BOM)
+                        self._skip_bom = False
+                    self._validation.feed(chunk)
+            except Exception:  # a part deleted meanwhile (cancel), a read error: validate at complete
+                self.broken = True
+
+    def result(self) -> BatchFileSummary | set[int] | None:
+        """Wait for the parts pushed; what validation found (None: it could not run)."""
+        self.close()
+        self._thread.join()
+        return None if self.broken else self._validation.finish()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    temporary = path.with_suffix(".tmp")
+    with open(temporary, "w") as stream:
+        json.dump(record, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def _append(source: Path, destination: Any) -> None:
+    with open(source, "rb") as stream:
+        try:
+            while os.copy_file_range(stream.fileno(), destination.fileno(), _COPY_BYTES):
+                pass
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+            stream.seek(0)
+            destination.seek(0, os.SEEK_END)
+            shutil.copyfileobj(stream, destination, _COPY_BYTES)
+
+
+def _move(source: Path, destination: Path) -> None:
+    """Rename ``source`` to ``destination``, copying when they are on two filesystems."""
+    try:
+        os.replace(source, destination)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        copy = destination.with_name(destination.name + ".moving")
+        try:
+            shutil.copyfile(source, copy)
+            os.replace(copy, destination)
+        finally:
+            copy.unlink(missing_ok=True)
+        source.unlink()
+
+
+class ChunkedUploads:
+    """Uploads and their parts under ``root``; files are made through ``register_file``."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_upload_bytes: int,
+        expiry_s: int,
+        served_models: Collection[str] | LineRouter | None,
+        register_file: Callable[[FileObject], None],
+        file_record: Callable[[str], FileObject | None],
+        new_file: Callable[..., FileObject],
+        final_path: Callable[[str], Path],
+        stored_bytes: Callable[[str], int],
+    ) -> None:
+        """``register_file`` records a new file; ``file_record(id)`` reads one; ``new_file`` makes
+        the record of a file (``FileCatalogue.uploaded_file``); ``final_path(file_id)`` is where a
+        file's bytes live; ``stored_bytes(tenant)`` the bytes of the tenant's files."""
+        self.root = root
+        self.max_upload_bytes = max_upload_bytes
+        self.expiry_s = expiry_s
+        self._served_models = served_models
+        self._register_file = register_file
+        self._file_record = file_record
+        self._new_file = new_file
+        self._final_path = final_path
+        self._stored_bytes = stored_bytes
+        self._locks: dict[str, anyio.Lock] = {}
+        self._speculations: dict[str, ValidationWorker | _Speculation] = {}
+        self._receiving: dict[str, int] = {}  # parts being received per upload
+        #: The pending uploads and when each expires (``expire_due`` reads no record until then).
+        self._pending_expiry: dict[str, int] = {}
+        self._next_prune = 0
+        root.mkdir(parents=True, exist_ok=True)
+
+    # --- records ---------------------------------------------------------------------------
+    def _folder(self, upload_id: str) -> Path:
+        return self.root / upload_id
+
+    def _save(self, upload: Upload) -> None:
+        _write_json(self._folder(upload.id) / "upload.json", attrs.asdict(upload))
+
+    def _load(self, upload_id: str) -> Upload | None:
+        if _ID.match(upload_id) is None:
+            return None
+        try:
+            record = json.loads((self._folder(upload_id) / "upload.json").read_text())
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return None
+        return Upload(**record)
+
+    def get(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
+        upload = self._load(upload_id)
+        if upload is None or not caller.sees(upload.owner):
+            raise NotFound(f"No upload with id '{upload_id}'.")
+        if upload.status == PENDING and upload.expires_at <= now():
+            upload = self._end(upload, EXPIRED)
+        return upload
+
+    def _lock(self, upload_id: str) -> anyio.Lock:
+        return self._locks.setdefault(upload_id, anyio.Lock())
+
+    def parts(self, upload_id: str) -> dict[str, int]:
+        """The parts received whole: id -> bytes."""
+        found = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self._folder(upload_id)):
+                if entry.name.endswith(".part"):
+                    found[entry.name.removesuffix(".part")] = entry.stat().st_size
+        return found
+
+    def uploads(self) -> Iterator[Upload]:
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root):
+                upload = self._load(entry.name)
+                if upload is not None:
+                    yield upload
+
+    def pending_bytes(self, tenant: str) -> int:
+        """Bytes of the tenant's parts received for uploads not completed yet."""
+        return sum(
+            sum(self.parts(upload.id).values())
+            for upload in self.uploads()
+            if upload.owner == tenant and upload.status in (PENDING, COMPLETING)
+        )
+
+    def check_quota(self, caller: Caller, adding: int) -> None:
+        limit = caller.limits.max_stored_bytes
+        if limit is None:
+            return
+        used = self._stored_bytes(caller.tenant) + self.pending_bytes(caller.tenant)
+        if used + adding > limit:
+            raise UploadQuotaExceeded(
+                f"Tenant '{caller.tenant}' holds {used} bytes in files and pending upload parts; "
+                f"{adding} more would pass its limit of {limit} bytes (max_stored_bytes). Delete files "
+                "or cancel uploads, or have an operator raise the limit."
+            )
+
+    # --- the API ---------------------------------------------------------------------------
+    def create(
+        self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
+    ) -> Upload:
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(
+                f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose"
+            )
+        for name, value in (("filename", filename), ("mime_type", mime_type)):
+            if not value or len(value) > MAX_NAME_CHARS:
+                raise InvalidRequest(f"{name} must be 1 to {MAX_NAME_CHARS} characters", param=name)
+        if not 1 <= size <= self.max_upload_bytes:
+            raise InvalidRequest(
+                f"bytes must be between 1 and {self.max_upload_bytes} (this server's --max-upload-total-bytes), "
+                f"got {size}",
+                param="bytes",
+            )
+        self.check_quota(caller, size)
+        created = now()
+        upload = Upload(
+            id=new_object_id("upload_"),
+            bytes=size,
+            created_at=created,
+            expires_at=created + self.expiry_s,
+            filename=filename,
+            purpose=purpose,
+            mime_type=mime_type,
+            owner=caller.tenant,
+        )
+        self._folder(upload.id).mkdir()
+        try:
+            self._save(upload)
+        except BaseException:  # a full disk: no upload is left half made
+            shutil.rmtree(self._folder(upload.id), ignore_errors=True)
+            raise
+        self._pending_expiry[upload.id] = upload.expires_at
+        return upload
+
+    @staticmethod
+    def _pending(upload: Upload, action: str) -> None:
+        if upload.status != PENDING:
+            raise InvalidRequest(
+                f"Upload '{upload.id}' is {upload.status}; {action} only a pending upload",
+                param="upload_id",
+                code=f"upload_{upload.status}",
+            )
+
+    def new_part_path(self, upload_id: str, caller: Caller = EMBEDDED) -> tuple[Path, str]:
+        """Where to receive a new part of a pending upload, and the part's id."""
+        upload = self.get(upload_id, caller)
+        self._pending(upload, "parts can be added to")
+        if len(self.parts(upload_id)) + self._receiving.get(upload_id, 0) >= MAX_PARTS:
+            raise InvalidRequest(f"An upload may have at most {MAX_PARTS} parts", param="data")
+        self._receiving[upload_id] = self._receiving.get(upload_id, 0) + 1
+        part_id = new_object_id("part_")
+        return self._folder(upload_id) / f"{part_id}.receiving", part_id
+
+    def part_received(self, upload_id: str) -> None:
+        """Balances ``new_part_path`` once the part is added or dropped."""
+        count = self._receiving.get(upload_id, 1) - 1
+        if count:
+            self._receiving[upload_id] = count
+        else:
+            self._receiving.pop(upload_id, None)
+
+    async def add_part(
+        self, upload_id: str, part_id: str, received: Path, caller: Caller = EMBEDDED
+    ) -> UploadPart:
+        """Add the part received at ``received`` (consumed, whatever happens)."""
+        try:
+            async with self._lock(upload_id):
+                upload = self.get(upload_id, caller)
+                self._pending(upload, "parts can be added to")
+                size = received.stat().st_size
+                if size == 0:
+                    raise InvalidRequest("a part must hold at least one byte", param="data")
+                have = sum(self.parts(upload_id).values())
+                room = upload.bytes + min(upload.bytes, MAX_PART_BYTES)  # a part sent twice fits
+                if have + size > room:
+                    raise InvalidRequest(
+                        f"This part ({size} bytes) would make the upload's parts {have + size} bytes, more "
+                        f"than the {upload.bytes} bytes the upload was created with and one part more "
+                        f"(at most {room} bytes may be sent)",
+                        param="data",
+                    )
+                self.check_quota(caller, size)
+                path = self._folder(upload_id) / f"{part_id}.part"
+                os.replace(received, path)
+                created = now()
+                if upload.purpose == "batch":
+                    speculation = self._speculations.get(upload_id)
+                    if speculation is None:
+                        speculation = self._speculate(upload.bytes)
+                        self._speculations[upload_id] = speculation
+                    speculation.push(part_id, path)
+                return UploadPart(id=part_id, created_at=created, upload_id=upload_id, bytes=size)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                received.unlink()
+
+    def _speculate(self, size: int) -> ValidationWorker | _Speculation:
+        """A worker process validating the parts as they arrive, else a thread (all workers busy)."""
+        if size >= WORKER_MIN_BYTES:
+            worker = ValidationWorker(self._served_models)
+            if worker.running:
+                return worker
+        return _Speculation(self._served_models)
+
+    async def cancel(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
+        async with self._lock(upload_id):
+            upload = self.get(upload_id, caller)
+            self._pending(upload, "you can cancel")
+            return self._end(upload, CANCELLED)
+
+    def _end(self, upload: Upload, status: str) -> Upload:
+        """Cancel or expire a pending upload: the record says so, the parts are deleted."""
+        ended = attrs.evolve(upload, status=status, ended_at=now())
+        self._save(ended)
+        self._pending_expiry.pop(upload.id, None)
+        self._drop_parts(upload.id)
+        return ended
+
+    def _drop_parts(self, upload_id: str) -> None:
+        speculation = self._speculations.pop(upload_id, None)
+        if speculation is not None:
+            speculation.close()
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self._folder(upload_id)):
+                if entry.name != "upload.json":
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+
+    async def complete(
+        self, upload_id: str, part_ids: Sequence[str], md5: str | None = None, caller: Caller = EMBEDDED
+    ) -> tuple[Upload, FileObject]:
+        async with self._lock(upload_id):
+            upload = self.get(upload_id, caller)
+            if upload.status == COMPLETED and upload.file_id is not None:
+                file = self._file_record(upload.file_id)
+                if file is not None and list(part_ids) == list(upload.order):
+                    return upload, file  # a repeated complete (a retry after a lost answer)
+            if upload.status == COMPLETING:
+                if list(part_ids) != list(upload.order):
+                    raise InvalidRequest(
+                        f"Upload '{upload_id}' is being completed with another order of parts",
+                        param="part_ids",
+                    )
+                return await self._finish(upload)
+            self._pending(upload, "you can complete")
+            sizes = self._check_order(upload, part_ids)
+            paths = [self._folder(upload_id) / f"{part_id}.part" for part_id in part_ids]
+            if md5 is not None:
+                await self._check_md5(paths, md5)
+            with open(paths[0], "rb") as stream:
+                skip_bom = stream.read(len(UTF8_BOM)) == UTF8_BOM
+            summary = BatchFileSummary(line_count=0, url="")
+            if upload.purpose == "batch":
+                summary = await self._validate(upload_id, list(part_ids), paths, skip_bom)
+            completing = attrs.evolve(
+                upload,
+                status=COMPLETING,
+                order=tuple(part_ids),
+                sizes=sizes,
+                skip_bom=skip_bom,
+                file_id=new_object_id("file-"),
+                line_count=summary.line_count,
+                url=summary.url or None,
+            )
+            self._save(completing)
+            return await self._finish(completing)
+
+    def _check_order(self, upload: Upload, part_ids: Sequence[str]) -> tuple[int, ...]:
+        if not part_ids:
+            raise InvalidRequest("part_ids must name at least one part", param="part_ids")
+        if len(part_ids) > MAX_PARTS:
+            raise InvalidRequest(f"part_ids may name at most {MAX_PARTS} parts", param="part_ids")
+        if len(set(part_ids)) != len(part_ids):
+            raise InvalidRequest("part_ids names a part more than once", param="part_ids")
+        have = self.parts(upload.id)
+        missing = [part_id for part_id in part_ids if part_id not in have]
+        if missing:
+            raise InvalidRequest(
+                f"part_ids names {len(missing)} part(s) this upload does not have, such as {missing[0][:80]!r}",
+                param="part_ids",
+            )
+        sizes = tuple(have[part_id] for part_id in part_ids)
+        if sum(sizes) != upload.bytes:
+            raise InvalidRequest(
+                f"The parts named hold {sum(sizes)} bytes, but the upload was created with bytes={upload.bytes}",
+                param="part_ids",
+            )
+        return sizes
+
+    async def _check_md5(self, paths: list[Path], md5: str) -> None:
+        def digest() -> str:
+            value = hashlib.md5(usedforsecurity=False)
+            for chunk in file_chunks(map(str, paths), _COPY_BYTES):
+                value.update(chunk)
+            return value.hexdigest()
+
+        found = await anyio.to_thread.run_sync(digest)
+        if found != md5.strip().lower():
+            raise InvalidRequest(
+                f"md5 mismatch: the parts, in the order named, have md5 {found}, not {md5[:64]!r}; "
+                "nothing was stored and the upload is still pending",
+                param="md5",
+                code="md5_mismatch",
+            )
+
+    async def _validate(
+        self, upload_id: str, part_ids: list[str], paths: list[Path], skip_bom: bool
+    ) -> BatchFileSummary:
+        speculation = self._speculations.pop(upload_id, None)
+        found: BatchFileSummary | set[int] | None = None
+        if speculation is not None:
+            if speculation.order == part_ids:
+                found = await anyio.to_thread.run_sync(speculation.result)
+            else:
+                speculation.close()
+
+        def chunks() -> Iterator[bytes]:
+            return file_chunks(map(str, paths), skip=len(UTF8_BOM) if skip_bom else 0)
+
+        def first_pass() -> BatchFileSummary | set[int]:
+            validation = StreamedValidation(self._served_models)
+            for chunk in chunks():
+                validation.feed(chunk)
+            return validation.finish()
+
+        if found is None:
+            found = await anyio.to_thread.run_sync(first_pass)
+        if isinstance(found, BatchFileSummary):
+            return found
+        suspects = found
+        return await anyio.to_thread.run_sync(
+            lambda: validate_exactly(chunks(), self._served_models, suspects)
+        )
+
+    async def _finish(self, upload: Upload) -> tuple[Upload, FileObject]:
+        """Assemble a ``completing`` upload (resuming where it stopped), record its file, and mark
+        it completed."""
+        assert upload.file_id is not None
+        file = self._file_record(upload.file_id)
+        if file is None:
+            final = self._final_path(upload.file_id)
+            if not final.exists():
+                await anyio.to_thread.run_sync(self._assemble, upload)
+                await anyio.to_thread.run_sync(_move, self._folder(upload.id) / "assembled.jsonl", final)
+            file = self._new_file(
+                file_id=upload.file_id,
+                path=final,
+                size=final.stat().st_size,
+                filename=upload.filename,
+                purpose=upload.purpose,
+                line_count=upload.line_count,
+                url=upload.url,
+                owner=upload.owner,
+            )
+            try:
+                self._register_file(file)
+            except BaseException:
+                # the bytes stay where they are: completing again (or the next start) records them
+                raise
+        completed = attrs.evolve(upload, status=COMPLETED, ended_at=now())
+        self._save(completed)
+        self._pending_expiry.pop(upload.id, None)
+        self._drop_parts(upload.id)  # parts sent but not named (a part sent again by a retry)
+        return completed, file
+
+    def _assemble(self, upload: Upload) -> None:
+        """Append the parts in order into ``assembled.jsonl``, deleting each once appended."""
+        folder = self._folder(upload.id)
+        target = folder / "assembled.jsonl"
+        skip = len(UTF8_BOM) if upload.skip_bom else 0
+        ends = []
+        total = -skip
+        for size in upload.sizes:
+            total += size
+            ends.append(total)
+        for index, part_id in enumerate(upload.order):
+            part = folder / f"{part_id}.part"
+            if not part.exists():
+                continue  # appended before (a start after a crash)
+            if index == 0 and not skip:
+                os.replace(part, target)
+                continue
+            start = 0 if index == 0 else ends[index - 1]
+            with open(target, "r+b" if index else "wb") as stream:
+                stream.truncate(start)  # a part appended only in part before a crash
+                stream.seek(start)
+                if index == 0:
+                    with open(part, "rb") as source:
+                        source.seek(skip)
+                        shutil.copyfileobj(source, stream, _COPY_BYTES)
+                else:
+                    _append(part, stream)
+            part.unlink()
+        size = target.stat().st_size
+        if size != ends[-1]:
+            raise BatchGenError(f"upload {upload.id}: assembled {size} bytes, expected {ends[-1]}")
+
+    # --- maintenance -----------------------------------------------------------------------
+    def expire_due(self) -> None:
+        """Expire pending uploads past their ``expires_at`` (deleting their parts), and forget
+        uploads that ended long ago."""
+        moment = now()
+        for upload_id, expires_at in list(self._pending_expiry.items()):
+            if expires_at > moment or self._lock(upload_id).locked():
+                continue
+            upload = self._load(upload_id)
+            if upload is not None and upload.status == PENDING:
+                self._end(upload, EXPIRED)
+            self._pending_expiry.pop(upload_id, None)
+            self._locks.pop(upload_id, None)
+        if moment >= self._next_prune:  # a scan of every record, once an hour
+            self._next_prune = moment + PRUNE_INTERVAL_S
+            for upload in list(self.uploads()):
+                ended = upload.ended_at or moment
+                if upload.status in (COMPLETED, CANCELLED, EXPIRED) and ended + ENDED_RECORD_KEEP_S <= moment:
+                    shutil.rmtree(self._folder(upload.id), ignore_errors=True)
+                    self._locks.pop(upload.id, None)
+
+    async def recover(self) -> None:
+        """At start: finish uploads a crash left ``completing``, and drop parts half received."""
+        for upload in list(self.uploads()):
+            folder = self._folder(upload.id)
+            for leftover in folder.glob("*.receiving"):
+                leftover.unlink(missing_ok=True)
+            if upload.status == PENDING:
+                self._pending_expiry[upload.id] = upload.expires_at
+            if upload.status == COMPLETING:
+                try:
+                    await self._finish(upload)
+                except Exception:  # a full disk, say: completing again retries
+                    logger.exception("could not finish completing upload %s", upload.id)

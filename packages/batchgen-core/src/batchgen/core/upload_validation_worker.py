@@ -1,0 +1,180 @@
+"""Validating an upload's parts, as they arrive, in a process of its own.
+
+Validation costs more CPU than receiving the bytes, and in the server's process it would share
+one interpreter lock with the receiving. So while a ``batch`` upload's parts arrive, a worker
+process (``ValidationWorker``: a fresh Python running ``main`` here, which imports the core and
+nothing of the server, talking over a socket pair) validates them in the order they arrived (``StreamedValidation``,
+then, if it asks for one, the exact pass over the same parts): on a machine with two cores the
+validation of part k runs while part k+1 is received. The worker gets a picklable copy of what
+validation needs of the served models (``line_router_copy``: each model's names, backend name and
+capabilities, no backend). It sends back the summary, or the problems with their line numbers
+(``InvalidBatchFile`` rebuilt here); a worker that dies or cannot start gives None, and the caller
+validates itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Collection
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from batchgen.core.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.errors import InvalidBatchFile, LineProblem
+from batchgen.core.served_models import ModelSet, ServedModel
+from batchgen.core.streamed_validation import StreamedValidation, file_chunks, validate_exactly
+
+UTF8_BOM = b"\xef\xbb\xbf"
+#: Worker processes validating at once; an upload that finds them all busy is validated at complete.
+MAX_WORKERS = 2
+_workers = threading.BoundedSemaphore(MAX_WORKERS)
+#: What the worker process runs (``python -c``: ``-m`` would import this module twice).
+_WORKER_MAIN = "from batchgen.core.upload_validation_worker import main; main()"
+
+
+@attrs.frozen
+class _BackendCopy:
+    """What validation reads of a backend: its names and capabilities."""
+
+    name: str
+    model_name: str | None
+    model_names: tuple[str, ...]
+    capabilities: Any
+
+
+def line_router_copy(served: ModelSet) -> ModelSet:
+    """``served`` as the worker needs it: a ``ModelSet`` of models whose backends are copies."""
+    models = []
+    for model in served:
+        backend = model.backend
+        names = getattr(backend, "model_names", ())
+        copy = _BackendCopy(
+            name=getattr(backend, "name", "?"),
+            model_name=getattr(backend, "model_name", None),
+            model_names=tuple(name for name in names if isinstance(name, str)),
+            capabilities=model.capabilities,
+        )
+        models.append(ServedModel(copy, name=model.public_name, aliases=model.aliases))  # type: ignore[arg-type]
+    return ModelSet(models)
+
+
+def _validate(connection: Connection, served: Collection[str] | LineRouter | None) -> None:
+    """The worker: validate the parts named on ``connection`` in order until told to finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this
+    validation = StreamedValidation(served)
+    paths: list[str] = []
+    skip = 0
+    try:
+        while True:
+            kind, value = connection.recv()
+            if kind == "part":
+                for chunk in file_chunks([value]):
+                    if not paths and not validation.bytes and chunk.startswith(UTF8_BOM):
+                        chunk, skip = chunk[len(UTF8_BOM) :], len(UTF8_BOM)
+                    validation.feed(chunk)
+                paths.append(value)
+                continue
+            found = validation.finish()
+            try:
+                if not isinstance(found, BatchFileSummary):
+                    found = validate_exactly(file_chunks(paths, skip=skip), served, found)
+                connection.send(("valid", found.line_count, found.url))
+            except InvalidBatchFile as exc:
+                problems = [(problem.line, problem.message, problem.left_out) for problem in exc.problems]
+                connection.send(("invalid", problems, exc.total_problems))
+            return
+    except (EOFError, OSError):  # the server went away, or a part was deleted (cancelled)
+        return
+    finally:
+        connection.close()
+
+
+class ValidationWorker:
+    """One upload's worker process; ``push`` each part as it arrives, then ``result``."""
+
+    def __init__(self, served: Collection[str] | LineRouter | None) -> None:
+        self.order: list[str] = []
+        self._connection: Connection | None = None
+        self._process: Any = None
+        if isinstance(served, LineRouter) and not isinstance(served, ModelSet):
+            return  # a router this module cannot copy: the upload is validated in the server
+        if not _workers.acquire(blocking=False):
+            return
+        try:
+            copy = line_router_copy(served) if isinstance(served, ModelSet) else served
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                )
+            self._connection = Connection(ours.detach())
+            self._connection.send(copy)
+        except Exception:  # no worker: the upload is validated at complete
+            if self._process is not None:
+                self._process.kill()
+            self._connection = None
+            self._process = None
+            _workers.release()
+
+    @property
+    def running(self) -> bool:
+        return self._connection is not None
+
+    def push(self, part_id: str, path: Path) -> None:
+        self.order.append(part_id)
+        if self._connection is not None:
+            try:
+                self._connection.send(("part", str(path)))
+            except OSError:
+                self.close()
+
+    def result(self) -> BatchFileSummary | None:
+        """The summary (InvalidBatchFile for a file with problems); None if the worker failed."""
+        connection = self._connection
+        if connection is None:
+            return None
+        try:
+            connection.send(("finish", None))
+            answer = connection.recv()
+        except (EOFError, OSError):
+            return None
+        finally:
+            self.close()
+        if answer[0] == "valid":
+            return BatchFileSummary(line_count=answer[1], url=answer[2])
+        raise InvalidBatchFile([LineProblem(*problem) for problem in answer[1]], answer[2])
+
+    def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        connection.close()
+        process, self._process = self._process, None
+        with contextlib.suppress(Exception):
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        _workers.release()
+
+
+def main() -> None:
+    """The worker process (``_WORKER_MAIN FD``, where FD is its end of a socket pair); the first
+    message is the served models."""
+    connection = Connection(int(sys.argv[1]))
+    try:
+        served = connection.recv()
+    except (EOFError, OSError):
+        return
+    _validate(connection, served)
