@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from litestar import Controller, HttpMethod, Request, Response, post, route
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import bounds_problem, integer_path
-from batchgen.core.json_escapes import escape_problem
 from batchgen.core.models import BatchParameters
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
 from batchgen.server.etags import json_with_etag
+from batchgen.server.json_bodies import json_object_body
 from batchgen.server.pagination import list_page
 
 #: What OpenAI's create call takes (every field the ``openai`` SDK sends), then BatchGen's
@@ -45,21 +43,7 @@ def _output_expiry_seconds(value: Any) -> int | None:
 
 
 def _parse_create_body(raw: bytes) -> dict[str, Any]:
-    too_big = bounds_problem(raw)
-    if too_big is not None:
-        path = integer_path(raw) if "integer" in too_big else None
-        raise InvalidRequest(
-            f"The request body holds {too_big}" + (f" at '{path}'." if path else "."), param=path
-        )
-    try:
-        body = msgspec.json.decode(raw) if raw.strip() else None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {escape_problem(raw) or exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    unknown = sorted(set(body) - _ALLOWED_FIELDS)
-    if unknown:
-        raise InvalidRequest(f"Unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    body = json_object_body(raw, _ALLOWED_FIELDS)
     for required in ("input_file_id", "endpoint"):
         if not isinstance(body.get(required), str):
             raise InvalidRequest(f"'{required}' is required and must be a string", param=required)

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import msgspec
 from litestar import Controller, HttpMethod, Request, post, route
 from litestar.di import NamedDependency
 from litestar.params import FromPath
@@ -16,12 +15,11 @@ from litestar.response import Stream
 
 from batchgen.core.batch_retry import OUTCOMES, RetryRequest
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import bounds_problem, integer_path
-from batchgen.core.json_escapes import escape_problem
 from batchgen.core.result_merge import FamilyIndex
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
 from batchgen.server.controllers.batches import _output_expiry_seconds
+from batchgen.server.json_bodies import json_object_body
 
 #: The largest retry body read: its fields are a few short values (metadata is the biggest).
 MAX_BODY_BYTES = 64 * 1024
@@ -37,21 +35,7 @@ def parse_retry_body(raw: bytes) -> RetryRequest:
         raise InvalidRequest(f"The request body is {len(raw)} bytes; a retry body may have {MAX_BODY_BYTES}.")
     if not raw.strip():
         return RetryRequest()
-    too_big = bounds_problem(raw)
-    if too_big is not None:
-        path = integer_path(raw) if "integer" in too_big else None
-        raise InvalidRequest(
-            f"The request body holds {too_big}" + (f" at '{path}'." if path else "."), param=path
-        )
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {escape_problem(raw) or exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    unknown = sorted(set(body) - _ALLOWED_FIELDS)
-    if unknown:
-        raise InvalidRequest(f"Unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    body = json_object_body(raw, _ALLOWED_FIELDS)
     outcomes = body.get("outcomes", list(OUTCOMES))
     if (
         not isinstance(outcomes, list)

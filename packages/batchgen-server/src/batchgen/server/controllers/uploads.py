@@ -5,40 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from batchgen.core.chunked_uploads import MAX_NAME_CHARS, MAX_PART_BYTES, MAX_PARTS
 from batchgen.core.errors import InvalidRequest, PayloadTooLarge
-from batchgen.core.json_bounds import bounds_problem
-from batchgen.core.json_escapes import escape_problem
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
 from batchgen.server.controllers.files import MULTIPART_OVERHEAD_BYTES
+from batchgen.server.json_bodies import json_object_body
 from batchgen.server.uploads import receive_upload
 
 #: The longest part id and md5 accepted in a complete call.
 MAX_ID_CHARS = 64
 _CREATE_FIELDS = frozenset({"bytes", "filename", "mime_type", "purpose", "expires_after"})
 _COMPLETE_FIELDS = frozenset({"part_ids", "md5"})
-
-
-def _json_object(raw: bytes, allowed: frozenset[str]) -> dict[str, Any]:
-    too_big = bounds_problem(raw)
-    if too_big is not None:
-        raise InvalidRequest(f"The request body holds {too_big}.")
-    try:
-        body = msgspec.json.decode(raw) if raw.strip() else None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {escape_problem(raw) or exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequest(f"Unknown field(s): {', '.join(unknown)[:200]}", param=unknown[0][:100])
-    return body
 
 
 def _string(body: dict[str, Any], name: str, limit: int = MAX_NAME_CHARS) -> str:
@@ -59,7 +41,7 @@ class UploadsController(Controller):
         caller: NamedDependency[Caller],
     ) -> dict[str, Any]:
         """A pending upload: ``bytes`` (the whole file's size), ``filename``, ``purpose``, ``mime_type``."""
-        body = _json_object(await request.body(), _CREATE_FIELDS)
+        body = json_object_body(await request.body(), _CREATE_FIELDS)
         size = body.get("bytes")
         if isinstance(size, bool) or not isinstance(size, int):
             raise InvalidRequest("'bytes' is required: the file's size, a whole number", param="bytes")
@@ -116,7 +98,7 @@ class UploadsController(Controller):
         caller: NamedDependency[Caller],
     ) -> dict[str, Any]:
         """``part_ids`` in the file's order, and optionally the whole file's ``md5``."""
-        body = _json_object(await request.body(), _COMPLETE_FIELDS)
+        body = json_object_body(await request.body(), _COMPLETE_FIELDS)
         part_ids = body.get("part_ids")
         if (
             not isinstance(part_ids, list)
