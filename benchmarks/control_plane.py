@@ -24,26 +24,12 @@ from pathlib import Path
 
 import anyio
 import msgspec
+from chat_inputs import write_chat_input
 from running_server import peak_rss_mib, run_batch, running_server, upload
 
 from batchgen.core import BatchService, ServiceSettings, load_backend
 from batchgen.core.models import GenerationResult
 from batchgen.core.results import output_line
-
-
-def write_input(path: Path, count: int) -> None:
-    with path.open("w") as stream:
-        for i in range(count):
-            request = {
-                "custom_id": f"request-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "default",
-                    "messages": [{"role": "user", "content": f"Question {i}: what is 2+2?"}],
-                },
-            }
-            stream.write(json.dumps(request) + "\n")
 
 
 def floor_rate(input_path: Path, output_path: Path) -> float:
@@ -104,7 +90,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         input_path = root / "input.jsonl"
-        write_input(input_path, args.requests)
+        write_chat_input(input_path, args.requests)
         input_mb = input_path.stat().st_size / 1e6
         floor = floor_rate(input_path, root / "floor-output.jsonl")
         embedded_upload, embedded_first, embedded = anyio.run(

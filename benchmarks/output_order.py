@@ -26,25 +26,10 @@ import tracemalloc
 from pathlib import Path
 
 import anyio
+from chat_inputs import write_chat_input
 
 from batchgen.core import BatchService, ServiceSettings, load_backend
 from batchgen.core.output_order import rewrite_in_input_order
-
-
-def write_input(path: Path, count: int) -> None:
-    with path.open("w") as stream:
-        for i in range(count):
-            request = {
-                "custom_id": f"request-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "default",
-                    "max_tokens": 1 + (i * 7919) % 16,
-                    "messages": [{"role": "user", "content": f"Question {i}: what is 2+2?"}],
-                },
-            }
-            stream.write(json.dumps(request) + "\n")
 
 
 async def run_batch(input_path: Path, storage: Path, order: str, count: int) -> tuple[float, float, Path]:
@@ -89,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bg-order-") as folder:
         root = Path(folder)
         input_path = root / "input.jsonl"
-        write_input(input_path, count)
+        write_chat_input(input_path, count, lambda i: {"max_tokens": 1 + (i * 7919) % 16})
         baseline_s, baseline_end_s, appended = anyio.run(
             run_batch, input_path, root / "completion", "completion", count
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+from chat_inputs import write_chat_input
 from running_server import peak_rss_mib, running_server, upload
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -36,22 +37,6 @@ class _Line(msgspec.Struct):
     custom_id: str
     response: _Response | None
     cached: bool = False
-
-
-def write_input(path: Path, count: int) -> None:
-    with path.open("w") as stream:
-        for i in range(count):
-            request = {
-                "custom_id": f"request-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "default",
-                    "messages": [{"role": "user", "content": f"Question {i}: what is 2+2?"}],
-                    "temperature": 0,
-                },
-            }
-            stream.write(json.dumps(request) + "\n")
 
 
 def free_port() -> int:
@@ -88,7 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         input_path = root / "input.jsonl"
-        write_input(input_path, args.requests)
+        write_chat_input(input_path, args.requests, lambda i: {"temperature": 0})
         with running_server(root / "plain", free_port(), *flags) as (_, client):
             _, baseline_s, _, _ = run(client, input_path)
         with running_server(root / "cached", free_port(), *flags, "--result-cache-tenant", "default") as (
