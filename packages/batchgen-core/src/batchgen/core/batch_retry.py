@@ -28,7 +28,6 @@ import anyio
 import attrs
 
 from batchgen.core.batch_file import validate_batch_file
-from batchgen.core.batch_tracker import now
 from batchgen.core.errors import Conflict, InvalidRequest
 from batchgen.core.idempotency import fingerprint
 from batchgen.core.ids import new_object_id
@@ -240,18 +239,14 @@ class BatchRetries:
         except BaseException:
             service.blobs.remove(staging)
             raise
-        created = now()
-        lifetime = service.settings.file_expiry_s
-        return FileObject(
-            id=file_id,
-            bytes=path.stat().st_size,
-            created_at=created,
+        return service.parts.files.file_record(
+            file_id=file_id,
+            path=path,
+            size=path.stat().st_size,
             filename=filename,
             purpose="batch",
-            path=str(path),
             line_count=summary.line_count,
             url=summary.url,
-            expires_at=None if lifetime is None else created + lifetime,
             owner=owner.tenant,
         )
 

@@ -259,7 +259,7 @@ class ChunkedUploads:
         stored_bytes: Callable[[str], int],
     ) -> None:
         """``register_file`` records a new file; ``file_record(id)`` reads one; ``new_file`` makes
-        the record of a file (``FileCatalogue.uploaded_file``); ``final_path(file_id)`` is where a
+        the record of a file (``FileCatalogue.file_record``); ``final_path(file_id)`` is where a
         file's bytes live; ``stored_bytes(tenant)`` the bytes of the tenant's files."""
         self.root = root
         self.max_upload_bytes = max_upload_bytes

@@ -135,20 +135,18 @@ class FileCatalogue:
         except BaseException:
             self._blobs.remove(staging_path)
             raise
-        created = now()
-        lifetime = expires_after_s or self._file_expiry_s
-        file = FileObject(
-            id=file_id,
-            bytes=size,
-            created_at=created,
+        file = self.file_record(
+            file_id=file_id,
+            path=path,
+            size=size,
             filename=filename,
             purpose=purpose,
-            path=str(path),
             line_count=line_count,
             url=url,
-            expires_at=None if lifetime is None else created + lifetime,
             owner=caller.tenant,
+            expires_after_s=expires_after_s,
         )
+        created = file.created_at
         try:
             if idempotency_key is not None:
                 # a twin upload with the same key may have finished while this one validated
@@ -165,8 +163,8 @@ class FileCatalogue:
             raise
         return file
 
-    # --- files made by the Uploads API (chunked_uploads) ----------------------------------
-    def uploaded_file(
+    # --- records of stored files (uploads, the Uploads API's assembled files, retries' inputs) ---
+    def file_record(
         self,
         *,
         file_id: str,
@@ -177,10 +175,12 @@ class FileCatalogue:
         line_count: int,
         url: str | None,
         owner: str,
+        expires_after_s: int | None = None,
     ) -> FileObject:
-        """The record of a file an upload assembled (validated already), not saved yet."""
+        """The record of a file in place at ``path`` (validated already), not saved yet: created
+        now, expiring ``expires_after_s`` (else the server's file lifetime) later."""
         created = now()
-        lifetime = self._file_expiry_s
+        lifetime = expires_after_s or self._file_expiry_s
         return FileObject(
             id=file_id,
             bytes=size,
@@ -218,17 +218,16 @@ class FileCatalogue:
         It expires the batch's ``output_expires_after`` after now, else the server's
         ``file_expiry_s``, else never. It belongs to the batch's owner.
         """
-        created = now()
-        lifetime = batch.output_expires_after_s or self._file_expiry_s
-        return FileObject(
-            id=new_object_id("file-"),
-            bytes=0,
-            created_at=created,
-            expires_at=None if lifetime is None else created + lifetime,
+        return self.file_record(
+            file_id=new_object_id("file-"),
+            path=path,
+            size=0,
             filename=f"{batch.id}_{kind}.jsonl",
             purpose=OUTPUT_PURPOSE,
-            path=str(path),
+            line_count=0,
+            url=None,
             owner=batch.owner,
+            expires_after_s=batch.output_expires_after_s,
         )
 
     # --- reading and deleting --------------------------------------------------------------

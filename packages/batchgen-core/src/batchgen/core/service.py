@@ -221,7 +221,7 @@ class _Parts:
             served_models=service.model_set,
             register_file=files.register,
             file_record=metadata.get_file,
-            new_file=files.uploaded_file,
+            new_file=files.file_record,
             final_path=service.blobs.upload_path,
             stored_bytes=files.stored_bytes,
         )
