@@ -154,12 +154,7 @@ def validate_batch_file(
         line_number = 1
         for block in _blocks(stream, VALIDATION_BLOCK_BYTES):
             line_number += validation.check_block(line_number, block)
-    if validation.count == 0:
-        raise InvalidBatchFile([LineProblem(1, "the file contains no requests")])
-    if validation.problems:
-        raise InvalidBatchFile(validation.problems, validation.total_problems)
-    assert validation.file_url is not None
-    return BatchFileSummary(line_count=validation.count, url=validation.file_url)
+    return validation.summary()
 
 
 def _blocks(stream: BinaryIO, size: int) -> Iterator[bytes]:
@@ -214,6 +209,16 @@ class _Validation:
         #: Whether a line of each body shape (``BlockReader``; or its JSON) is accepted, for this
         #: file's url.
         self.shape_verdicts: dict[object, bool] = {}
+
+    def summary(self) -> BatchFileSummary:
+        """What the whole file's validation found: its summary, else InvalidBatchFile with the
+        problems (or that the file holds no request)."""
+        if self.count == 0:
+            raise InvalidBatchFile([LineProblem(1, "the file contains no requests")])
+        if self.problems:
+            raise InvalidBatchFile(self.problems, self.total_problems)
+        assert self.file_url is not None
+        return BatchFileSummary(line_count=self.count, url=self.file_url)
 
     def report(self, line_number: int, messages: list[str]) -> None:
         """Record the problems of one line: every one of them counts; those of the first

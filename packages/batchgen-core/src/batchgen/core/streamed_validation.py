@@ -23,7 +23,6 @@ from collections.abc import Collection, Iterable, Iterator
 from typing import Any, cast
 
 from batchgen.core.batch_file import VALIDATION_BLOCK_BYTES, BatchFileSummary, LineRouter, _Validation
-from batchgen.core.errors import InvalidBatchFile, LineProblem
 
 #: Hash buckets the ids are spread over, so the duplicate check at the end works a bucket at a time.
 BUCKET_BITS = 6
@@ -163,12 +162,7 @@ def validate_exactly(
     for chunk in chunks:
         blocks.feed(chunk)
     blocks.finish()
-    if validation.count == 0:
-        raise InvalidBatchFile([LineProblem(1, "the file contains no requests")])
-    if validation.problems:
-        raise InvalidBatchFile(validation.problems, validation.total_problems)
-    assert validation.file_url is not None
-    return BatchFileSummary(line_count=validation.count, url=validation.file_url)
+    return validation.summary()
 
 
 def file_chunks(paths: Iterable[str], size: int = VALIDATION_BLOCK_BYTES, skip: int = 0) -> Iterator[bytes]:
