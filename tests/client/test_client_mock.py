@@ -123,7 +123,8 @@ API_SIGNATURES = {
     "list_batches": "(self, after=None, limit=None)",
     "cancel_batch": "(self, batch_id)",
     "retry_batch": "(self, batch_id, outcomes=None, *, completion_window=None, metadata=None, "
-    "max_decoding_length=None, temperature=None, top_p=None, top_k=None, idempotency_key=None)",
+    "max_decoding_length=None, temperature=None, top_p=None, top_k=None, output_order=None, "
+    "idempotency_key=None)",
     "download_merged_results": "(self, batch_id)",
     "download_merged_results_to": "(self, batch_id, path)",
     "wait_for_batch": "(self, batch_id, poll_interval=None, timeout=None, *, raise_on_failure=False, "

@@ -134,6 +134,8 @@ def test_only_the_state_machine_changes_a_status() -> None:
     offenders = [
         str(path.relative_to(root))
         for path in root.rglob("*.py")
-        if path.name != "batch_lifecycle.py" and re.search(r"evolve\([^)]*\bstatus=", path.read_text())
+        # an upload's status (chunked_uploads) is not a batch's
+        if path.name != "batch_lifecycle.py"
+        and re.search(r"evolve\((?!\s*upload\b)[^)]*\bstatus=", path.read_text())
     ]
     assert offenders == []

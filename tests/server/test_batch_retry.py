@@ -207,6 +207,8 @@ def test_refusals_are_openai_shaped_4xx(api_factory: ApiFactory) -> None:
         ({"completion_window": None}, "completion_window"),
         ({"completion_window": "forever"}, "completion_window"),
         ({"metadata": ["a"]}, "metadata"),
+        ({"output_order": "sideways"}, "output_order"),
+        ({"output_order": 3}, "output_order"),
         ({"output_expires_after": {"anchor": "created_at", "seconds": "x"}}, "output_expires_after"),
         ([1, 2], None),
     ]
@@ -343,3 +345,18 @@ def test_a_batch_whose_results_are_gone_is_409_results_missing(api_factory: ApiF
         )
         assert api.get(f"/v1/batches/{batch['id']}").json()["retries"] == []
         assert _input_files(api) == inputs_before
+
+
+def test_a_retry_keeps_the_originals_output_order_unless_it_sets_its_own(api_factory: ApiFactory) -> None:
+    api = api_factory("--max-context-length", "50")
+    lines = [chat_line("ok"), chat_line("long-1", TOO_LONG), chat_line("long-2", TOO_LONG)]
+    file_id = upload(api, jsonl(*lines))["id"]
+    ordered = create_batch(api, file_id, output_order="input")
+    wait_for_status(api, ordered["id"], TERMINAL)
+    kept = _retry(api, ordered["id"], {"outcomes": ["failed"]})
+    assert kept.json()["output_order"] == "input"
+    wait_for_status(api, kept.json()["id"], TERMINAL)
+    plain = wait_for_status(api, create_batch(api, file_id)["id"], TERMINAL)
+    changed = _retry(api, plain["id"], {"output_order": "input"})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["output_order"] == "input" and plain["output_order"] == "completion"

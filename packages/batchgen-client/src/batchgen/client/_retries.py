@@ -44,6 +44,7 @@ def retry_batch(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    output_order: str | None = None,
     idempotency_key: str | None = None,
 ) -> RequestSpec:
     """A new batch over the lines of an ended batch that did not succeed so far
@@ -64,6 +65,7 @@ def retry_batch(
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
+        "output_order": output_order,
     }
     body.update({name: value for name, value in given.items() if value is not None})
     path = f"/v1/batches/{_segment(batch_id)}/retry"

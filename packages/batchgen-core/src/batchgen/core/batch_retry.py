@@ -51,6 +51,7 @@ OVERRIDABLE = (
     "temperature",
     "top_p",
     "top_k",
+    "output_order",
 )
 
 
@@ -218,7 +219,7 @@ class BatchRetries:
                 idempotency_key=idempotency_key,
                 caller=owner,
                 retry_of=original.id,
-                output_order=original.output_order,
+                output_order=settings["output_order"],
                 idempotency_call=call,
                 new_input=new_input,
             )
@@ -257,6 +258,7 @@ def _settings_of(batch: Batch) -> dict[str, Any]:
         "completion_window": batch.completion_window,
         "metadata": batch.metadata,
         "output_expires_after_s": batch.output_expires_after_s,
+        "output_order": batch.output_order,
         **batch.parameters.to_dict(),
     }
 

@@ -24,7 +24,15 @@ from batchgen.server.json_bodies import json_object_body
 #: The largest retry body read: its fields are a few short values (metadata is the biggest).
 MAX_BODY_BYTES = 64 * 1024
 #: The body's fields: what to retry, then the batch-level fields (the original's when left out).
-_PARAMETER_FIELDS = ("completion_window", "metadata", "max_decoding_length", "temperature", "top_p", "top_k")
+_PARAMETER_FIELDS = (
+    "completion_window",
+    "metadata",
+    "max_decoding_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "output_order",
+)
 _ALLOWED_FIELDS = frozenset(("outcomes", "output_expires_after", *_PARAMETER_FIELDS))
 
 
@@ -58,7 +66,7 @@ def _checked_type(name: str, value: Any) -> Any:
         if name == "completion_window":
             raise InvalidRequest("completion_window must be a string such as '24h'", param=name)
         return None
-    if name == "completion_window":
+    if name in ("completion_window", "output_order"):
         ok = isinstance(value, str)
     elif name == "metadata":
         ok = isinstance(value, dict)
