@@ -113,6 +113,7 @@ def main() -> None:
         baseline_path = root / "baseline.jsonl"
         with input_path.open("rb") as source, baseline_path.open("wb") as sink:
             sink.write(source.read(min(BASELINE_BYTES, size)))
+        os.sync()  # the input's own writeback to disk is not the upload's cost
         storage = root / "storage"
         with running_server(storage, args.port, "--backend", "simulated") as (server, client):
             start_rss = rss_mib(server.pid)
