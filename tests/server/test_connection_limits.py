@@ -285,6 +285,21 @@ def test_the_head_size_limit_holds_however_the_bytes_arrive(serve: Serve) -> Non
     check()
 
 
+def test_a_client_still_sending_after_a_refusal_reads_the_refusal_not_a_reset(serve: Serve) -> None:
+    """A head too large with a body behind it, sent at once: the server refuses after its first read,
+    with the rest of the body still unread in the socket. Closing such a socket would reset the
+    connection (the client may lose the answer); the server instead stops sending, drops what still
+    arrives for a moment, then closes, and the client reads the refusal."""
+    base_url = serve("--max-header-bytes", str(HEAD_LIMIT))
+    body = b"x" * 600_000  # more than one read of the server's, less than what it drops at most
+    head = _head(HEAD_LIMIT + 100)[:-2] + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    for _ in range(3):
+        with _connect(base_url) as sock:
+            with contextlib.suppress(OSError):
+                sock.sendall(head + body)
+            _refused(_read_all(sock), 431)
+
+
 _SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 
 

@@ -16,7 +16,9 @@ protocol with what it lacks, adds:
   already refuses conflicting ``Content-Length`` values and codings other than ``chunked`` (400
   here, not h11's 501: the body's length cannot be known).
   Every such refusal is an OpenAI-shaped error and closes the connection, so no byte after it is
-  read as another request;
+  read as another request. The close lingers (``LINGER_S``, at most ``LINGER_BYTES``): the
+  server stops sending, then reads and drops what the client still sends, so a client that is
+  still sending its request reads the refusal instead of a reset;
 - a bounded shutdown: once the server stops, a connection still receiving or answering a request
   ``shutdown_grace_s`` later is closed (an upload still arriving is cut; its handler sees the
   client leave and removes its staging file), and uvicorn cancels what is still running a moment
@@ -49,6 +51,11 @@ RESERVED_FILE_DESCRIPTORS = 256
 #: After the shutdown grace has closed the connections, how long uvicorn lets their handlers unwind
 #: (a cut upload removing its staging file) before it cancels the ones still running.
 SHUTDOWN_CANCEL_MARGIN_S = 1.0
+#: After a refusal, how long a connection is kept half-closed, dropping what the client still sends,
+#: before it is closed (closing a socket with unread bytes resets it, and the client may lose the
+#: answer), and how many bytes it drops at most.
+LINGER_S = 1.0
+LINGER_BYTES = 1024 * 1024
 #: The end of a request's head, as h11 finds it (it accepts a bare LF for CRLF).
 _END_OF_HEAD = re.compile(rb"\n\r?\n")
 #: A header line continuing the one above (obsolete line folding).
@@ -128,20 +135,34 @@ class EdgeProtocol(H11Protocol):
         self.conn = StrictConnection(self.max_head_bytes)
         self._header_timer: asyncio.TimerHandle | None = None
         self._shutdown_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_bytes_left = LINGER_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:  # refused: what still arrives is dropped
+            self._linger_bytes_left -= len(data)
+            if self._linger_bytes_left < 0:
+                self._end_linger()
+            return
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if (
+            self.conn.their_state is h11.IDLE
+            and not self.transport.is_closing()
+            and self._linger_timer is None
+        ):
             self._arm_header_timer()  # part of the next request's headers: they must complete in time
         else:
             self._disarm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         if self._shutdown_timer is not None:
             self._shutdown_timer.cancel()
             self._shutdown_timer = None
@@ -183,11 +204,31 @@ class EdgeProtocol(H11Protocol):
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # a response was already under way: just close
-            pass
+            self.transport.close()
+            return
+        self._linger()
+
+    def _linger(self) -> None:
+        """Stop sending (the answer goes first), drop what still arrives, close after ``LINGER_S``."""
+        self._disarm_header_timer()
+        if self.transport.is_closing() or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.transport.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_S, self._end_linger)
+
+    def _end_linger(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         self.transport.close()
 
     def shutdown(self) -> None:
         """The server stops: close the connection now if idle, else when ``shutdown_grace_s`` ends."""
+        if self._linger_timer is not None:
+            self._end_linger()
+            return
         super().shutdown()
         if not self.transport.is_closing() and self._shutdown_timer is None:
             self._shutdown_timer = self.loop.call_later(self.shutdown_grace_s, self._end_of_grace)
@@ -195,7 +236,7 @@ class EdgeProtocol(H11Protocol):
     def _end_of_grace(self) -> None:
         """Cut the request still under way: its handler sees the client leave, the client gets 503."""
         self._shutdown_timer = None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._linger_timer is not None:
             return
         logger.warning(
             "shutting down: closed a connection whose request was still under way after "
