@@ -209,7 +209,11 @@ def test_cancel_deletes_the_parts_and_refuses_more(
     client = api_factory()
     upload = create_upload(client, 100)
     part = add_part(client, upload["id"], b"x" * 40)
-    assert upload_folder(tmp_path / "storage", upload["id"]) == [f"{part}.part", "upload.json"]
+    assert upload_folder(tmp_path / "storage", upload["id"]) == [
+        "arrived.index",
+        "arrived.log",
+        "upload.json",
+    ]
     cancelled = client.post(f"/v1/uploads/{upload['id']}/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert upload_folder(tmp_path / "storage", upload["id"]) == ["upload.json"]
@@ -258,8 +262,15 @@ def test_bounds_are_clear_errors_that_store_nothing(
     monkeypatch.setattr(chunked_uploads, "MAX_PARTS", 3)
     last = add_part(client, upload["id"], b"x" * 40)
     assert "at most 3 parts" in api_error(post_part(client, upload["id"], b"x"), 400)["message"]
-    assert upload_folder(tmp_path / "storage", upload["id"])[-1] == "upload.json"
-    assert len(upload_folder(tmp_path / "storage", upload["id"])) == 4  # three parts, the record
+    folder = tmp_path / "storage" / "uploads" / upload["id"]
+    assert upload_folder(tmp_path / "storage", upload["id"]) == [
+        "arrived.index",
+        "arrived.log",
+        "upload.json",
+    ]
+    # three parts, one after another in the log; nothing of the parts refused is kept
+    assert (folder / "arrived.log").stat().st_size == 160
+    assert len((folder / "arrived.index").read_text().splitlines()) == 3
     assert file_ids(client) == set()
     # the parts named add up: the file is made, and the part not named is deleted
     done = complete(client, upload["id"], [twice, last])

@@ -1,8 +1,9 @@
 """The Uploads API against real server processes: the unchanged ``openai`` SDK's
 ``upload_file_chunked`` (sync and async) and a batch over the file it made; ``kill -9`` while
 parts arrive and while an upload completes (after a restart no half-made file is listed or
-served, and the upload completes, once); and a full disk under the uploads, which fails only
-the part that hit it.
+served, and the upload completes, once); a full disk under the uploads, which fails only the
+part that hit it; parts sent one after another stored without a copy, and parts arriving at once
+still completing to the bytes named.
 """
 
 from __future__ import annotations
@@ -100,6 +101,72 @@ def test_the_async_sdks_chunked_upload_with_an_md5(live_server: LiveServer, tmp_
     assert wrong is not None and wrong.code == "md5_mismatch"
 
 
+def _files_with_inode(root: Path, inode: int) -> list[Path]:
+    return [path for path in root.rglob("*") if path.is_file() and path.stat().st_ino == inode]
+
+
+def test_parts_sent_one_after_another_become_the_file_without_a_copy(
+    server_factory: Callable[..., LiveServer],
+) -> None:
+    """The parts are written once: into the upload's log as they arrive, and the log, renamed,
+    is the stored file (the same inode), with the bytes of the parts in order."""
+    data = jsonl(*[chat_line(f"once-{i}", "z" * 200) for i in range(3000)])
+    pieces = [data[i : i + 150_000] for i in range(0, len(data), 150_000)]
+    server = server_factory()
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        upload = create_upload(client, len(data))
+        ids = [add_part(client, upload["id"], piece) for piece in pieces]
+        log = server.storage_path / "uploads" / upload["id"] / "arrived.log"
+        inode = log.stat().st_ino
+        done = complete(client, upload["id"], ids)
+        assert done.status_code == 200, done.text
+        stored = _files_with_inode(server.storage_path, inode)
+        assert len(stored) == 1 and stored[0].read_bytes() == data
+        assert client.get(f"/v1/files/{done.json()['file']['id']}/content").content == data
+
+
+def test_parts_arriving_at_once_complete_to_the_bytes_of_the_order_named(
+    server_factory: Callable[..., LiveServer],
+) -> None:
+    """One part arrives slowly into the log while the others arrive beside it (into files of
+    their own); completed in their file order, the upload is exactly those bytes."""
+    data = jsonl(*[chat_line(f"once-{i}", "w" * 200) for i in range(2000)])
+    pieces = [data[i : i + 100_000] for i in range(0, len(data), 100_000)]
+    server = server_factory()
+    slow_id: list[str] = []
+
+    def slow_body() -> Iterator[bytes]:
+        boundary = "sl0w"
+        yield f'--{boundary}\r\nContent-Disposition: form-data; name="data"; filename="x"\r\n\r\n'.encode()
+        yield pieces[0][:50_000]
+        time.sleep(1.5)  # the other parts arrive meanwhile
+        yield pieces[0][50_000:] + f"\r\n--{boundary}--\r\n".encode()
+
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        upload = create_upload(client, len(data))
+
+        def send_slowly() -> None:
+            with httpx.Client(base_url=server.base_url, timeout=30) as sender:
+                answer = sender.post(
+                    f"/v1/uploads/{upload['id']}/parts",
+                    content=slow_body(),
+                    headers={"Content-Type": "multipart/form-data; boundary=sl0w"},
+                )
+                assert answer.status_code == 200, answer.text
+                slow_id.append(answer.json()["id"])
+
+        slow = threading.Thread(target=send_slowly)
+        slow.start()
+        time.sleep(0.3)
+        others = [add_part(client, upload["id"], piece) for piece in pieces[1:]]
+        folder = server.storage_path / "uploads" / upload["id"]
+        assert len(list(folder.glob("*.part"))) == len(others), "the others arrived beside the log"
+        slow.join(timeout=30)
+        done = complete(client, upload["id"], [*slow_id, *others])
+        assert done.status_code == 200, done.text
+        assert client.get(f"/v1/files/{done.json()['file']['id']}/content").content == data
+
+
 def _kill(server: LiveServer) -> None:
     server.process.send_signal(signal.SIGKILL)
     server.process.wait(timeout=30)
@@ -126,9 +193,9 @@ def test_kill_9_while_parts_arrive_loses_only_the_part_in_flight(
     def slow_body() -> Iterator[bytes]:
         boundary = "b0undary"
         yield f'--{boundary}\r\nContent-Disposition: form-data; name="data"; filename="x"\r\n\r\n'.encode()
-        yield pieces[-1][:1000]
+        yield pieces[-1][:100_000]  # past the server's write buffer
         time.sleep(30)  # the server dies before the rest
-        yield pieces[-1][1000:] + f"\r\n--{boundary}--\r\n".encode()
+        yield pieces[-1][100_000:] + f"\r\n--{boundary}--\r\n".encode()
 
     def send() -> None:
         with (
@@ -143,15 +210,16 @@ def test_kill_9_while_parts_arrive_loses_only_the_part_in_flight(
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    receiving = server.storage_path / "uploads" / upload["id"]
+    log = server.storage_path / "uploads" / upload["id"] / "arrived.log"
+    whole = len(data) - len(pieces[-1])  # the parts received whole, one after another in the log
     deadline = time.monotonic() + 20
-    while not list(receiving.glob("*.receiving")):
+    while log.stat().st_size <= whole:
         assert time.monotonic() < deadline, "the part in flight never arrived"
         time.sleep(0.02)
     _kill(server)
     server = server_factory(storage="kill")
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        assert not list(receiving.glob("*.receiving")), "a half-received part is left after a restart"
+        assert log.stat().st_size == whole, "a half-received part is left after a restart"
         assert file_ids(client) == set()
         # the parts received whole are still there: the part in flight is sent again and the upload completes
         ids.append(add_part(client, upload["id"], pieces[-1]))
@@ -212,7 +280,10 @@ def test_kill_9_while_an_upload_completes_never_serves_a_half_made_file(
     for attempt in range(2):
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             upload = create_upload(client, len(data))
-            ids = [add_part(client, upload["id"], piece) for piece in pieces]
+            if moment == "assembling":  # sent last part first: completing copies the parts
+                ids = [add_part(client, upload["id"], piece) for piece in pieces[::-1]][::-1]
+            else:  # sent in order: completing renames the log
+                ids = [add_part(client, upload["id"], piece) for piece in pieces]
             before = file_ids(client)
         record = server.storage_path / "uploads" / upload["id"] / "upload.json"
 
@@ -227,7 +298,7 @@ def test_kill_9_while_an_upload_completes_never_serves_a_half_made_file(
             time.sleep(rng.uniform(0.0, 0.8))
         else:
             deadline = time.monotonic() + 30
-            while json.loads(record.read_text())["status"] != "completing":
+            while json.loads(record.read_text())["status"] not in ("completing", "completed"):
                 assert time.monotonic() < deadline, "the upload never started assembling"
                 time.sleep(0.002)
         _kill(server)
@@ -276,7 +347,15 @@ def test_a_full_disk_fails_only_the_part_that_hit_it(
         error = api_error(post_part(client, big["id"], b"x" * 600_000), 507)
         assert error["code"] == "insufficient_storage"
         folder = small_uploads_disk / "uploads" / big["id"]
-        assert sorted(path.name for path in folder.iterdir()) == [f"{first}.part", "upload.json"]
+        assert sorted(path.name for path in folder.iterdir()) == [
+            "arrived.index",
+            "arrived.log",
+            "upload.json",
+        ]
+        assert (folder / "arrived.log").stat().st_size == 600_000, "the part that hit the full disk is kept"
+        assert [json.loads(line)["id"] for line in (folder / "arrived.index").read_text().splitlines()] == [
+            first
+        ]
         # another upload that fits goes through, and so does the batch
         data = jsonl(*[chat_line(f"s{i}") for i in range(100)])
         small = create_upload(client, len(data))

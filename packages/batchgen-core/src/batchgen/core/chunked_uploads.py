@@ -8,18 +8,15 @@ the parts, bounded memory, lines numbered across part boundaries: ``streamed_val
 only then assembles the file and records it: a normal file, usable for batches. An upload not
 completed by its ``expires_at`` expires; a cancelled or expired upload's parts are deleted.
 
-On disk, under ``{storage}/uploads/{upload_id}/``::
-
-    upload.json        the upload's record (replaced atomically on every change)
-    {part_id}.part     a part received whole (written as ``{part_id}.receiving``, then renamed)
-    assembled.jsonl    the file being assembled: the first part renamed, the others appended in
-                       order, each deleted once appended (the parts take the disk space once)
+On disk, under ``{storage}/uploads/{upload_id}/``: ``upload.json``, the upload's record (replaced
+atomically on every change), and the parts, as ``upload_parts`` lays them out: received one after
+another into one log, so that completing them in the order they arrived renames the log to be
+the file and each byte is written once.
 
 Completing is crash safe. Before assembling, the record turns ``completing`` with the part order,
 their sizes, the new file's id and what validation found; assembly resumes from the record after a
-restart (a part is deleted only once appended, so a partly appended part is appended again after
-cutting the file back). The file is served only once its metadata row exists, which is written
-after the assembled file is in its place, so no half-made file is ever listed or served.
+restart. The file is served only once its metadata row exists, which is written after the
+assembled file is in its place, so no half-made file is ever listed or served.
 
 While parts arrive, they are validated in the order they arrived, in a worker thread
 (``_Speculation``): when ``complete`` names that same order (the SDK sends parts one after another),
@@ -46,11 +43,12 @@ import attrs
 
 from batchgen.core.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.batch_tracker import now
-from batchgen.core.errors import BatchGenError, InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import UPLOAD_PURPOSES, FileObject
-from batchgen.core.streamed_validation import StreamedValidation, file_chunks, validate_exactly
+from batchgen.core.streamed_validation import Segment, StreamedValidation, segment_chunks, validate_exactly
 from batchgen.core.tenancy import EMBEDDED, Caller
+from batchgen.core.upload_parts import PartDestination, PartFolder
 from batchgen.core.upload_validation_worker import ValidationWorker
 
 logger = logging.getLogger("batchgen.uploads")
@@ -73,9 +71,7 @@ PRUNE_INTERVAL_S = 3600
 MAX_NAME_CHARS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_COPY_BYTES = 1 << 24
-#: copy_file_range errors that mean "copy the bytes by hand instead".
-_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
+_DIGEST_BYTES = 1 << 24
 
 PENDING, COMPLETING, COMPLETED, CANCELLED, EXPIRED = (
     "pending",
@@ -159,7 +155,7 @@ class _Speculation:
     def __init__(self, served_models: Collection[str] | LineRouter | None) -> None:
         self.order: list[str] = []
         self._validation = StreamedValidation(served_models)
-        self._queue: list[Path] = []
+        self._queue: list[Segment] = []
         self._wake = threading.Condition()
         self._closed = False
         self.broken = False
@@ -167,10 +163,10 @@ class _Speculation:
         self._thread = threading.Thread(target=self._run, name="upload validation", daemon=True)
         self._thread.start()
 
-    def push(self, part_id: str, path: Path) -> None:
+    def push(self, part_id: str, segment: Segment) -> None:
         with self._wake:
             self.order.append(part_id)
-            self._queue.append(path)
+            self._queue.append(segment)
             self._wake.notify()
 
     def _run(self) -> None:
@@ -180,11 +176,11 @@ class _Speculation:
                     self._wake.wait()
                 if not self._queue:
                     return
-                path = self._queue.pop(0)
+                segment = self._queue.pop(0)
             if self.broken:
                 continue
             try:
-                for chunk in file_chunks([str(path)]):
+                for chunk in segment_chunks([segment]):
                     if self._skip_bom:
                         chunk = chunk.removeprefix(UTF8_BOM)
                         self._skip_bom = False
@@ -211,19 +207,6 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(temporary, path)
-
-
-def _append(source: Path, destination: Any) -> None:
-    with open(source, "rb") as stream:
-        try:
-            while os.copy_file_range(stream.fileno(), destination.fileno(), _COPY_BYTES):
-                pass
-        except OSError as exc:
-            if exc.errno not in _NO_COPY_RANGE:
-                raise
-            stream.seek(0)
-            destination.seek(0, os.SEEK_END)
-            shutil.copyfileobj(stream, destination, _COPY_BYTES)
 
 
 def _move(source: Path, destination: Path) -> None:
@@ -273,6 +256,8 @@ class ChunkedUploads:
         self._locks: dict[str, anyio.Lock] = {}
         self._speculations: dict[str, ValidationWorker | _Speculation] = {}
         self._receiving: dict[str, int] = {}  # parts being received per upload
+        self._log_writers: set[str] = set()  # uploads with a part arriving into their log
+        self._completing: set[str] = set()  # uploads being completed (a new part gets a file of its own)
         #: The pending uploads and when each expires (``expire_due`` reads no record until then).
         self._pending_expiry: dict[str, int] = {}
         self._next_prune = 0
@@ -281,6 +266,9 @@ class ChunkedUploads:
     # --- records ---------------------------------------------------------------------------
     def _folder(self, upload_id: str) -> Path:
         return self.root / upload_id
+
+    def _parts_of(self, upload_id: str) -> PartFolder:
+        return PartFolder(self._folder(upload_id))
 
     def _save(self, upload: Upload) -> None:
         _write_json(self._folder(upload.id) / "upload.json", attrs.asdict(upload))
@@ -307,12 +295,7 @@ class ChunkedUploads:
 
     def parts(self, upload_id: str) -> dict[str, int]:
         """The parts received whole: id -> bytes."""
-        found = {}
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self._folder(upload_id)):
-                if entry.name.endswith(".part"):
-                    found[entry.name.removesuffix(".part")] = entry.stat().st_size
-        return found
+        return {part_id: segment.length for part_id, segment in self._parts_of(upload_id).parts().items()}
 
     def uploads(self) -> Iterator[Upload]:
         with contextlib.suppress(FileNotFoundError):
@@ -388,18 +371,29 @@ class ChunkedUploads:
                 code=f"upload_{upload.status}",
             )
 
-    def new_part_path(self, upload_id: str, caller: Caller = EMBEDDED) -> tuple[Path, str]:
-        """Where to receive a new part of a pending upload, and the part's id."""
+    def new_part(self, upload_id: str, caller: Caller = EMBEDDED) -> PartDestination:
+        """Where to receive a new part of a pending upload (with the part's id): the end of the
+        upload's log, unless another part is arriving there; then ``add_part`` or ``drop_part``."""
         upload = self.get(upload_id, caller)
         self._pending(upload, "parts can be added to")
         if len(self.parts(upload_id)) + self._receiving.get(upload_id, 0) >= MAX_PARTS:
             raise InvalidRequest(f"An upload may have at most {MAX_PARTS} parts", param="data")
+        into_log = upload_id not in self._log_writers and upload_id not in self._completing
+        destination = self._parts_of(upload_id).destination(new_object_id("part_"), into_log=into_log)
         self._receiving[upload_id] = self._receiving.get(upload_id, 0) + 1
-        part_id = new_object_id("part_")
-        return self._folder(upload_id) / f"{part_id}.receiving", part_id
+        if into_log:
+            self._log_writers.add(upload_id)
+        return destination
 
-    def part_received(self, upload_id: str) -> None:
-        """Balances ``new_part_path`` once the part is added or dropped."""
+    def drop_part(self, upload_id: str, destination: PartDestination) -> None:
+        """Forget a part not added (receiving it failed, or it was refused): its bytes are deleted."""
+        PartFolder.discard(destination)
+        self._part_done(upload_id, destination)
+
+    def _part_done(self, upload_id: str, destination: PartDestination) -> None:
+        """Balances ``new_part`` once the part is added or dropped."""
+        if destination.in_log:
+            self._log_writers.discard(upload_id)
         count = self._receiving.get(upload_id, 1) - 1
         if count:
             self._receiving[upload_id] = count
@@ -407,14 +401,16 @@ class ChunkedUploads:
             self._receiving.pop(upload_id, None)
 
     async def add_part(
-        self, upload_id: str, part_id: str, received: Path, caller: Caller = EMBEDDED
+        self, upload_id: str, destination: PartDestination, caller: Caller = EMBEDDED
     ) -> UploadPart:
-        """Add the part received at ``received`` (consumed, whatever happens)."""
+        """Add the part received at ``destination`` (dropped instead if it is refused)."""
+        part_id = destination.part_id
+        added = False
         try:
             async with self._lock(upload_id):
                 upload = self.get(upload_id, caller)
                 self._pending(upload, "parts can be added to")
-                size = received.stat().st_size
+                size = destination.received_bytes()
                 if size == 0:
                     raise InvalidRequest("a part must hold at least one byte", param="data")
                 have = sum(self.parts(upload_id).values())
@@ -427,19 +423,21 @@ class ChunkedUploads:
                         param="data",
                     )
                 self.check_quota(caller, size)
-                path = self._folder(upload_id) / f"{part_id}.part"
-                os.replace(received, path)
+                segment = self._parts_of(upload_id).commit(destination, size)
+                added = True
                 created = now()
                 if upload.purpose == "batch":
                     speculation = self._speculations.get(upload_id)
                     if speculation is None:
                         speculation = self._speculate(upload.bytes)
                         self._speculations[upload_id] = speculation
-                    speculation.push(part_id, path)
+                    speculation.push(part_id, segment)
                 return UploadPart(id=part_id, created_at=created, upload_id=upload_id, bytes=size)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                received.unlink()
+            if added:
+                self._part_done(upload_id, destination)
+            else:
+                self.drop_part(upload_id, destination)
 
     def _speculate(self, size: int) -> ValidationWorker | _Speculation:
         """A worker process validating the parts as they arrive, else a thread (all workers busy)."""
@@ -467,50 +465,57 @@ class ChunkedUploads:
         speculation = self._speculations.pop(upload_id, None)
         if speculation is not None:
             speculation.close()
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self._folder(upload_id)):
-                if entry.name != "upload.json":
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
+        self._parts_of(upload_id).drop()
 
     async def complete(
         self, upload_id: str, part_ids: Sequence[str], md5: str | None = None, caller: Caller = EMBEDDED
     ) -> tuple[Upload, FileObject]:
         async with self._lock(upload_id):
-            upload = self.get(upload_id, caller)
-            if upload.status == COMPLETED and upload.file_id is not None:
-                file = self._file_record(upload.file_id)
-                if file is not None and list(part_ids) == list(upload.order):
-                    return upload, file  # a repeated complete (a retry after a lost answer)
-            if upload.status == COMPLETING:
-                if list(part_ids) != list(upload.order):
-                    raise InvalidRequest(
-                        f"Upload '{upload_id}' is being completed with another order of parts",
-                        param="part_ids",
-                    )
-                return await self._finish(upload)
-            self._pending(upload, "you can complete")
-            sizes = self._check_order(upload, part_ids)
-            paths = [self._folder(upload_id) / f"{part_id}.part" for part_id in part_ids]
-            if md5 is not None:
-                await self._check_md5(paths, md5)
-            with open(paths[0], "rb") as stream:
-                skip_bom = stream.read(len(UTF8_BOM)) == UTF8_BOM
-            summary = BatchFileSummary(line_count=0, url="")
-            if upload.purpose == "batch":
-                summary = await self._validate(upload_id, list(part_ids), paths, skip_bom)
-            completing = attrs.evolve(
-                upload,
-                status=COMPLETING,
-                order=tuple(part_ids),
-                sizes=sizes,
-                skip_bom=skip_bom,
-                file_id=new_object_id("file-"),
-                line_count=summary.line_count,
-                url=summary.url or None,
-            )
-            self._save(completing)
-            return await self._finish(completing)
+            self._completing.add(upload_id)
+            try:
+                return await self._complete(upload_id, part_ids, md5, caller)
+            finally:
+                self._completing.discard(upload_id)
+
+    async def _complete(
+        self, upload_id: str, part_ids: Sequence[str], md5: str | None, caller: Caller
+    ) -> tuple[Upload, FileObject]:
+        upload = self.get(upload_id, caller)
+        if upload.status == COMPLETED and upload.file_id is not None:
+            file = self._file_record(upload.file_id)
+            if file is not None and list(part_ids) == list(upload.order):
+                return upload, file  # a repeated complete (a retry after a lost answer)
+        if upload.status == COMPLETING:
+            if list(part_ids) != list(upload.order):
+                raise InvalidRequest(
+                    f"Upload '{upload_id}' is being completed with another order of parts",
+                    param="part_ids",
+                )
+            return await self._finish(upload)
+        self._pending(upload, "you can complete")
+        sizes = self._check_order(upload, part_ids)
+        pieces = self._parts_of(upload_id).pieces(part_ids, sizes)
+        if md5 is not None:
+            await self._check_md5(pieces, md5)
+        first = pieces[0]
+        with open(first.path, "rb") as stream:
+            stream.seek(first.offset)
+            skip_bom = stream.read(min(len(UTF8_BOM), first.length)) == UTF8_BOM
+        summary = BatchFileSummary(line_count=0, url="")
+        if upload.purpose == "batch":
+            summary = await self._validate(upload_id, list(part_ids), pieces, skip_bom)
+        completing = attrs.evolve(
+            upload,
+            status=COMPLETING,
+            order=tuple(part_ids),
+            sizes=sizes,
+            skip_bom=skip_bom,
+            file_id=new_object_id("file-"),
+            line_count=summary.line_count,
+            url=summary.url or None,
+        )
+        self._save(completing)
+        return await self._finish(completing)
 
     def _check_order(self, upload: Upload, part_ids: Sequence[str]) -> tuple[int, ...]:
         if not part_ids:
@@ -534,10 +539,10 @@ class ChunkedUploads:
             )
         return sizes
 
-    async def _check_md5(self, paths: list[Path], md5: str) -> None:
+    async def _check_md5(self, pieces: list[Segment], md5: str) -> None:
         def digest() -> str:
             value = hashlib.md5(usedforsecurity=False)
-            for chunk in file_chunks(map(str, paths), _COPY_BYTES):
+            for chunk in segment_chunks(pieces, _DIGEST_BYTES):
                 value.update(chunk)
             return value.hexdigest()
 
@@ -551,7 +556,7 @@ class ChunkedUploads:
             )
 
     async def _validate(
-        self, upload_id: str, part_ids: list[str], paths: list[Path], skip_bom: bool
+        self, upload_id: str, part_ids: list[str], pieces: list[Segment], skip_bom: bool
     ) -> BatchFileSummary:
         speculation = self._speculations.pop(upload_id, None)
         found: BatchFileSummary | set[int] | None = None
@@ -562,7 +567,7 @@ class ChunkedUploads:
                 speculation.close()
 
         def chunks() -> Iterator[bytes]:
-            return file_chunks(map(str, paths), skip=len(UTF8_BOM) if skip_bom else 0)
+            return segment_chunks(pieces, skip=len(UTF8_BOM) if skip_bom else 0)
 
         def first_pass() -> BatchFileSummary | set[int]:
             validation = StreamedValidation(self._served_models)
@@ -587,8 +592,8 @@ class ChunkedUploads:
         if file is None:
             final = self._final_path(upload.file_id)
             if not final.exists():
-                await anyio.to_thread.run_sync(self._assemble, upload)
-                await anyio.to_thread.run_sync(_move, self._folder(upload.id) / "assembled.jsonl", final)
+                assembled = await anyio.to_thread.run_sync(self._assemble, upload)
+                await anyio.to_thread.run_sync(_move, assembled, final)
             file = self._new_file(
                 file_id=upload.file_id,
                 path=final,
@@ -610,37 +615,15 @@ class ChunkedUploads:
         self._drop_parts(upload.id)  # parts sent but not named (a part sent again by a retry)
         return completed, file
 
-    def _assemble(self, upload: Upload) -> None:
-        """Append the parts in order into ``assembled.jsonl``, deleting each once appended."""
-        folder = self._folder(upload.id)
-        target = folder / "assembled.jsonl"
-        skip = len(UTF8_BOM) if upload.skip_bom else 0
-        ends = []
-        total = -skip
-        for size in upload.sizes:
-            total += size
-            ends.append(total)
-        for index, part_id in enumerate(upload.order):
-            part = folder / f"{part_id}.part"
-            if not part.exists():
-                continue  # appended before (a start after a crash)
-            if index == 0 and not skip:
-                os.replace(part, target)
-                continue
-            start = 0 if index == 0 else ends[index - 1]
-            with open(target, "r+b" if index else "wb") as stream:
-                stream.truncate(start)  # a part appended only in part before a crash
-                stream.seek(start)
-                if index == 0:
-                    with open(part, "rb") as source:
-                        source.seek(skip)
-                        shutil.copyfileobj(source, stream, _COPY_BYTES)
-                else:
-                    _append(part, stream)
-            part.unlink()
-        size = target.stat().st_size
-        if size != ends[-1]:
-            raise BatchGenError(f"upload {upload.id}: assembled {size} bytes, expected {ends[-1]}")
+    def _assemble(self, upload: Upload) -> Path:
+        """The parts in the order completed, made one file (a rename when they are the log as
+        it arrived)."""
+        return self._parts_of(upload.id).assemble(
+            upload.order,
+            upload.sizes,
+            len(UTF8_BOM) if upload.skip_bom else 0,
+            log_busy=upload.id in self._log_writers,
+        )
 
     # --- maintenance -----------------------------------------------------------------------
     def expire_due(self) -> None:
@@ -666,10 +649,8 @@ class ChunkedUploads:
     async def recover(self) -> None:
         """At start: finish uploads a crash left ``completing``, and drop parts half received."""
         for upload in list(self.uploads()):
-            folder = self._folder(upload.id)
-            for leftover in folder.glob("*.receiving"):
-                leftover.unlink(missing_ok=True)
             if upload.status == PENDING:
+                self._parts_of(upload.id).repair()
                 self._pending_expiry[upload.id] = upload.expires_at
             if upload.status == COMPLETING:
                 try:

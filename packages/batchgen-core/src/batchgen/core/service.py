@@ -107,6 +107,7 @@ from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
+from batchgen.core.upload_parts import PartDestination
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.core.webhook_outbox import WebhookTargets
 
@@ -484,24 +485,21 @@ class BatchService:
         )
 
     @_storage_call("receive the part")
-    async def new_upload_part(self, upload_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, str]:
-        """Where to receive a part of the upload, and the part's id; pass both to
-        ``add_upload_part``, or to ``drop_upload_part`` when receiving failed."""
-        return self.parts.uploads.new_part_path(upload_id, caller)
+    async def new_upload_part(self, upload_id: str, *, caller: Caller = EMBEDDED) -> PartDestination:
+        """Where to receive a part of the upload (``open()`` it, write the part's bytes, close it),
+        and the part's id; pass it to ``add_upload_part``, or to ``drop_upload_part`` when receiving
+        failed."""
+        return self.parts.uploads.new_part(upload_id, caller)
 
-    def drop_upload_part(self, upload_id: str, received: Path) -> None:
+    def drop_upload_part(self, upload_id: str, destination: PartDestination) -> None:
         """Forget a part whose receiving failed (its bytes are deleted)."""
-        self.blobs.remove(received)
-        self.parts.uploads.part_received(upload_id)
+        self.parts.uploads.drop_part(upload_id, destination)
 
     @_storage_call("store the part")
     async def add_upload_part(
-        self, upload_id: str, part_id: str, received: Path, *, caller: Caller = EMBEDDED
+        self, upload_id: str, destination: PartDestination, *, caller: Caller = EMBEDDED
     ) -> UploadPart:
-        try:
-            return await self.parts.uploads.add_part(upload_id, part_id, received, caller)
-        finally:
-            self.parts.uploads.part_received(upload_id)
+        return await self.parts.uploads.add_part(upload_id, destination, caller)
 
     @_storage_call("complete the upload")
     async def complete_upload(

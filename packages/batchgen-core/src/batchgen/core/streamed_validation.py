@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Iterable, Iterator
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from batchgen.core.batch_file import VALIDATION_BLOCK_BYTES, BatchFileSummary, LineRouter, _Validation
 
@@ -165,12 +165,28 @@ def validate_exactly(
     return validation.summary()
 
 
-def file_chunks(paths: Iterable[str], size: int = VALIDATION_BLOCK_BYTES, skip: int = 0) -> Iterator[bytes]:
-    """The bytes of ``paths`` in order, ``size`` at a time; the first ``skip`` bytes left out."""
-    for path in paths:
+class Segment(NamedTuple):
+    """``length`` bytes of the file at ``path`` from ``offset``: a part of an upload, where it lies."""
+
+    path: str
+    offset: int
+    length: int
+
+
+def segment_chunks(
+    segments: Iterable[Segment], size: int = VALIDATION_BLOCK_BYTES, skip: int = 0
+) -> Iterator[bytes]:
+    """The bytes of ``segments`` in order, ``size`` at a time; the first ``skip`` bytes left out.
+    A segment shorter on disk than it says (a file cut meanwhile) raises OSError."""
+    for path, offset, length in segments:
         with open(path, "rb") as stream:
-            if skip:
-                stream.seek(skip)
-                skip = 0
-            while chunk := stream.read(size):
+            start = min(skip, length)
+            skip -= start
+            stream.seek(offset + start)
+            left = length - start
+            while left > 0:
+                chunk = stream.read(min(size, left))
+                if not chunk:
+                    raise OSError(f"{path}: {left} bytes of a part are missing")
+                left -= len(chunk)
                 yield chunk

@@ -22,7 +22,6 @@ import sys
 import threading
 from collections.abc import Collection
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -30,7 +29,7 @@ import attrs
 from batchgen.core.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.errors import InvalidBatchFile, LineProblem
 from batchgen.core.served_models import ModelSet, ServedModel
-from batchgen.core.streamed_validation import StreamedValidation, file_chunks, validate_exactly
+from batchgen.core.streamed_validation import Segment, StreamedValidation, segment_chunks, validate_exactly
 
 UTF8_BOM = b"\xef\xbb\xbf"
 #: Worker processes validating at once; an upload that finds them all busy is validated at complete.
@@ -67,25 +66,27 @@ def line_router_copy(served: ModelSet) -> ModelSet:
 
 
 def _validate(connection: Connection, served: Collection[str] | LineRouter | None) -> None:
-    """The worker: validate the parts named on ``connection`` in order until told to finish."""
+    """The worker: validate the parts (segments of files) named on ``connection`` in order until
+    told to finish."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this
     validation = StreamedValidation(served)
-    paths: list[str] = []
+    segments: list[Segment] = []
     skip = 0
     try:
         while True:
             kind, value = connection.recv()
             if kind == "part":
-                for chunk in file_chunks([value]):
-                    if not paths and not validation.bytes and chunk.startswith(UTF8_BOM):
+                segment = Segment(*value)
+                for chunk in segment_chunks([segment]):
+                    if not segments and not validation.bytes and chunk.startswith(UTF8_BOM):
                         chunk, skip = chunk[len(UTF8_BOM) :], len(UTF8_BOM)
                     validation.feed(chunk)
-                paths.append(value)
+                segments.append(segment)
                 continue
             found = validation.finish()
             try:
                 if not isinstance(found, BatchFileSummary):
-                    found = validate_exactly(file_chunks(paths, skip=skip), served, found)
+                    found = validate_exactly(segment_chunks(segments, skip=skip), served, found)
                 connection.send(("valid", found.line_count, found.url))
             except InvalidBatchFile as exc:
                 problems = [(problem.line, problem.message, problem.left_out) for problem in exc.problems]
@@ -130,11 +131,11 @@ class ValidationWorker:
     def running(self) -> bool:
         return self._connection is not None
 
-    def push(self, part_id: str, path: Path) -> None:
+    def push(self, part_id: str, segment: Segment) -> None:
         self.order.append(part_id)
         if self._connection is not None:
             try:
-                self._connection.send(("part", str(path)))
+                self._connection.send(("part", tuple(segment)))
             except OSError:
                 self.close()
 

@@ -10,6 +10,7 @@ mark at the start of the file is dropped (editors on Windows add one; JSON forbi
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO
 
@@ -130,13 +131,14 @@ class _PartCollector:
 async def receive_upload(
     content_type: str,
     body: AsyncIterator[bytes],
-    destination: Path,
+    destination: Path | BinaryIO,
     max_file_bytes: int,
     *,
     file_field: str = "file",
     strip_bom: bool = True,
 ) -> ReceivedUpload:
-    """Stream a multipart body into ``destination``; return the form fields and file details.
+    """Stream a multipart body into ``destination`` (a file made anew, or a stream open for
+    writing, left open); return the form fields and file details.
 
     The file is the part named ``file_field``; a UTF-8 byte order mark at its start is left out
     unless ``strip_bom`` is false (a part of a chunked upload keeps its exact bytes)."""
@@ -148,7 +150,7 @@ async def receive_upload(
             + (" and a 'purpose' field" if file_field == "file" else ""),
             param="file",
         )
-    with open(destination, "wb") as stream:
+    with open(destination, "wb") if isinstance(destination, Path) else nullcontext(destination) as stream:
         collector = _PartCollector(stream, max_file_bytes, file_field, strip_bom)
         parser = MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
         try:

@@ -73,20 +73,21 @@ class UploadsController(Controller):
             raise PayloadTooLarge(
                 f"A part may hold at most {MAX_PART_BYTES} bytes; this body is {declared[:20]}."
             )
-        received, part_id = await service.new_upload_part(upload_id, caller=caller)
+        destination = await service.new_upload_part(upload_id, caller=caller)
         try:
-            await receive_upload(
-                request.headers.get("content-type", ""),
-                request.stream(),
-                received,
-                MAX_PART_BYTES,
-                file_field="data",
-                strip_bom=False,
-            )
+            with destination.open() as stream:
+                await receive_upload(
+                    request.headers.get("content-type", ""),
+                    request.stream(),
+                    stream,
+                    MAX_PART_BYTES,
+                    file_field="data",
+                    strip_bom=False,
+                )
         except BaseException:
-            service.drop_upload_part(upload_id, received)
+            service.drop_upload_part(upload_id, destination)
             raise
-        part = await service.add_upload_part(upload_id, part_id, received, caller=caller)
+        part = await service.add_upload_part(upload_id, destination, caller=caller)
         return part.to_dict()
 
     @post("/{upload_id:str}/complete", status_code=200)
