@@ -180,7 +180,7 @@ class _Speculation:
             if self.broken:
                 continue
             try:
-                for chunk in segment_chunks([segment]):
+                for chunk in segment_chunks([segment], forget=True):
                     if self._skip_bom:
                         chunk = chunk.removeprefix(UTF8_BOM)
                         self._skip_bom = False

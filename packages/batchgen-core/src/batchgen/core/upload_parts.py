@@ -35,6 +35,7 @@ import attrs
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.streamed_validation import Segment
+from batchgen.core.write_behind import open_write_behind
 
 LOG = "arrived.log"
 INDEX = "arrived.index"
@@ -59,17 +60,9 @@ class PartDestination:
         return self.offset is not None
 
     def open(self) -> BinaryIO:
-        """The stream to write the part's bytes to (closed by the caller before ``commit``)."""
-        if self.offset is None:
-            return open(self.path, "wb")
-        stream = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
-        try:
-            stream.truncate(self.offset)  # what a part refused or cut short left after the last one
-            stream.seek(self.offset)
-        except BaseException:
-            stream.close()
-            raise
-        return stream
+        """The stream to write the part's bytes to (closed by the caller before ``commit``); its
+        writeback to disk starts as it is written (``write_behind``)."""
+        return open_write_behind(self.path, position=self.offset)
 
     def received_bytes(self) -> int:
         size = self.path.stat().st_size

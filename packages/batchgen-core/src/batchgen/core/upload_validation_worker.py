@@ -77,7 +77,7 @@ def _validate(connection: Connection, served: Collection[str] | LineRouter | Non
             kind, value = connection.recv()
             if kind == "part":
                 segment = Segment(*value)
-                for chunk in segment_chunks([segment]):
+                for chunk in segment_chunks([segment], forget=True):
                     if not segments and not validation.bytes and chunk.startswith(UTF8_BOM):
                         chunk, skip = chunk[len(UTF8_BOM) :], len(UTF8_BOM)
                     validation.feed(chunk)
