@@ -300,6 +300,22 @@ def test_a_client_still_sending_after_a_refusal_reads_the_refusal_not_a_reset(se
             _refused(_read_all(sock), 431)
 
 
+def test_an_answer_given_before_the_body_was_read_is_read_not_reset(serve: Serve) -> None:
+    """``GET /health`` with a body and ``Connection: close``: the route answers without reading the
+    body, and the server closes with most of it unread in the socket; the close lingers, so the
+    client reads the answer."""
+    base_url = serve()
+    body = b"x" * 600_000
+    head = (
+        f"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    for _ in range(3):
+        with _connect(base_url) as sock:
+            with contextlib.suppress(OSError):
+                sock.sendall(head + body)
+            assert _status(_read_all(sock)) in (200, 405)
+
+
 _SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 
 

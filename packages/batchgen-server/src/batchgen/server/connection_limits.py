@@ -16,9 +16,12 @@ protocol with what it lacks, adds:
   already refuses conflicting ``Content-Length`` values and codings other than ``chunked`` (400
   here, not h11's 501: the body's length cannot be known).
   Every such refusal is an OpenAI-shaped error and closes the connection, so no byte after it is
-  read as another request. The close lingers (``LINGER_S``, at most ``LINGER_BYTES``): the
-  server stops sending, then reads and drops what the client still sends, so a client that is
-  still sending its request reads the refusal instead of a reset;
+  read as another request;
+- a gentle close: a connection closed while the client may still be sending its request (a
+  refusal, or an answer given before the body was read, as ``GET /health`` with a body and
+  ``Connection: close``) lingers (``LINGER_S``, at most ``LINGER_BYTES``): the server stops
+  sending, then reads and drops what the client still sends, so the client reads the answer
+  instead of a reset (closing a socket with unread bytes resets the connection);
 - a bounded shutdown: once the server stops, a connection still receiving or answering a request
   ``shutdown_grace_s`` later is closed (an upload still arriving is cut; its handler sees the
   client leave and removes its staging file), and uvicorn cancels what is still running a moment
@@ -123,6 +126,24 @@ def _check_framing(request: h11.Request) -> None:
         )
 
 
+class _GentleClose:
+    """The connection's transport as uvicorn's protocol sees it, but ``close`` is
+    ``EdgeProtocol._close_gently``, and a lingering connection is already closing."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: EdgeProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol._close_gently()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing() or self._protocol.lingering
+
+
 class EdgeProtocol(H11Protocol):
     """uvicorn's h11 protocol with the bounds of this module's docstring (set on a subclass)."""
 
@@ -139,11 +160,12 @@ class EdgeProtocol(H11Protocol):
         self._linger_bytes_left = LINGER_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._socket = transport
+        super().connection_made(_GentleClose(transport, self))  # type: ignore[arg-type]
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._linger_timer is not None:  # refused: what still arrives is dropped
+        if self._linger_timer is not None:  # closing: what still arrives is dropped
             self._linger_bytes_left -= len(data)
             if self._linger_bytes_left < 0:
                 self._end_linger()
@@ -204,25 +226,40 @@ class EdgeProtocol(H11Protocol):
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # a response was already under way: just close
-            self.transport.close()
-            return
+            pass
         self._linger()
+
+    @property
+    def lingering(self) -> bool:
+        return self._linger_timer is not None
+
+    def _close_gently(self) -> None:
+        """Close the connection: at once if the client has sent its whole request (or none), else
+        after lingering."""
+        if self.lingering:
+            return
+        if self.conn.their_state in (h11.SEND_BODY, h11.ERROR):
+            self._linger()
+        else:
+            self._socket.close()
 
     def _linger(self) -> None:
         """Stop sending (the answer goes first), drop what still arrives, close after ``LINGER_S``."""
         self._disarm_header_timer()
-        if self.transport.is_closing() or not self.transport.can_write_eof():
-            self.transport.close()
+        if self.lingering:
             return
-        self.transport.write_eof()
-        self.transport.resume_reading()
+        if self._socket.is_closing() or not self._socket.can_write_eof():
+            self._socket.close()
+            return
+        self._socket.write_eof()
+        self._socket.resume_reading()
         self._linger_timer = self.loop.call_later(LINGER_S, self._end_linger)
 
     def _end_linger(self) -> None:
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
-        self.transport.close()
+        self._socket.close()
 
     def shutdown(self) -> None:
         """The server stops: close the connection now if idle, else when ``shutdown_grace_s`` ends."""
