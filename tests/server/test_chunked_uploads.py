@@ -184,6 +184,42 @@ def test_the_validation_worker_process_names_the_same_lines(
     assert api.get(f"/v1/files/{response.json()['file']['id']}/content").content == data
 
 
+@_SETTINGS
+@given(
+    in_worker=st.booleans(),
+    bom=st.booleans(),
+    points=st.lists(st.integers(0, 100_000), max_size=5),
+    wrong=st.sampled_from(["no", "one byte more", "without the bom"]),
+)
+def test_the_md5_of_parts_validated_as_they_arrived_is_their_bytes_md5(
+    api: httpx.Client,
+    monkeypatch: pytest.MonkeyPatch,
+    in_worker: bool,
+    bom: bool,
+    points: list[int],
+    wrong: str,
+) -> None:
+    """Completed in the order the parts arrived, the md5 is the one their validation computed as
+    they arrived (in a worker process or a thread): that of every byte sent, a byte order mark
+    included, and a wrong one still stores nothing."""
+    monkeypatch.setattr(chunked_uploads, "WORKER_MIN_BYTES", 0 if in_worker else 1 << 40)
+    data = (b"\xef\xbb\xbf" if bom else b"") + jsonl(*[chat_line(f"d-{i}") for i in range(30)])
+    upload = create_upload(api, len(data))
+    ids = [add_part(api, upload["id"], part) for part in _cut(data, points)]
+    named = {
+        "no": data,
+        "one byte more": data + b"x",
+        "without the bom": data.removeprefix(b"\xef\xbb\xbf") if bom else data[1:],
+    }[wrong]
+    answer = complete(api, upload["id"], ids, md5=hashlib.md5(named).hexdigest())
+    if wrong != "no":
+        assert api_error(answer, 400)["code"] == "md5_mismatch"
+        answer = complete(api, upload["id"], ids, md5=hashlib.md5(data).hexdigest())
+    assert answer.status_code == 200, answer.text
+    stored = api.get(f"/v1/files/{answer.json()['file']['id']}/content").content
+    assert stored == data.removeprefix(b"\xef\xbb\xbf")
+
+
 def test_an_md5_that_does_not_match_stores_nothing_and_the_right_one_completes(api: httpx.Client) -> None:
     data = jsonl(*[chat_line(f"m-{i}") for i in range(20)])
     upload = create_upload(api, len(data))
