@@ -43,13 +43,13 @@ import attrs
 
 from batchgen.core.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.batch_tracker import now
-from batchgen.core.errors import InvalidBatchFile, InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import UPLOAD_PURPOSES, FileObject
 from batchgen.core.streamed_validation import Segment, StreamedValidation, segment_chunks, validate_exactly
 from batchgen.core.tenancy import EMBEDDED, Caller
 from batchgen.core.upload_parts import PartDestination, PartFolder
-from batchgen.core.upload_validation_worker import Speculated, ValidationWorker
+from batchgen.core.upload_validation_worker import ValidationWorker
 
 logger = logging.getLogger("batchgen.uploads")
 
@@ -160,7 +160,6 @@ class _Speculation:
         self._closed = False
         self.broken = False
         self._skip_bom = True  # the first bytes of the first part
-        self._digest = hashlib.md5(usedforsecurity=False)
         self._thread = threading.Thread(target=self._run, name="upload validation", daemon=True)
         self._thread.start()
 
@@ -182,7 +181,6 @@ class _Speculation:
                 continue
             try:
                 for chunk in segment_chunks([segment], forget=True):
-                    self._digest.update(chunk)
                     if self._skip_bom:
                         chunk = chunk.removeprefix(UTF8_BOM)
                         self._skip_bom = False
@@ -190,13 +188,11 @@ class _Speculation:
             except Exception:  # a part deleted meanwhile (cancel), a read error: validate at complete
                 self.broken = True
 
-    def result(self) -> Speculated:
-        """Wait for the parts pushed; what validation found, and their md5."""
+    def result(self) -> BatchFileSummary | set[int] | None:
+        """Wait for the parts pushed; what validation found (None: it could not run)."""
         self.close()
         self._thread.join()
-        if self.broken:
-            return Speculated(None)
-        return Speculated(self._validation.finish(), self._digest.hexdigest())
+        return None if self.broken else self._validation.finish()
 
     def close(self) -> None:
         with self._wake:
@@ -499,16 +495,15 @@ class ChunkedUploads:
         self._pending(upload, "you can complete")
         sizes = self._check_order(upload, part_ids)
         pieces = self._parts_of(upload_id).pieces(part_ids, sizes)
-        speculated = await self._speculated(upload_id, list(part_ids))
         if md5 is not None:
-            await self._check_md5(pieces, md5, speculated.md5)
+            await self._check_md5(pieces, md5)
         first = pieces[0]
         with open(first.path, "rb") as stream:
             stream.seek(first.offset)
             skip_bom = stream.read(min(len(UTF8_BOM), first.length)) == UTF8_BOM
         summary = BatchFileSummary(line_count=0, url="")
         if upload.purpose == "batch":
-            summary = await self._validate(pieces, skip_bom, speculated.found)
+            summary = await self._validate(upload_id, list(part_ids), pieces, skip_bom)
         completing = attrs.evolve(
             upload,
             status=COMPLETING,
@@ -544,26 +539,14 @@ class ChunkedUploads:
             )
         return sizes
 
-    async def _speculated(self, upload_id: str, part_ids: list[str]) -> Speculated:
-        """What the validation of the parts as they arrived found, if ``part_ids`` is that order."""
-        speculation = self._speculations.pop(upload_id, None)
-        if speculation is None:
-            return Speculated(None)
-        if speculation.order != part_ids:
-            speculation.close()
-            return Speculated(None)
-        return await anyio.to_thread.run_sync(speculation.result)
-
-    async def _check_md5(self, pieces: list[Segment], md5: str, known: str | None) -> None:
-        """The parts' md5 (``known``, when the validation as they arrived computed it) is ``md5``."""
-
+    async def _check_md5(self, pieces: list[Segment], md5: str) -> None:
         def digest() -> str:
             value = hashlib.md5(usedforsecurity=False)
             for chunk in segment_chunks(pieces, _DIGEST_BYTES):
                 value.update(chunk)
             return value.hexdigest()
 
-        found = known if known is not None else await anyio.to_thread.run_sync(digest)
+        found = await anyio.to_thread.run_sync(digest)
         if found != md5.strip().lower():
             raise InvalidRequest(
                 f"md5 mismatch: the parts, in the order named, have md5 {found}, not {md5[:64]!r}; "
@@ -573,14 +556,15 @@ class ChunkedUploads:
             )
 
     async def _validate(
-        self,
-        pieces: list[Segment],
-        skip_bom: bool,
-        found: BatchFileSummary | InvalidBatchFile | set[int] | None,
+        self, upload_id: str, part_ids: list[str], pieces: list[Segment], skip_bom: bool
     ) -> BatchFileSummary:
-        """Validate the parts in order, from what the validation as they arrived ``found``."""
-        if isinstance(found, InvalidBatchFile):
-            raise found
+        speculation = self._speculations.pop(upload_id, None)
+        found: BatchFileSummary | set[int] | None = None
+        if speculation is not None:
+            if speculation.order == part_ids:
+                found = await anyio.to_thread.run_sync(speculation.result)
+            else:
+                speculation.close()
 
         def chunks() -> Iterator[bytes]:
             return segment_chunks(pieces, skip=len(UTF8_BOM) if skip_bom else 0)

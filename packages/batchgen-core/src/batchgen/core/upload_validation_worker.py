@@ -15,7 +15,6 @@ validates itself.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import signal
 import socket
 import subprocess
@@ -38,16 +37,6 @@ MAX_WORKERS = 2
 _workers = threading.BoundedSemaphore(MAX_WORKERS)
 #: What the worker process runs (``python -c``: ``-m`` would import this module twice).
 _WORKER_MAIN = "from batchgen.core.upload_validation_worker import main; main()"
-
-
-@attrs.frozen
-class Speculated:
-    """What validating the parts as they arrived found (``found``: the summary, the problems, or
-    the suspect id hashes still to check exactly; None: it could not run), and the md5 of their
-    bytes in that order (None: not known)."""
-
-    found: BatchFileSummary | InvalidBatchFile | set[int] | None
-    md5: str | None = None
 
 
 @attrs.frozen
@@ -81,7 +70,6 @@ def _validate(connection: Connection, served: Collection[str] | LineRouter | Non
     told to finish."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this
     validation = StreamedValidation(served)
-    digest = hashlib.md5(usedforsecurity=False)  # for a complete that names an md5: no second read
     segments: list[Segment] = []
     skip = 0
     try:
@@ -90,7 +78,6 @@ def _validate(connection: Connection, served: Collection[str] | LineRouter | Non
             if kind == "part":
                 segment = Segment(*value)
                 for chunk in segment_chunks([segment], forget=True):
-                    digest.update(chunk)
                     if not segments and not validation.bytes and chunk.startswith(UTF8_BOM):
                         chunk, skip = chunk[len(UTF8_BOM) :], len(UTF8_BOM)
                     validation.feed(chunk)
@@ -100,10 +87,10 @@ def _validate(connection: Connection, served: Collection[str] | LineRouter | Non
             try:
                 if not isinstance(found, BatchFileSummary):
                     found = validate_exactly(segment_chunks(segments, skip=skip), served, found)
-                connection.send(("valid", found.line_count, found.url, digest.hexdigest()))
+                connection.send(("valid", found.line_count, found.url))
             except InvalidBatchFile as exc:
                 problems = [(problem.line, problem.message, problem.left_out) for problem in exc.problems]
-                connection.send(("invalid", problems, exc.total_problems, digest.hexdigest()))
+                connection.send(("invalid", problems, exc.total_problems))
             return
     except (EOFError, OSError):  # the server went away, or a part was deleted (cancelled)
         return
@@ -152,23 +139,21 @@ class ValidationWorker:
             except OSError:
                 self.close()
 
-    def result(self) -> Speculated:
-        """The summary or the problems, and the md5 of the parts pushed; nothing if the worker failed."""
+    def result(self) -> BatchFileSummary | None:
+        """The summary (InvalidBatchFile for a file with problems); None if the worker failed."""
         connection = self._connection
         if connection is None:
-            return Speculated(None)
+            return None
         try:
             connection.send(("finish", None))
             answer = connection.recv()
         except (EOFError, OSError):
-            return Speculated(None)
+            return None
         finally:
             self.close()
         if answer[0] == "valid":
-            return Speculated(BatchFileSummary(line_count=answer[1], url=answer[2]), answer[3])
-        return Speculated(
-            InvalidBatchFile([LineProblem(*problem) for problem in answer[1]], answer[2]), answer[3]
-        )
+            return BatchFileSummary(line_count=answer[1], url=answer[2])
+        raise InvalidBatchFile([LineProblem(*problem) for problem in answer[1]], answer[2])
 
     def close(self) -> None:
         connection, self._connection = self._connection, None
