@@ -93,6 +93,11 @@ def _copy_range(source: str, offset: int, length: int, destination: BinaryIO) ->
                 length -= len(chunk)
 
 
+def _index_line(part_id: str, offset: int, length: int) -> bytes:
+    """The index line of a part in the log."""
+    return json.dumps({"id": part_id, "offset": offset, "bytes": length}).encode() + b"\n"
+
+
 class PartFolder:
     """One upload's parts in ``folder``."""
 
@@ -138,9 +143,8 @@ class PartFolder:
             path = self.folder / f"{destination.part_id}.part"
             os.replace(destination.path, path)
             return Segment(str(path), 0, size)
-        line = json.dumps({"id": destination.part_id, "offset": destination.offset, "bytes": size})
         with open(self.index, "ab") as stream:
-            stream.write(line.encode() + b"\n")
+            stream.write(_index_line(destination.part_id, destination.offset, size))
             stream.flush()
             os.fsync(stream.fileno())
         return Segment(str(self.log), destination.offset, size)
@@ -170,10 +174,7 @@ class PartFolder:
                 break
             kept.append((part_id, segment))
             end += segment.length
-        lines = b"".join(
-            json.dumps({"id": part_id, "offset": offset, "bytes": length}).encode() + b"\n"
-            for part_id, (_, offset, length) in kept
-        )
+        lines = b"".join(_index_line(part_id, offset, length) for part_id, (_, offset, length) in kept)
         if self.index.exists() and self.index.read_bytes() != lines:
             temporary = self.index.with_suffix(".tmp")
             temporary.write_bytes(lines)

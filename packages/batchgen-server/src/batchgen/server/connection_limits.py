@@ -54,9 +54,9 @@ RESERVED_FILE_DESCRIPTORS = 256
 #: After the shutdown grace has closed the connections, how long uvicorn lets their handlers unwind
 #: (a cut upload removing its staging file) before it cancels the ones still running.
 SHUTDOWN_CANCEL_MARGIN_S = 1.0
-#: After a refusal, how long a connection is kept half-closed, dropping what the client still sends,
-#: before it is closed (closing a socket with unread bytes resets it, and the client may lose the
-#: answer), and how many bytes it drops at most.
+#: How long a connection closed while the client may still be sending is kept half-closed, dropping
+#: what the client still sends, before it is closed (closing a socket with unread bytes resets it,
+#: and the client may lose the answer), and how many bytes it drops at most.
 LINGER_S = 1.0
 LINGER_BYTES = 1024 * 1024
 #: The end of a request's head, as h11 finds it (it accepts a bare LF for CRLF).
@@ -165,17 +165,13 @@ class EdgeProtocol(H11Protocol):
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._linger_timer is not None:  # closing: what still arrives is dropped
+        if self.lingering:  # closing: what still arrives is dropped
             self._linger_bytes_left -= len(data)
             if self._linger_bytes_left < 0:
                 self._end_linger()
             return
         super().data_received(data)
-        if (
-            self.conn.their_state is h11.IDLE
-            and not self.transport.is_closing()
-            and self._linger_timer is None
-        ):
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # lingering counts
             self._arm_header_timer()  # part of the next request's headers: they must complete in time
         else:
             self._disarm_header_timer()
@@ -225,7 +221,7 @@ class EdgeProtocol(H11Protocol):
             )
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
-        except h11.LocalProtocolError:  # a response was already under way: just close
+        except h11.LocalProtocolError:  # a response was already under way: just close (gently)
             pass
         self._linger()
 
@@ -263,7 +259,7 @@ class EdgeProtocol(H11Protocol):
 
     def shutdown(self) -> None:
         """The server stops: close the connection now if idle, else when ``shutdown_grace_s`` ends."""
-        if self._linger_timer is not None:
+        if self.lingering:
             self._end_linger()
             return
         super().shutdown()
@@ -273,7 +269,7 @@ class EdgeProtocol(H11Protocol):
     def _end_of_grace(self) -> None:
         """Cut the request still under way: its handler sees the client leave, the client gets 503."""
         self._shutdown_timer = None
-        if self.transport.is_closing() or self._linger_timer is not None:
+        if self.transport.is_closing():  # closed, or lingering
             return
         logger.warning(
             "shutting down: closed a connection whose request was still under way after "
