@@ -7,6 +7,7 @@ arrives, loses nothing received whole."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import tempfile
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from batchgen.core import upload_parts
 from batchgen.core.errors import BatchGenError
+from batchgen.core.streamed_validation import BomStrip
 from batchgen.core.upload_parts import ASSEMBLED, PartFolder
 
 BOM = b"\xef\xbb\xbf"
@@ -183,3 +185,32 @@ def test_a_part_refused_after_it_arrived_is_cut_off_the_log() -> None:
         PartFolder.discard(refused)
         assert folder.log.read_bytes() == b"kept\n"
         assert [json.loads(line)["id"] for line in folder.index.read_text().splitlines()] == ["a"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.binary(max_size=40),
+    with_mark=st.booleans(),
+    cuts=st.lists(st.integers(0, 44), max_size=5),
+    into_log=st.booleans(),
+)
+def test_a_byte_order_mark_cut_across_tiny_parts_is_left_out_however_it_is_read(
+    data: bytes, with_mark: bool, cuts: list[int], into_log: bool
+) -> None:
+    """Parts of one or two bytes may cut the mark: validation's reading (``BomStrip``, chunk by
+    chunk) and assembly (``skip`` across parts) both leave exactly the mark out."""
+    whole = (BOM if with_mark else b"") + data
+    points = sorted({0, len(whole), *(cut % (len(whole) + 1) for cut in cuts)})
+    pieces = [whole[start:end] for start, end in itertools.pairwise(points) if end > start]
+    strip = BomStrip()
+    streamed = b"".join(strip.feed(piece) for piece in pieces) + strip.finish()
+    expected = whole.removeprefix(BOM)
+    assert streamed == expected and strip.skipped == len(whole) - len(expected)
+    if not pieces:
+        return
+    with _folder() as folder:
+        names = [f"p{number}" for number in range(len(pieces))]
+        for name, piece in zip(names, pieces, strict=True):
+            _receive(folder, name, piece, into_log=into_log)
+        target = folder.assemble(names, [len(piece) for piece in pieces], strip.skipped, log_busy=False)
+        assert target.read_bytes() == expected

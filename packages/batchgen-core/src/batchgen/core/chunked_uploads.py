@@ -46,7 +46,14 @@ from batchgen.core.batch_tracker import now
 from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import UPLOAD_PURPOSES, FileObject
-from batchgen.core.streamed_validation import Segment, StreamedValidation, segment_chunks, validate_exactly
+from batchgen.core.streamed_validation import (
+    UTF8_BOM,
+    BomStrip,
+    Segment,
+    StreamedValidation,
+    segment_chunks,
+    validate_exactly,
+)
 from batchgen.core.tenancy import EMBEDDED, Caller
 from batchgen.core.upload_parts import PartDestination, PartFolder
 from batchgen.core.upload_validation_worker import ValidationWorker
@@ -69,7 +76,6 @@ ENDED_RECORD_KEEP_S = 7 * 86400
 PRUNE_INTERVAL_S = 3600
 #: The longest filename and mime_type accepted.
 MAX_NAME_CHARS = 1024
-UTF8_BOM = b"\xef\xbb\xbf"
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _DIGEST_BYTES = 1 << 24
 
@@ -159,7 +165,7 @@ class _Speculation:
         self._wake = threading.Condition()
         self._closed = False
         self.broken = False
-        self._skip_bom = True  # the first bytes of the first part
+        self._bom = BomStrip()
         self._thread = threading.Thread(target=self._run, name="upload validation", daemon=True)
         self._thread.start()
 
@@ -181,10 +187,7 @@ class _Speculation:
                 continue
             try:
                 for chunk in segment_chunks([segment], forget=True):
-                    if self._skip_bom:
-                        chunk = chunk.removeprefix(UTF8_BOM)
-                        self._skip_bom = False
-                    self._validation.feed(chunk)
+                    self._validation.feed(self._bom.feed(chunk))
             except Exception:  # a part deleted meanwhile (cancel), a read error: validate at complete
                 self.broken = True
 
@@ -192,7 +195,10 @@ class _Speculation:
         """Wait for the parts pushed; what validation found (None: it could not run)."""
         self.close()
         self._thread.join()
-        return None if self.broken else self._validation.finish()
+        if self.broken:
+            return None
+        self._validation.feed(self._bom.finish())
+        return self._validation.finish()
 
     def close(self) -> None:
         with self._wake:
@@ -497,10 +503,12 @@ class ChunkedUploads:
         pieces = self._parts_of(upload_id).pieces(part_ids, sizes)
         if md5 is not None:
             await self._check_md5(pieces, md5)
-        first = pieces[0]
-        with open(first.path, "rb") as stream:
-            stream.seek(first.offset)
-            skip_bom = stream.read(min(len(UTF8_BOM), first.length)) == UTF8_BOM
+        head = b""
+        for chunk in segment_chunks(pieces, len(UTF8_BOM)):  # a mark may be cut across tiny parts
+            head += chunk
+            if len(head) >= len(UTF8_BOM):
+                break
+        skip_bom = head.startswith(UTF8_BOM)
         summary = BatchFileSummary(line_count=0, url="")
         if upload.purpose == "batch":
             summary = await self._validate(upload_id, list(part_ids), pieces, skip_bom)

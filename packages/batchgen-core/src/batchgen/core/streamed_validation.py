@@ -166,6 +166,37 @@ def validate_exactly(
     return validation.summary()
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+class BomStrip:
+    """Leaves a UTF-8 byte order mark out of the start of a stream fed in chunks of any size, a
+    mark cut across chunks (parts of one or two bytes) included; ``skipped``: its length, once
+    known."""
+
+    def __init__(self) -> None:
+        self._head = b""
+        self._decided = False
+        self.skipped = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` follows the mark (held back while it may still be the mark's start)."""
+        if self._decided:
+            return chunk
+        self._head += chunk
+        if len(self._head) < len(UTF8_BOM) and UTF8_BOM.startswith(self._head):
+            return b""
+        return self.finish()
+
+    def finish(self) -> bytes:
+        """The stream ended (or the mark is ruled out): what was held back, less the mark."""
+        head, self._head, self._decided = self._head, b"", True
+        if head.startswith(UTF8_BOM):
+            self.skipped = len(UTF8_BOM)
+            return head[len(UTF8_BOM) :]
+        return head
+
+
 class Segment(NamedTuple):
     """``length`` bytes of the file at ``path`` from ``offset``: a part of an upload, where it lies."""
 

@@ -225,8 +225,11 @@ class PartFolder:
             return target
         in_log = self.log_parts()
         end = 0
+        skip_left = skip  # the mark may be cut across tiny parts
         for index, (part_id, segment) in enumerate(zip(order, self.pieces(order, sizes), strict=True)):
-            start, end = end, end + segment.length - (skip if index == 0 else 0)
+            trim = min(skip_left, segment.length)
+            skip_left -= trim
+            start, end = end, end + segment.length - trim
             own_file = part_id not in in_log
             if own_file and not os.path.exists(segment.path):
                 continue  # appended before a crash, and deleted
@@ -235,7 +238,6 @@ class PartFolder:
             if index == 0 and own_file and not skip:
                 os.replace(segment.path, target)
                 continue
-            trim = skip if index == 0 else 0
             with open(target, "r+b" if target.exists() else "wb") as stream:
                 stream.truncate(start)  # a part copied only in part before a crash
                 stream.seek(start)

@@ -29,9 +29,14 @@ import attrs
 from batchgen.core.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.errors import InvalidBatchFile, LineProblem
 from batchgen.core.served_models import ModelSet, ServedModel
-from batchgen.core.streamed_validation import Segment, StreamedValidation, segment_chunks, validate_exactly
+from batchgen.core.streamed_validation import (
+    BomStrip,
+    Segment,
+    StreamedValidation,
+    segment_chunks,
+    validate_exactly,
+)
 
-UTF8_BOM = b"\xef\xbb\xbf"
 #: Worker processes validating at once; an upload that finds them all busy is validated at complete.
 MAX_WORKERS = 2
 _workers = threading.BoundedSemaphore(MAX_WORKERS)
@@ -71,22 +76,21 @@ def _validate(connection: Connection, served: Collection[str] | LineRouter | Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this
     validation = StreamedValidation(served)
     segments: list[Segment] = []
-    skip = 0
+    bom = BomStrip()
     try:
         while True:
             kind, value = connection.recv()
             if kind == "part":
                 segment = Segment(*value)
                 for chunk in segment_chunks([segment], forget=True):
-                    if not segments and not validation.bytes and chunk.startswith(UTF8_BOM):
-                        chunk, skip = chunk[len(UTF8_BOM) :], len(UTF8_BOM)
-                    validation.feed(chunk)
+                    validation.feed(bom.feed(chunk))
                 segments.append(segment)
                 continue
+            validation.feed(bom.finish())
             found = validation.finish()
             try:
                 if not isinstance(found, BatchFileSummary):
-                    found = validate_exactly(segment_chunks(segments, skip=skip), served, found)
+                    found = validate_exactly(segment_chunks(segments, skip=bom.skipped), served, found)
                 connection.send(("valid", found.line_count, found.url))
             except InvalidBatchFile as exc:
                 problems = [(problem.line, problem.message, problem.left_out) for problem in exc.problems]
