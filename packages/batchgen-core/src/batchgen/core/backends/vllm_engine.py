@@ -130,7 +130,7 @@ class VLLMBackend:
         context_length: int | None = None,
         kv_cache_gib: float | None = None,
         tensor_parallel_size: int = 1,
-        prefix_caching: bool = True,
+        prefix_caching: bool | None = None,
         max_num_seqs: int | None = None,
         engine_args: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
         cache_dir: Path | str | None = None,
@@ -225,6 +225,9 @@ class VLLMBackend:
             "enable_prefix_caching": self.prefix_caching,
             "max_num_seqs": self.max_num_seqs,
             "disable_log_stats": True,
+            # as the transformers backend's grammar: no free whitespace between JSON tokens, which
+            # a small model can fill until its output limit
+            "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
         }
         if device == "cpu":
             named["enforce_eager"] = True  # no CUDA graphs; torch.compile's minutes buy little here
@@ -594,9 +597,10 @@ SPEC = BackendSpec(
             "prefix_caching",
             "--prefix-caching",
             _switch,
-            True,
+            None,
             "reuse the KV cache of prompt prefixes computed before (on or off)",
             metavar="on|off",
+            default_help="vLLM's own: on for generating models, off for embedding models",
         ),
         BackendOption(
             "max_num_seqs",
