@@ -286,6 +286,7 @@ async def test_finish_reasons_token_counts_and_reasoning_come_back_openai_shaped
                 "completion_tokens": result["meta_info"]["completion_tokens"],
                 "total_tokens": result["meta_info"]["prompt_tokens"]
                 + result["meta_info"]["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": result["meta_info"]["cached_tokens"]},
             }
         assert bodies["cut"]["usage"]["completion_tokens"] == 2
         stopped = bodies["stopped"]["choices"][0]["message"]["content"]
