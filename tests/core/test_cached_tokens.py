@@ -115,7 +115,7 @@ def _body(endpoint: str, fields: dict[str, Any]) -> Any:
     return read_body(read_envelope(json.dumps(line).encode()))
 
 
-_BODIES = {
+_BODIES: dict[str, dict[str, Any]] = {
     CHAT_COMPLETIONS: {"messages": [{"role": "user", "content": "hi"}]},
     COMPLETIONS: {"prompt": "hi"},
     RESPONSES: {"input": "hi"},
