@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -59,6 +60,22 @@ def write_jsonl(path: Path, lines: Iterable[object]) -> Path:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every line of a JSONL file, parsed; a missing file has none."""
     return [json.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+_CACHED_TOKENS = re.compile(rb'"cached_tokens":\d+')
+
+
+def as_replayed(body: bytes) -> bytes:
+    """A first run's response body (its JSON bytes) as the result cache replays it: the same bytes,
+    but for usage's ``cached_tokens``, which becomes every prompt token of the answer (none of the
+    prompt was computed again). An embeddings body, which has no such field, stays as it is."""
+    matches = list(_CACHED_TOKENS.finditer(body))
+    if not matches:
+        return body
+    usage = json.loads(body)["usage"]
+    prompt = usage["input_tokens"] if "input_tokens" in usage else usage["prompt_tokens"]
+    last = matches[-1]  # the usage's: the only one outside a string, and after every other member
+    return body[: last.start()] + b'"cached_tokens":%d' % prompt + body[last.end() :]
 
 
 def upload(

@@ -286,6 +286,7 @@ async def test_finish_reasons_token_counts_and_reasoning_come_back_openai_shaped
                 "completion_tokens": result["meta_info"]["completion_tokens"],
                 "total_tokens": result["meta_info"]["prompt_tokens"]
                 + result["meta_info"]["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": result["meta_info"]["cached_tokens"]},
             }
         assert bodies["cut"]["usage"]["completion_tokens"] == 2
         stopped = bodies["stopped"]["choices"][0]["message"]["content"]
@@ -300,6 +301,33 @@ async def test_finish_reasons_token_counts_and_reasoning_come_back_openai_shaped
         assert batch.usage.completion_tokens == sum(
             body["usage"]["completion_tokens"] for body in bodies.values()
         )
+
+
+@pytest.mark.parametrize("radix_cache", [True, False])
+async def test_the_prompt_tokens_the_radix_cache_served_are_each_lines_cached_tokens(
+    sglang: ModuleType, tmp_path: Path, radix_cache: bool
+) -> None:
+    engine_args = {} if radix_cache else {"disable_radix_cache": True}
+    backend = load_backend("sglang", model_path="fake-model", engine_args=engine_args)
+    shared = "Answer in one word. " * 10
+    async with _service(tmp_path, backend) as service:
+        first = await _run(service, _completion("first", shared + "What is red?", max_tokens=3), COMPLETIONS)
+        second = await _run(
+            service, _completion("second", shared + "What is blue?", max_tokens=3), COMPLETIONS
+        )
+        [engine] = sglang.Engine.instances
+        tokenizer = engine.tokenizer_manager.tokenizer
+        [first_line] = (await _lines(service, first.output_file_id)).values()
+        [second_line] = (await _lines(service, second.output_file_id)).values()
+    served = [
+        line["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        for line in (first_line, second_line)
+    ]
+    assert served == [call.result["meta_info"]["cached_tokens"] for call in engine.calls]
+    # the second prompt shares the first's tokens up to "What is"
+    shared_tokens = len(tokenizer.encode(shared + "What is "))
+    assert served == ([0, shared_tokens] if radix_cache else [0, 0])
+    assert (first.usage.prefix_cached_tokens, second.usage.prefix_cached_tokens) == tuple(served)
 
 
 async def test_chat_template_is_applied_and_completions_use_the_raw_prompt(

@@ -1,5 +1,6 @@
 """The result cache through the real server: a second run of the same deterministic requests is
-answered from the cache with the first run's response bodies byte for byte; what it saved shows
+answered from the cache with the first run's response bodies byte for byte (but for
+``cached_tokens``, then every prompt token of the answer); what it saved shows
 in the batch's usage, ``/metrics``, the openai SDK's batch object and both clients; non-
 deterministic requests, other models, endpoints and tenants never share an entry; the cache keeps
 its bound, survives a restart, and a kill -9 during a cached run keeps every request exactly once.
@@ -39,6 +40,7 @@ from tests.helpers import (
     CHAT,
     COMPLETIONS,
     TERMINAL,
+    as_replayed,
     chat_line,
     completion_line,
     create_batch,
@@ -170,7 +172,7 @@ def test_a_second_run_of_10000_greedy_lines_comes_from_the_cache_byte_for_byte(
     for i in range(total):
         replayed, original = second["lines"][f"second-{i}"], first["lines"][f"first-{i}"]
         assert replayed.cached, i
-        assert _body(replayed) == _body(original), i  # byte for byte
+        assert _body(replayed) == as_replayed(_body(original)), i  # byte for byte, but cached_tokens
         assert replayed.id != original.id  # the line itself is the new batch's
     assert len({line.id for line in second["lines"].values()}) == total
     # nothing was computed again: the engine saw no prompt token of the second run
@@ -239,7 +241,7 @@ def test_only_deterministic_requests_are_cached_and_spelling_does_not_matter(
     assert replayed.cached is expected, (line, batch_temperature)
     assert again["usage"]["cached_requests"] == int(expected)
     if expected:
-        assert _body(replayed) == _body(first["lines"]["x"])
+        assert _body(replayed) == as_replayed(_body(first["lines"]["x"]))
     else:
         assert again["usage"]["saved_tokens"] == 0
 
@@ -372,7 +374,9 @@ def test_a_restart_keeps_the_cache(tmp_path: Path) -> None:
         assert _metric(client, "batchgen_result_cache_entries") == 50
         second = _run(client, lines)
     assert second["usage"]["cached_requests"] == 50
-    assert all(_body(second["lines"][key]) == _body(first["lines"][key]) for key in first["lines"])
+    assert all(
+        _body(second["lines"][key]) == as_replayed(_body(first["lines"][key])) for key in first["lines"]
+    )
     # a restart with a lower bound trims the file to it at once
     with TestClient(in_process_app(storage, *flags, "--result-cache-max-entries", "10"), timeout=30):
         assert _entries(storage)[0] == 10
@@ -398,7 +402,7 @@ def test_the_savings_show_in_the_openai_sdk_both_clients_and_batchgen_status(
     firsts = _raw_lines((tmp_path / "first.jsonl").read_bytes())
     seconds = _raw_lines((tmp_path / "second.jsonl").read_bytes())
     assert {key: _body(line) for key, line in seconds.items()} == {
-        key: _body(line) for key, line in firsts.items()
+        key: as_replayed(_body(line)) for key, line in firsts.items()
     }
 
     async def through_the_async_client() -> dict[str, Any]:
@@ -412,7 +416,11 @@ def test_the_savings_show_in_the_openai_sdk_both_clients_and_batchgen_status(
     parsed = sdk.batches.retrieve(second["id"])  # the SDK parses the batch object unchanged
     assert parsed.usage is not None
     assert parsed.usage.input_tokens_details.cached_tokens == first["usage"]["input_tokens"]
-    assert parsed.usage.model_extra == {"cached_requests": 6, "saved_tokens": first["usage"]["total_tokens"]}
+    assert parsed.usage.model_extra == {
+        "cached_requests": 6,
+        "saved_tokens": first["usage"]["total_tokens"],
+        "prefix_cached_tokens": 0,  # the simulated engine has no prefix cache
+    }
 
     status = subprocess.run(
         [sys.executable, "-m", "batchgen.client.cli", "--base-url", server.base_url, "status", second["id"]],
@@ -465,7 +473,7 @@ def test_kill_9_during_a_cached_run_keeps_every_request_exactly_once(
         "every known line, and only those, replayed"
     )
     for i in range(2000):
-        assert _body(lines[f"m-k{i}"]) == _body(first["lines"][f"k{i}"])
+        assert _body(lines[f"m-k{i}"]) == as_replayed(_body(first["lines"][f"k{i}"]))
     assert done["usage"]["cached_requests"] == 2000  # rebuilt from the lines after each kill
     assert done["request_counts"] == {"total": 4000, "completed": 4000, "failed": 0}
 

@@ -25,6 +25,13 @@ offline-engine API that the backend uses, shaped as SGLang documents it (upstrea
   ``decode(ids)``; ``engine.tokenizer_manager.context_len``.
 - ``engine.shutdown()``.
 
+``cached_tokens`` is what SGLang's radix (prefix) cache served of the prompt: the longest token
+prefix the prompt shares with a prompt of an earlier finished request still in the cache, at most
+the prompt's length less one (SGLang always computes the last prompt token, for its logits). The
+cache keeps the prompts of the last ``PREFIX_CACHE_PROMPTS`` finished requests (least recently
+used, a hit counting as a use, evicted first) and starts empty with each engine; with
+``disable_radix_cache=True`` every request reports 0, as SGLang does.
+
 The "model" is deterministic: the same prompt, seed and temperature give the same words. It
 writes 4 to 40 words, one token each, stops at a ``stop`` string, or at ``max_new_tokens`` with
 ``finish_reason`` length. A prompt containing ``/think`` is answered with a ``<think>...</think>``
@@ -59,6 +66,7 @@ import os
 import random
 import re
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -89,6 +97,8 @@ SAMPLING_PARAMETERS = frozenset(
 )
 
 DEFAULT_CONTEXT_LENGTH = 4096
+#: How many finished requests' prompts the fake radix cache keeps.
+PREFIX_CACHE_PROMPTS = 64
 
 _WORDS = [
     "a",
@@ -227,6 +237,37 @@ class FakeTokenizerManager:
                 self._engine.aborted.append(target)
 
 
+class FakePrefixCache:
+    """The token ids of finished requests' prompts, least recently used first, ``capacity`` at most."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._prompts: OrderedDict[tuple[int, ...], None] = OrderedDict()
+
+    def match(self, ids: list[int]) -> int:
+        """The prompt tokens served from the cache: the longest prefix ``ids`` shares with a
+        cached prompt (marked used), at most ``len(ids) - 1``."""
+        best, best_length = None, 0
+        for cached in self._prompts:
+            length = 0
+            for mine, theirs in zip(ids, cached, strict=False):
+                if mine != theirs:
+                    break
+                length += 1
+            if length > best_length:
+                best, best_length = cached, length
+        if best is not None:
+            self._prompts.move_to_end(best)
+        return min(best_length, max(0, len(ids) - 1))
+
+    def insert(self, ids: list[int]) -> None:
+        key = tuple(ids)
+        self._prompts[key] = None
+        self._prompts.move_to_end(key)
+        while len(self._prompts) > self.capacity:
+            self._prompts.popitem(last=False)
+
+
 @dataclass
 class _Knobs:
     delay_s: float = 0.0
@@ -262,6 +303,9 @@ class Engine:
         self._dead: str | None = None
         context = kwargs.get("context_length") or DEFAULT_CONTEXT_LENGTH
         self.tokenizer_manager = FakeTokenizerManager(self, int(context))
+        self.prefix_cache = (
+            None if kwargs.get("disable_radix_cache") else FakePrefixCache(PREFIX_CACHE_PROMPTS)
+        )
         Engine.instances.append(self)
 
     # --- the documented API -----------------------------------------------------------------
@@ -300,10 +344,14 @@ class Engine:
             raise ValueError(f"Duplicate request ID: {rid}")
         state = _Running(call)
         self.tokenizer_manager.rid_to_state[rid] = state
+        cached_tokens = 0 if self.prefix_cache is None else self.prefix_cache.match(ids)
         try:
             call.result = await self._generate(state, ids, params, max_new_tokens)
         finally:
             del self.tokenizer_manager.rid_to_state[rid]
+        call.result["meta_info"]["cached_tokens"] = cached_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(ids)
         return call.result
 
     def shutdown(self) -> None:

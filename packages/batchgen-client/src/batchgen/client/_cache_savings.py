@@ -1,10 +1,11 @@
 """What the server's result cache saved a batch, read from the batch object's `usage`.
 
 A BatchGen server whose result cache serves the batch's tenant reports, in `usage`, the requests
-it answered from the cache (`cached_requests`), the prompt tokens of those answers
-(`input_tokens_details.cached_tokens`) and all their tokens, which were not computed again
-(`saved_tokens`). A server without the cache, or another Batch API, reports none: then
-`cache_savings` is None.
+it answered from the cache (`cached_requests`), the prompt tokens of those answers and all their
+tokens, which were not computed again (`saved_tokens`). The prompt tokens are
+`input_tokens_details.cached_tokens` less `prefix_cached_tokens`, since OpenAI's field also counts
+the prompt tokens the engines' prefix caches served. A server without the cache, or another
+Batch API, reports none: then `cache_savings` is None.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def cache_savings(batch: Mapping[str, Any]) -> CacheSavings | None:
         return None
     details = usage.get("input_tokens_details")
     prompt = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-    return CacheSavings(requests, prompt or 0, saved)
+    prefix = _count(usage.get("prefix_cached_tokens")) or 0  # the engines' share of cached_tokens
+    return CacheSavings(requests, max(0, (prompt or 0) - prefix), saved)
 
 
 def format_cache_savings(batch: Mapping[str, Any]) -> str | None:

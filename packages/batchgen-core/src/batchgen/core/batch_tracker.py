@@ -65,6 +65,8 @@ class ActiveBatch:
     cached: int = 0
     cached_prompt_tokens: int = 0
     cached_completion_tokens: int = 0
+    #: Prompt tokens of the computed lines that the engines' prefix caches served.
+    prefix_cached_tokens: int = 0
     in_flight: set[str] = attrs.Factory(set)
     dirty: bool = False
     #: The batch as last saved in the metadata store: the status callers see.
@@ -123,6 +125,7 @@ class ActiveBatch:
                 self.cached,
                 self.cached_prompt_tokens,
                 self.cached_completion_tokens,
+                self.prefix_cached_tokens,
             ),
         )
 

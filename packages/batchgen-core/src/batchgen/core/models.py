@@ -101,20 +101,27 @@ class Usage:
     cached_requests: int = 0
     cached_prompt_tokens: int = 0
     cached_completion_tokens: int = 0
+    #: Prompt tokens of the computed answers that the engines' own prefix caches served, as the
+    #: backends report them (``GenerationResult.cached_tokens``; none from the result cache's).
+    prefix_cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def to_dict(self) -> dict[str, Any]:
+        """OpenAI's batch usage; ``input_tokens_details.cached_tokens`` is every prompt token not
+        computed again (the engines' prefix caches and the result cache's replays), the sum of the
+        output lines' ``cached_tokens``; the extras say what each cache did."""
         return {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_prompt_tokens},
+            "input_tokens_details": {"cached_tokens": self.prefix_cached_tokens + self.cached_prompt_tokens},
             "output_tokens": self.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.total_tokens,
             "cached_requests": self.cached_requests,
             "saved_tokens": self.cached_prompt_tokens + self.cached_completion_tokens,
+            "prefix_cached_tokens": self.prefix_cached_tokens,
         }
 
 
@@ -276,6 +283,19 @@ class GenerationResult:
     #: The OpenAI ``choices`` as an upstream answered them (``n`` > 1, ``logprobs``), written to the
     #: output line as they are; None: one choice made of ``text``.
     choices: tuple[dict[str, Any], ...] | None = None
+    #: Of ``prompt_tokens``, those the engine's own prefix cache served (vLLM's and SGLang's
+    #: ``cached_tokens``, an upstream's ``usage.prompt_tokens_details.cached_tokens``); None: the
+    #: engine does not say. A backend passes on only an int within 0..``prompt_tokens``.
+    cached_tokens: int | None = None
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """``cached_tokens`` as an output line and the counters take it: 0 when the engine does not
+        say (or says something outside 0..``prompt_tokens``)."""
+        cached = self.cached_tokens
+        if cached is None or not 0 <= cached <= self.prompt_tokens:
+            return 0
+        return cached
 
 
 @attrs.frozen

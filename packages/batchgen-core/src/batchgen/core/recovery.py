@@ -84,4 +84,5 @@ def restore_counts(blobs: BlobStore, active: ActiveBatch) -> tuple[FinishedLines
     active.cached = written.cached
     active.cached_prompt_tokens = written.cached_prompt_tokens
     active.cached_completion_tokens = written.cached_completion_tokens
+    active.prefix_cached_tokens = written.prefix_cached_tokens
     return written, separate

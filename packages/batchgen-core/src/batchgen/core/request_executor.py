@@ -48,7 +48,14 @@ from batchgen.core.parameters import ServerDefaults, resolve_sampling, sets_samp
 from batchgen.core.request_schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
 from batchgen.core.result_cache import CachedResult, ResultCache
 from batchgen.core.result_cache_keys import cache_key, is_deterministic
-from batchgen.core.results import body_output_line, error_line, output_line, response_body_json
+from batchgen.core.results import (
+    body_output_line,
+    error_line,
+    line_cached_tokens,
+    output_line,
+    replayed_body,
+    response_body_json,
+)
 from batchgen.core.scheduling import Finished, IntakeEntry
 from batchgen.core.served_models import ModelSet, Route
 from batchgen.core.storage import ResultWriter
@@ -166,8 +173,9 @@ class RequestExecutor:
     def _answer_from_cache(
         self, cache: ResultCache, running: list[_Running], ended_early: list[int]
     ) -> list[_Running]:
-        """Write the lines of the requests the cache holds (their bodies replayed byte for byte,
-        the line's own id and custom_id this batch's); the others, still to run."""
+        """Write the lines of the requests the cache holds (their bodies replayed byte for byte
+        but for ``cached_tokens``, all their prompt, ``replayed_body``; the line's own id and
+        custom_id this batch's); the others, still to run."""
         keys = [item.cache_key for item in running if item.cache_key is not None]
         if not keys:
             return running
@@ -183,7 +191,8 @@ class RequestExecutor:
                 left.append(item)
                 continue
             answered.append(item)
-            line = body_output_line(item.custom_id, item.request.request_id, hit.body, cached=True)
+            body = replayed_body(item.active.batch.endpoint, hit.body, hit.prompt_tokens)
+            line = body_output_line(item.custom_id, item.request.request_id, body, cached=True)
             lines.add(item.active, item.active.output, line, None, cached=hit)
         try:
             lines.write(self._write)
@@ -593,7 +602,9 @@ class _Lines:
                     active.completed += 1
                     active.prompt_tokens += result.prompt_tokens
                     active.completion_tokens += result.completion_tokens
-                    telemetry.request_completed(result.prompt_tokens, result.completion_tokens)
+                    prefix_cached = line_cached_tokens(active.batch.endpoint, result)  # as the line says
+                    active.prefix_cached_tokens += prefix_cached
+                    telemetry.request_completed(result.prompt_tokens, result.completion_tokens, prefix_cached)
                     if store is not None:
                         stores.append(store)
             active.dirty = True

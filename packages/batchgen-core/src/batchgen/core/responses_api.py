@@ -4,7 +4,7 @@ A line's ``input`` (a string, or a list of message items) and ``instructions`` b
 messages (``chat_messages``) and run on the chat path of the chosen model; the answer is a
 ``response`` object (``response_body``) with one ``message`` output item holding an
 ``output_text`` part, the top-level ``output_text`` convenience the SDKs offer, and ``usage`` in
-input/output tokens.
+input/output tokens (``input_tokens_details.cached_tokens``: what the engine's prefix cache served).
 
 Refused at upload, naming the line and every problem of it (``responses_body_problems``): tools and tool choices, hosted
 state (``previous_response_id``, ``conversation``, ``store: true``), ``background``,
@@ -269,7 +269,7 @@ def response_body(model: str, result: GenerationResult, created: int, body: Any)
         "metadata": {},
         "usage": {
             "input_tokens": result.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": result.reported_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": result.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.completion_tokens,

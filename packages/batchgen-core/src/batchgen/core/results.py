@@ -5,6 +5,11 @@ Output lines follow the OpenAI batch output format: ``{"id", "custom_id", "respo
 ``text_completion``, embeddings ``list`` (``embeddings_api``) or ``response`` (``responses_api``)
 body. Error lines carry ``"response": null`` and ``{"code", "message"}``.
 
+Every chat and completions body's ``usage`` has ``prompt_tokens_details.cached_tokens`` (a
+Responses body's ``input_tokens_details.cached_tokens``): the prompt tokens the engine's prefix
+cache served, as the backend reports them, and 0 when it does not say, as OpenAI always writes
+the field; on a line the result cache replays, all its prompt tokens (``replayed_body``).
+
 Every line is exactly one line to any reader: JSON escapes the ASCII control characters, and the
 three other characters Python's ``str.splitlines`` breaks at (U+0085, U+2028, U+2029), which
 JSON allows raw, are written as ``\\u`` escapes too (``_one_line``).
@@ -48,6 +53,7 @@ def _response_body(
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.reported_cached_tokens},  # last: see replayed_body
     }
     if endpoint == CHAT_COMPLETIONS:
         message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
@@ -117,6 +123,46 @@ def response_body_json(
     """A finished request's ``response.body`` as the JSON bytes an output line holds (what the
     result cache keeps, ``result_cache``)."""
     return _one_line(_response_body(endpoint, model, result, created, body))[:-1]
+
+
+def line_cached_tokens(endpoint: str, result: GenerationResult) -> int:
+    """The ``cached_tokens`` a result's output line reports (what the counters add up): the
+    engine's figure, 0 when it does not say; an embeddings line has no such field, so 0."""
+    return 0 if endpoint == EMBEDDINGS else result.reported_cached_tokens
+
+
+#: How a chat or completions body built here ends: its usage's details, the last member.
+_DETAILS_TAIL = b',"prompt_tokens_details":{"cached_tokens":'
+
+
+def replayed_body(endpoint: str, body_json: bytes, prompt_tokens: int) -> bytes:
+    """A result cache entry's body as a replayed line holds it: the first run's, byte for byte,
+    but for its usage's ``cached_tokens``, which is ``prompt_tokens`` (none of the prompt was
+    computed again). Embeddings bodies have no such field and are kept whole.
+
+    Bodies built here end with ``…,"prompt_tokens_details":{"cached_tokens":N}}}``, and only the
+    number is replaced. Any other body (a ``/v1/responses`` one, or an entry stored by an older
+    version, with no details) is decoded, given the field and encoded again."""
+    if endpoint == EMBEDDINGS:
+        return body_json
+    cached = str(prompt_tokens).encode()
+    start = body_json.rfind(_DETAILS_TAIL)
+    if start >= 0 and body_json.endswith(b"}}}"):
+        number = body_json[start + len(_DETAILS_TAIL) : -3]
+        if number.isdigit():
+            return body_json[: start + len(_DETAILS_TAIL)] + cached + b"}}}"
+    body = msgspec.json.decode(body_json)
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return body_json
+    key = "input_tokens_details" if endpoint == RESPONSES else "prompt_tokens_details"
+    details = usage.get(key)
+    usage[key] = (
+        {**details, "cached_tokens": prompt_tokens}
+        if isinstance(details, dict)
+        else {"cached_tokens": prompt_tokens}
+    )
+    return _one_line(body)[:-1]
 
 
 def body_output_line(custom_id: str, request_id: str, body_json: bytes, *, cached: bool = False) -> bytes:

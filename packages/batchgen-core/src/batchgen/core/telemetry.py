@@ -8,7 +8,8 @@ each process, as Prometheus counters may.
 
 - ``requests_admitted(batch_id, count)``: requests left the intake pool for slots together; their
   queue wait (since their batch was queued, ``batch_queued``) goes into ``queue_wait``.
-- ``request_completed`` / ``request_failed``: its output or error line was written.
+- ``request_completed`` / ``request_failed``: its output or error line was written (with its
+  tokens, and the prompt tokens the engine's prefix cache served).
 - ``backend_calls(seconds, count)``: time a group's requests spent inside the backend
   (``backend_latency``).
 
@@ -98,6 +99,7 @@ class RequestTelemetry:
         "completed",
         "failed",
         "generated_tokens",
+        "prefix_cached_tokens",
         "prompt_tokens",
         "queue_wait",
         "throughput",
@@ -108,6 +110,8 @@ class RequestTelemetry:
         self.completed = 0
         self.failed = 0
         self.prompt_tokens = 0
+        #: Of ``prompt_tokens``, those the engines' prefix caches served (as the backends report).
+        self.prefix_cached_tokens = 0
         self.generated_tokens = 0
         self.backend_latency = Histogram(BACKEND_LATENCY_BUCKETS_S)
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_S)
@@ -132,9 +136,12 @@ class RequestTelemetry:
         if count:
             self.backend_latency.observe(seconds, count)
 
-    def request_completed(self, prompt_tokens: int, generated_tokens: int) -> None:
+    def request_completed(
+        self, prompt_tokens: int, generated_tokens: int, prefix_cached_tokens: int = 0
+    ) -> None:
         self.completed += 1
         self.prompt_tokens += prompt_tokens
+        self.prefix_cached_tokens += prefix_cached_tokens
         self.generated_tokens += generated_tokens
 
     def request_failed(self) -> None:

@@ -134,6 +134,11 @@ class ServiceCollector(Collector):
         yield CounterMetricFamily(
             "batchgen_prompt_tokens", "Prompt tokens of completed requests.", value=telemetry.prompt_tokens
         )
+        yield CounterMetricFamily(
+            "batchgen_prefix_cached_tokens",
+            "Prompt tokens of completed requests that the engines' prefix caches served, as the backends report them.",
+            value=telemetry.prefix_cached_tokens,
+        )
         yield _histogram(
             "batchgen_request_backend_seconds",
             "Time one request spent inside the backend (retries included).",

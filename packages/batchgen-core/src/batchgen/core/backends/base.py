@@ -96,7 +96,9 @@ class Backend(Protocol):
         ``finish_reason`` ``"stop"`` (a natural end or a stop string) or ``"length"`` (the output
         limit ``sampling.max_tokens``, or the context, was reached), and the prompt and completion
         token counts as the engine counts them; ``completion_tokens`` never exceeds ``max_tokens``.
-        A ``<think>`` block goes to ``reasoning_content`` (see ``backends.text``).
+        ``cached_tokens`` is None (the engine does not say) or the prompt tokens its prefix cache
+        served, within 0..``prompt_tokens`` (``backends.cached_tokens``). A ``<think>`` block goes
+        to ``reasoning_content`` (see ``backends.text``).
 
         Raise, by what the failure means:
 

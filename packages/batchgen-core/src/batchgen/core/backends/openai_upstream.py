@@ -53,6 +53,7 @@ from batchgen.core.backends.base import (
     RequestRejected,
     context_length_exceeded,
 )
+from batchgen.core.backends.cached_tokens import upstream_cached_tokens
 from batchgen.core.backends.capabilities import (
     CHOICES,
     DIMENSIONS,
@@ -198,7 +199,9 @@ def parse_embeddings(payload: Any) -> GenerationResult:
 def parse_result(endpoint: str, payload: Any, keep_choices: bool = False) -> GenerationResult:
     """A GenerationResult from an upstream's 200 answer; _MalformedResponse if it is not one.
 
-    ``keep_choices``: the line asked for logprobs or several choices; keep the choices as sent."""
+    ``keep_choices``: the line asked for logprobs or several choices; keep the choices as sent.
+    ``cached_tokens`` is the upstream's ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+    ``--enable-prompt-tokens-details``, SGLang, OpenAI), None when absent or malformed."""
     if endpoint == EMBEDDINGS:
         return parse_embeddings(payload)
     try:
@@ -228,6 +231,7 @@ def parse_result(endpoint: str, payload: Any, keep_choices: bool = False) -> Gen
         completion_tokens=completion_tokens,
         reasoning_content=None if reasoning is None else str(reasoning),
         choices=choices,
+        cached_tokens=upstream_cached_tokens(usage, prompt_tokens),
     )
 
 

@@ -13,7 +13,8 @@ to SGLang's (``max_tokens`` → ``max_new_tokens``, ``seed`` → ``sampling_seed
 left out; ``frequency_penalty`` and ``presence_penalty`` keep their names, as SGLang applies them
 the way OpenAI defines them), and ``max_new_tokens`` is capped to what the context leaves, as SGLang refuses a
 request whose prompt plus output limit does not fit. A ``<think>…</think>`` block in the answer
-becomes ``reasoning_content``.
+becomes ``reasoning_content``. ``meta_info["cached_tokens"]``, the prompt tokens SGLang's radix
+cache served, becomes the result's ``cached_tokens`` (bounded by the prompt).
 
 Errors, by what they mean for the request:
 
@@ -47,6 +48,7 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     context_length_exceeded,
 )
+from batchgen.core.backends.cached_tokens import bounded_cached_tokens
 from batchgen.core.backends.capabilities import (
     FREQUENCY_PENALTY,
     GREEDY,
@@ -399,13 +401,15 @@ class SGLangBackend:
         text, reasoning = split_reasoning(
             str(output.get("text") or ""), opened_by_prompt=prompt.opens_reasoning
         )
-        prompt_tokens = meta.get("prompt_tokens")
+        reported = meta.get("prompt_tokens")
+        prompt_tokens = int(reported if reported is not None else prompt.tokens or 0)
         return GenerationResult(
             text=text,
             finish_reason=kind,
-            prompt_tokens=int(prompt_tokens if prompt_tokens is not None else prompt.tokens or 0),
+            prompt_tokens=prompt_tokens,
             completion_tokens=int(meta.get("completion_tokens") or 0),
             reasoning_content=reasoning,
+            cached_tokens=bounded_cached_tokens(meta.get("cached_tokens"), prompt_tokens),
         )
 
 

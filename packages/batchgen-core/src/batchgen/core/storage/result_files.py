@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 import msgspec
@@ -86,6 +87,9 @@ class FinishedLines:
     cached: int = 0
     cached_prompt_tokens: int = 0
     cached_completion_tokens: int = 0
+    #: Prompt tokens of the other complete lines that the engines' prefix caches served (their
+    #: usage's ``cached_tokens``; a replayed line's are the result cache's).
+    prefix_cached_tokens: int = 0
 
     @property
     def completed(self) -> int:
@@ -103,7 +107,7 @@ def read_finished_lines(path: Path) -> FinishedLines:
             stream.truncate(end)
     custom_ids: list[str] = []
     prompt_tokens = completion_tokens = failed = 0
-    cached = cached_prompt = cached_completion = 0
+    cached = cached_prompt = cached_completion = prefix_cached = 0
     for raw in data[:end].splitlines():
         if not raw.strip():
             continue
@@ -111,15 +115,39 @@ def read_finished_lines(path: Path) -> FinishedLines:
         custom_ids.append(line["custom_id"])
         response = line.get("response")
         if response:
-            usage = response["body"].get("usage") or {}
-            prompt_tokens += usage.get("prompt_tokens", 0)
-            completion_tokens += usage.get("completion_tokens", 0)
+            prompt, completion, cached_tokens = line_tokens(response["body"].get("usage") or {})
+            prompt_tokens += prompt
+            completion_tokens += completion
             if line.get("cached"):
                 cached += 1
-                cached_prompt += usage.get("prompt_tokens", 0)
-                cached_completion += usage.get("completion_tokens", 0)
+                cached_prompt += prompt
+                cached_completion += completion
+            else:
+                prefix_cached += cached_tokens
         else:
             failed += 1
     return FinishedLines(
-        custom_ids, prompt_tokens, completion_tokens, failed, cached, cached_prompt, cached_completion
+        custom_ids,
+        prompt_tokens,
+        completion_tokens,
+        failed,
+        cached,
+        cached_prompt,
+        cached_completion,
+        prefix_cached,
     )
+
+
+def line_tokens(usage: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of a response body's ``usage``: chat,
+    completions and embeddings name them ``prompt_tokens``, ``completion_tokens`` and
+    ``prompt_tokens_details.cached_tokens``; a ``/v1/responses`` body ``input_tokens``,
+    ``output_tokens`` and ``input_tokens_details.cached_tokens``."""
+    if "input_tokens" in usage:
+        prompt, completion = usage.get("input_tokens", 0), usage.get("output_tokens", 0)
+        details = usage.get("input_tokens_details")
+    else:
+        prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    return prompt, completion, cached

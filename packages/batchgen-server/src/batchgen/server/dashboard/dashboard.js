@@ -399,6 +399,9 @@
       ? `${b.usage.cached_requests.toLocaleString()} requests answered from the cache, `
         + `${(b.usage.saved_tokens || 0).toLocaleString()} tokens not computed again`
       : "–")],
+    ["prefix cache", (b) => (b.usage && b.usage.prefix_cached_tokens
+      ? `${b.usage.prefix_cached_tokens.toLocaleString()} prompt tokens served by the engine's prefix cache`
+      : "–")],
     ["input file", (b) => b.input_file_id],
     ["output file", (b) => b.output_file_id || "–"],
     ["error file", (b) => b.error_file_id || "–"],
