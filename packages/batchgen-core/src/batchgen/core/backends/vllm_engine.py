@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,9 @@ class VLLMBackend:
 
     def _build_engine(self) -> Any:
         """In a worker thread: import vLLM, find the model, start the engine core and wait for it."""
+        # vLLM logs through its own handler, in this process and its engine core's: at the level
+        # BatchGen's own logs run at, unless VLLM_LOGGING_LEVEL says otherwise
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(logger.getEffectiveLevel()))
         try:
             import vllm
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -389,15 +393,14 @@ class VLLMBackend:
             flight.done.set()
         aborted = rid in self._aborted
         self._aborted.discard(rid)
-        if final is None or not final.finished:
-            raise BackendUnavailable(self._dead_reason or "the vLLM backend was stopped")
-        if any(str(choice.finish_reason) == "abort" for choice in final.outputs):
-            if aborted:
-                raise RequestAborted(rid)
-            if self._stopping:
-                raise BackendUnavailable("the vLLM backend was stopped")
-            raise TransientBackendError("vLLM aborted the request")
-        return final
+        ended_early = final is None or any(str(choice.finish_reason) == "abort" for choice in final.outputs)
+        if not ended_early:
+            return final
+        if aborted:  # an abort can end the stream with no output at all
+            raise RequestAborted(rid)
+        if self._stopping:
+            raise BackendUnavailable("the vLLM backend was stopped")
+        raise TransientBackendError("vLLM ended the request before it finished")
 
     async def _restart(self, generation: int) -> None:
         """Replace the dead engine ``generation`` with a new one (once, whoever asks first)."""
@@ -439,6 +442,8 @@ class VLLMBackend:
         structured = kwargs.pop("structured_json", None)
         if structured is not None:
             kwargs["structured_outputs"] = vllm.sampling_params.StructuredOutputsParams(json=structured)
+        # one output per request, with every choice, once it has ended: nothing is streamed
+        kwargs["output_kind"] = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         try:
             return vllm.SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:

@@ -8,7 +8,8 @@ longer than the context); temperature, ``top_p``, ``seed`` and ``stop`` carry ov
 OpenAI's ``top_k`` -1 ("off") is vLLM's 0. ``n``, ``logprobs``/``top_logprobs``, the penalties,
 ``logit_bias`` (token ids as JSON object keys) and ``response_format`` (vLLM's own structured
 output: ``StructuredOutputsParams(json=schema)``, the schema checked against the same bounds as
-the transformers backend's grammar) are passed only where the line set them. Stop strings are
+the transformers backend's grammar) are passed only where the line set them. vLLM refuses ``n``
+above 1 for greedy sampling, whose choices are all the same answer: one is run, and repeated. Stop strings are
 left out of the text, as OpenAI leaves them out.
 
 Results. Each ``CompletionOutput`` is one choice; vLLM's log-probabilities are the model's raw
@@ -23,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from batchgen.core.backends.base import RequestRejected, TransientBackendError
+from batchgen.core.backends.cached_tokens import bounded_cached_tokens
 from batchgen.core.backends.hf_choices import Choice, TokenLogprob, combined_result, logprobs_asked
 from batchgen.core.backends.text import split_reasoning
 from batchgen.core.models import GenerationRequest, GenerationResult
@@ -72,7 +76,9 @@ def sampling_kwargs(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else 0,
-        "n": choices_asked(options),
+        # vLLM refuses n > 1 when greedy; every greedy choice is the same, so one is run (result_of
+        # repeats it as the n choices the line asked for)
+        "n": 1 if sampling.greedy else choices_asked(options),
     }
     if sampling.seed is not None:
         kwargs["seed"] = sampling.seed
@@ -93,17 +99,22 @@ def sampling_kwargs(
 
 
 def _step(token: int, entries: Mapping[int, Any] | None, top: int, names: dict[int, str]) -> TokenLogprob:
-    """One generated token's log-probability and the ``top`` most likely tokens at its step."""
+    """One generated token's log-probability and the ``top`` most likely tokens at its step.
+
+    vLLM lists the ``top`` most likely tokens and the chosen one, once: ``top`` + 1 entries when
+    the chosen token is not among the most likely, else ``top``."""
     entries = entries or {}
     for candidate, entry in entries.items():
         decoded = getattr(entry, "decoded_token", None)
         if decoded is not None:
             names.setdefault(candidate, decoded)
     chosen = entries.get(token)
-    ranked = sorted(
-        ((candidate, entry) for candidate, entry in entries.items() if getattr(entry, "rank", None)),
-        key=lambda item: item[1].rank,
-    )
+    ranked = [
+        (candidate, entry)
+        for candidate, entry in entries.items()
+        if not (candidate == token and len(entries) > top)  # the chosen one, listed beside the top
+    ]
+    ranked.sort(key=lambda item: (-float(item[1].logprob), getattr(item[1], "rank", 0) or 0))
     return TokenLogprob(
         token=token,
         logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
@@ -125,6 +136,9 @@ def result_of(
     completions: Sequence[Any] = sorted(output.outputs, key=lambda completion: completion.index)
     if not completions:
         raise TransientBackendError("vLLM returned no output for the request")
+    asked = choices_asked(request.options)
+    if request.sampling.greedy and len(completions) == 1 < asked:
+        completions = [completions[0]] * asked  # greedy: each of the n choices is the same answer
     top = logprobs_asked(request.endpoint, request.options)
     names: dict[int, str] = {}
     choices: list[Choice] = []
@@ -150,16 +164,5 @@ def result_of(
         lambda token: names[token] if token in names else token_text(token),
         keep_choices=len(choices) > 1 or top is not None,
     )
-    cached = getattr(output, "num_cached_tokens", None)
-    if isinstance(cached, int) and 0 <= cached <= len(prompt_ids):
-        return _with_cached(result, cached)
-    return result
-
-
-def _with_cached(result: GenerationResult, cached: int) -> GenerationResult:
-    """``result`` with its ``cached_tokens``, on a ``GenerationResult`` that has the field."""
-    import attrs
-
-    if "cached_tokens" in attrs.fields_dict(GenerationResult):
-        return attrs.evolve(result, cached_tokens=cached)
-    return result
+    cached = bounded_cached_tokens(getattr(output, "num_cached_tokens", None), len(prompt_ids))
+    return attrs.evolve(result, cached_tokens=cached)
