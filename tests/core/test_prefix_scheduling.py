@@ -28,6 +28,7 @@ import json
 import random
 from array import array
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -88,7 +89,7 @@ class PrefixGroupingMachine(RuleBasedStateMachine):
     ) -> None:
         grouped_index, plain_index = self._indexes(len(keys), keys)
         wanted = list(range(len(keys))) if lines is None else lines
-        outcomes = []
+        outcomes: list[int | None] = []
         for pool, index in ((self.grouped, grouped_index), (self.plain, plain_index)):
             try:
                 outcomes.append(pool.add(batch_id, index, lines, tenant=tenant, deadline=deadline))
@@ -154,8 +155,9 @@ class PrefixGroupingMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, 40), data=st.data())
     def admit(self, count: int, data: st.DataObject) -> None:
-        allowed = None
-        if self.indexes and data.draw(st.booleans(), label="restricted"):
+        allowed: set[str] | None = None
+        restricted: bool = data.draw(st.booleans(), label="restricted")
+        if restricted and self.indexes:
             allowed = set(
                 data.draw(st.lists(st.sampled_from(sorted(self.indexes)), unique=True), label="allowed")
             )
@@ -259,7 +261,7 @@ def _runs(keys: list[int | None]) -> int:
 @pytest.mark.anyio
 async def test_a_restart_regroups_the_remaining_lines_and_runs_each_once(tmp_path: Path) -> None:
     rng = random.Random(3)
-    lines = []
+    lines: list[dict[str, Any]] = []
     for prefix in range(6):
         system = f"Prefix {prefix}. " + "shared instructions " * 40
         for item in range(8):
