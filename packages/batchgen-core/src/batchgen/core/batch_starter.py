@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -26,7 +26,7 @@ from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.scheduling.deadline_turns import deadline_slot
-from batchgen.core.scheduling.intake_pool import line_order
+from batchgen.core.scheduling.intake_pool import LineOrder, line_order
 
 _decode = msgspec.json.Decoder().decode
 logger = logging.getLogger("batchgen.service")
@@ -41,6 +41,15 @@ def lines_not_done(path: str, index: LineIndex, done: set[str]) -> list[int]:
             if _decode(stream.read(length))["custom_id"] not in done:
                 pending.append(position)
     return pending
+
+
+def read_input(path: str, done: set[str] | None) -> tuple[LineIndex, LineOrder]:
+    """The input file's index, and the lines to queue (those not in ``done``) in admission order,
+    checked and grouped by prompt prefix (``intake_pool.line_order``): the work of a batch start
+    that reads the file, in one call so that it runs in one worker thread."""
+    index = index_batch_file(path)
+    lines = lines_not_done(path, index, done) if done else None
+    return index, line_order(index, lines)
 
 
 class BatchStarter:
@@ -87,12 +96,7 @@ class BatchStarter:
 
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
-            index = await anyio.to_thread.run_sync(index_batch_file, file.path)
-            lines: Sequence[int] | None = None
-            if done:
-                lines = await anyio.to_thread.run_sync(lines_not_done, file.path, index, done)
-            # checked and grouped by prefix off the event loop (a fraction of a second per million lines)
-            order = await anyio.to_thread.run_sync(line_order, index, lines)
+            index, order = await anyio.to_thread.run_sync(read_input, file.path, done)
         except OSError as exc:
             self._tracker.fail(active, "batch_failed", f"Could not read the input file: {exc}")
             return
