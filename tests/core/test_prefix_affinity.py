@@ -106,6 +106,10 @@ def test_a_first_attempt_goes_home_while_it_has_room_then_spills_to_the_least_lo
 # --- real HTTP upstreams --------------------------------------------------------------------------
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # every request of a test may connect at once (the default is 5)
+
+
 class RecordingUpstream:
     """An OpenAI-compatible server on 127.0.0.1 that records the last message of each chat it is
     sent; while ``hold`` is clear, answers wait for it."""
@@ -150,7 +154,7 @@ class RecordingUpstream:
                     }
                 )
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
