@@ -99,9 +99,10 @@ def _stream(model: str | None, messages: Iterable[Any]) -> str:
         if room <= 0:
             break
         if isinstance(message, Mapping):
-            role = message.get("role")
-            piece = f"{_escaped(str(role))}{_FIELD}{_content_text(message.get('content'), room)}{_FIELD}"
-            if len(message) > 2 or len(message) != ("role" in message) + ("content" in message):
+            content = message.get("content")
+            text = _escaped(content[:room]) if type(content) is str else _content_text(content, room)
+            piece = _escaped(str(message.get("role"))) + _FIELD + text + _FIELD
+            if len(message) > ("role" in message) + ("content" in message):  # other fields
                 rest = {key: value for key, value in message.items() if key not in ("role", "content")}
                 piece += _encode_sorted(rest).decode()
         else:

@@ -9,8 +9,9 @@ shared prefix admits in file order, as before, and reads its lines back in file 
 
 Only the first ``MAX_PREFIX_GROUPS`` distinct keys of a batch are remembered (bounded memory for
 a batch of a million distinct prompts): a line whose key is new after that keeps its place. It
-runs once, when the batch is queued: O(lines) time, and besides the result an array of 8 bytes
-and a byte per line while it runs. Nothing about which batch or tenant an admission goes to
+runs once, when the batch is queued: O(lines) time; a batch with no repeated key costs one pass
+and a set of its keys, one with repeats an array of 8 bytes and a byte per line besides the
+result while it runs. Nothing about which batch or tenant an admission goes to
 changes: only which of a batch's own lines comes next.
 """
 
@@ -28,12 +29,13 @@ MAX_PREFIX_GROUPS = 1 << 16
 def grouped_by_prefix(pending: array, keys: Sequence[int], max_groups: int = MAX_PREFIX_GROUPS) -> array:
     """``pending`` (positions into ``keys``) with the positions of each key made contiguous: the
     groups in order of first appearance, each group in its order in ``pending``. ``pending``
-    itself when no key repeats."""
+    itself when no key repeats (found first, with nothing allocated but a set of the keys)."""
+    if not _repeats(pending, keys, max_groups):
+        return pending
     count = len(pending)
     following = array("l", [-1]) * count  # following[i]: where in ``pending`` i's group goes on
     last: dict[int, int] = {}  # key -> where in ``pending`` its group's last line is so far
     starts = bytearray(count)  # 1 where a group starts
-    repeats = False
     for i, position in enumerate(pending):
         key = keys[position]
         previous = last.get(key)
@@ -44,9 +46,6 @@ def grouped_by_prefix(pending: array, keys: Sequence[int], max_groups: int = MAX
         else:
             following[previous] = i
             last[key] = i
-            repeats = True
-    if not repeats:
-        return pending
     del last
     ordered = array("l")
     append = ordered.append
@@ -58,3 +57,15 @@ def grouped_by_prefix(pending: array, keys: Sequence[int], max_groups: int = MAX
             i = following[i]
         start = starts.find(1, start + 1)
     return ordered
+
+
+def _repeats(pending: array, keys: Sequence[int], max_groups: int) -> bool:
+    """Whether a key among the first ``max_groups`` distinct ones of ``pending`` comes again."""
+    seen: set[int] = set()
+    for position in pending:
+        key = keys[position]
+        if key in seen:
+            return True
+        if len(seen) < max_groups:
+            seen.add(key)
+    return False
