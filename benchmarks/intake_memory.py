@@ -1,6 +1,6 @@
 """Intake memory: what 1,000,000 queued requests cost in memory, and how long accepting them takes.
 
-Uploads one batch of N chat requests (the same input as control_plane.py) to an embedded BatchService whose simulated backend holds
+Uploads one batch of N chat requests (chat_inputs.write_chat_input, as control_plane.py) to an embedded BatchService whose simulated backend holds
 every admitted request for an hour (16 slots), so almost the whole batch waits in the intake pool.
 Measures the resident memory (RSS) just before ``create_batch`` and once the batch is queued, and
 the time from ``create_batch`` to ``in_progress`` (indexing the file and queueing every line).
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import anyio
-from control_plane import write_input
+from chat_inputs import write_chat_input
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backend
 
@@ -31,7 +31,7 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 async def run(folder: Path, count: int) -> dict[str, float]:
     input_path = folder / "input.jsonl"
-    write_input(input_path, count)
+    write_chat_input(input_path, count)
     settings = ServiceSettings(storage_path=folder / "storage", max_pool_size=16, max_intake_capacity=count)
     async with BatchService(settings, load_backend("simulated", latency_s=3600.0)) as service:
         file = await service.create_file(input_path)

@@ -125,6 +125,13 @@ def test_openai_backend_reports_each_upstream(tmp_path: Path) -> None:
         assert value(samples, "batchgen_upstream_in_flight", upstream=label) == 0
         assert value(samples, "batchgen_upstream_concurrency_limit", upstream=label) >= 1
         assert value(samples, "batchgen_upstream_up", upstream=label) == 1
+    # each of the 20 requests' first attempt is counted once, on its prompt prefix's upstream
+    affinity = [
+        value(samples, "batchgen_upstream_prefix_requests_total", upstream=label, affinity=outcome)
+        for label in labels
+        for outcome in ("kept", "down", "saturated")
+    ]
+    assert sum(affinity) == 20
 
 
 def test_route_templates_and_upstream_labels() -> None:

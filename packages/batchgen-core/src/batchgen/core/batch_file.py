@@ -7,7 +7,8 @@ schema and of the model checks together, in the line's field order; bounded:
 ``MAX_REPORTED_LINES`` lines, ``MAX_LINE_PROBLEMS`` problems each, the rest counted). Lines are accepted a few hundred at a time
 where they can be (``_Validation``): each line's rules are judged once per shape of body, since a
 line then costs about a microsecond. Indexing records where each request line starts and how long it is, so the intake pool can
-queue requests as (offset, length) pairs and read a body only when its request is admitted.
+queue requests as (offset, length) pairs and read a body only when its request is admitted, and
+its prompt prefix key (``prefix_keys``), so the pool can admit the lines of one prefix together.
 Blank lines are ignored by both.
 """
 
@@ -24,6 +25,7 @@ import msgspec
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest, LineProblem
 from batchgen.core.json_bounds import lines_within_bounds
 from batchgen.core.models import RESPONSES
+from batchgen.core.prefix_keys import line_prefix_key
 from batchgen.core.request_schema import (
     Body,
     block_reader,
@@ -62,10 +64,13 @@ class BatchFileSummary:
 
 @attrs.frozen
 class LineIndex:
-    """Byte offset and length of every request line in a file, in file order."""
+    """Byte offset and length of every request line in a file, in file order; and, when known,
+    each line's prompt prefix key (``prefix_keys``), by which the intake pool admits the lines of
+    one prefix together."""
 
     offsets: array  # array("q")
     lengths: array  # array("l")
+    prefixes: array | None = None  # array("q"), or None: no line has a prefix (embeddings)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -415,14 +420,24 @@ def first_line_model(path: str) -> str | None:
 
 
 def index_batch_file(path: str) -> LineIndex:
-    """Record the offset and length of every non-blank line of the file at ``path``."""
+    """Record the offset, length and prompt prefix key of every non-blank line of the file at
+    ``path``. A line with no key (embeddings) gets a key of its own (its negated position, a
+    group of one), and a file with no keyed line records no keys at all."""
     offsets = array("q")
     lengths = array("l")
+    prefixes = array("q")
+    keyed = False
     position = 0
     with open(path, "rb") as stream:
         for raw in stream:
             if raw.strip():
+                key = line_prefix_key(raw)
+                if key is None:
+                    key = -1 - len(offsets)
+                else:
+                    keyed = True
                 offsets.append(position)
                 lengths.append(len(raw))
+                prefixes.append(key)
             position += len(raw)
-    return LineIndex(offsets, lengths)
+    return LineIndex(offsets, lengths, prefixes if keyed else None)

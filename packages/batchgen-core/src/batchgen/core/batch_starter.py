@@ -1,7 +1,8 @@
 """Starting a batch: index its input file, queue what is still to run, move it to in_progress.
 
 A new batch queues every line; a batch resumed after a restart queues only the lines whose
-custom_id has no result line yet. The room a batch was given when it was accepted (its intake
+custom_id has no result line yet, each once, in the same prefix-grouped order
+(``intake_pool.line_order``) as a new batch's lines. The room a batch was given when it was accepted (its intake
 reservation) becomes its queued requests here; a batch that ends before that gives it back.
 While another process holds the database locked, the batch's output file record and its move to
 in_progress wait in memory and are saved once the lock is gone (``BatchTracker.record_file``);
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -25,6 +26,7 @@ from batchgen.core.file_catalogue import FileCatalogue
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.scheduling.deadline_turns import deadline_slot
+from batchgen.core.scheduling.intake_pool import LineOrder, line_order
 
 _decode = msgspec.json.Decoder().decode
 logger = logging.getLogger("batchgen.service")
@@ -39,6 +41,15 @@ def lines_not_done(path: str, index: LineIndex, done: set[str]) -> list[int]:
             if _decode(stream.read(length))["custom_id"] not in done:
                 pending.append(position)
     return pending
+
+
+def read_input(path: str, done: set[str] | None) -> tuple[LineIndex, LineOrder]:
+    """The input file's index, and the lines to queue (those not in ``done``) in admission order,
+    checked and grouped by prompt prefix (``intake_pool.line_order``): the work of a batch start
+    that reads the file, in one call so that it runs in one worker thread."""
+    index = index_batch_file(path)
+    lines = lines_not_done(path, index, done) if done else None
+    return index, line_order(index, lines)
 
 
 class BatchStarter:
@@ -85,16 +96,13 @@ class BatchStarter:
 
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
-            index = await anyio.to_thread.run_sync(index_batch_file, file.path)
-            lines: Sequence[int] | None = None
-            if done:
-                lines = await anyio.to_thread.run_sync(lines_not_done, file.path, index, done)
+            index, order = await anyio.to_thread.run_sync(read_input, file.path, done)
         except OSError as exc:
             self._tracker.fail(active, "batch_failed", f"Could not read the input file: {exc}")
             return
         if active.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
             return  # cancelled or ended while indexing
-        pending = len(index) if lines is None else len(lines)
+        pending = len(order.positions)
         room = self._intake_pool.free + self._intake_pool.reserved_for(active.id)
         if pending > room:
             capacity = self._intake_pool.capacity
@@ -127,7 +135,7 @@ class BatchStarter:
         else:
             self._tracker.persist(active)
         deadline = deadline_slot(active.batch.created_at, active.batch.expires_at)
-        self._intake_pool.add(active.id, index, lines, tenant=active.batch.owner, deadline=deadline)
+        self._intake_pool.add(active.id, index, order, tenant=active.batch.owner, deadline=deadline)
         if self._on_queued is not None:
             self._on_queued(active.id)
         self._wake_scheduler()

@@ -1,7 +1,8 @@
 """Reading request lines back from an input file in blocks: neighbouring lines with one read.
 
 The intake pool knows each queued line by its byte offset and length. Requests admitted together
-are mostly neighbours in the file (a batch's lines are queued in file order), so ``read_spans``
+are mostly neighbours in the file (a batch's lines are queued in file order, but for the lines of
+one prompt prefix, gathered from across the file: ``scheduling.prefix_groups``), so ``read_spans``
 reads the lines of a group with one ``pread`` per run of neighbours, at most ``block_bytes`` at a
 time, instead of one ``pread`` per line. A line longer than a block is read alone; the bytes
 between lines that are not asked for (lines already done, blank lines) are read and skipped.

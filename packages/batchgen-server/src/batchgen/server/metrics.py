@@ -5,7 +5,8 @@ process (tests, an embedding) do not clash. Two sources feed it:
 
 - ``ServiceCollector`` reads the service when scraped: the request counters and latency histograms
   of ``RequestTelemetry``, the pools, the active batches by status, health, the webhook outbox and,
-  for the ``openai`` backend, each upstream's in-flight requests, limit, state and failures. Nothing
+  for the ``openai`` backend, each upstream's in-flight requests, limit, state, failures and how
+  often its prompt prefixes' requests kept their affinity to it. Nothing
   is added on the request path beyond the telemetry's integer additions.
 - ``HttpMetricsMiddleware`` times every routed HTTP request into ``HttpMetrics``, histograms by
   method, route template (``/v1/batches/{batch_id}``, never the raw path) and status code.
@@ -227,12 +228,20 @@ class ServiceCollector(Collector):
         errors = CounterMetricFamily(
             "batchgen_upstream_errors", "Failed attempts on each upstream.", labels=["upstream"]
         )
+        affinity = CounterMetricFamily(
+            "batchgen_upstream_prefix_requests",
+            "Requests whose prompt prefix belongs to each upstream, by whether they went there "
+            "(kept) or elsewhere because it was down or saturated.",
+            labels=["upstream", "affinity"],
+        )
         for label, upstream in zip(labels, upstreams, strict=True):
             in_flight.add_metric([label], upstream.in_flight)
             limit.add_metric([label], upstream.limit.limit)
             up.add_metric([label], 0 if upstream.health.down else 1)
             errors.add_metric([label], upstream.failures)
-        yield from (in_flight, limit, up, errors)
+            for outcome, count in upstream.affinity.items():
+                affinity.add_metric([label, outcome], count)
+        yield from (in_flight, limit, up, errors, affinity)
 
 
 class HttpMetrics(Collector):

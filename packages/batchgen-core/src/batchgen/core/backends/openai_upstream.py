@@ -14,8 +14,9 @@ where an attempt goes) live in ``upstream_concurrency``; this module does the HT
 
 How one request goes::
 
-    wait for a free slot on an up upstream (the one this request tried least, then the least
-    loaded relative to its limit)
+    wait for a free slot on an up upstream (a first attempt: its prompt prefix's upstream when
+    that one has room; else the one this request tried least, then the least loaded relative to
+    its limit)
     POST ─▶ 200 with choices ──────────────▶ GenerationResult (limit may grow)
          ├▶ 400/413/422 ───────────────────▶ RequestRejected: context_length_exceeded, or
          │                                    invalid_request with the upstream's message
@@ -29,6 +30,12 @@ How one request goes::
 A down upstream is probed with ``GET {upstream}/models`` until it answers, then gets requests
 again starting from the initial limit. ``abort`` cancels the HTTP call (the upstream sees the
 connection close). httpx is imported in ``start``, so importing this module needs nothing extra.
+
+Prefix affinity: a chat or completions request's prompt prefix key (``prefix_keys.prefix_key``,
+computed here from the messages or prompt sent upstream, with the upstream model name) picks the
+upstream its first attempt prefers (``upstream_concurrency.prefix_home``), so the requests that
+share a prefix meet one engine's prefix cache; each upstream counts what became of its prefixes'
+requests (``UpstreamState.affinity``: kept, or sent elsewhere because it was down or full).
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ from batchgen.core.backends.upstream_concurrency import (
     AdaptiveLimit,
     UpstreamHealth,
     UpstreamState,
+    affinity_outcome,
     all_down,
     choose_upstream,
     free_slots,
@@ -82,6 +90,7 @@ from batchgen.core.models import (
     GenerationResult,
     Health,
 )
+from batchgen.core.prefix_keys import prefix_key
 from batchgen.core.url_redaction import redact_logger, redact_url
 
 if TYPE_CHECKING:
@@ -471,11 +480,15 @@ class OpenAIUpstreamBackend:
         model = request.model or self.model_name
         body = _encode(build_body(request, model))
         eligible = self._serving(model)
+        prefix = prefix_key(model, messages=request.messages, prompt=request.prompt)
         keep_choices = any(key in request.options for key in ("n", "logprobs", "top_logprobs"))
         tried: dict[int, int] = {}
         failures: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
-            index = await self._acquire(tried, eligible)
+            index = await self._acquire(tried, eligible, prefix)
+            if prefix is not None and not tried:
+                home, outcome_of_affinity = affinity_outcome(self.upstreams, prefix, index, eligible)
+                self.upstreams[home].affinity[outcome_of_affinity] += 1
             tried[index] = tried.get(index, 0) + 1
             outcome = await self._attempt(index, path, body, request.endpoint, keep_choices)
             if isinstance(outcome, GenerationResult):
@@ -501,8 +514,11 @@ class OpenAIUpstreamBackend:
         backoff = self.retry_backoff_s * 2 ** (attempt - 1)
         return min(self.max_retry_delay_s, backoff) * random.uniform(0.5, 1.0)
 
-    async def _acquire(self, tried: dict[int, int], eligible: frozenset[int] | None = None) -> int:
-        """Take a slot on the upstream ``choose_upstream`` picks, waiting while all are full.
+    async def _acquire(
+        self, tried: dict[int, int], eligible: frozenset[int] | None = None, prefix: int | None = None
+    ) -> int:
+        """Take a slot on the upstream ``choose_upstream`` picks (for ``prefix``, a prompt prefix
+        key, its prefix's upstream when it has room), waiting while all are full.
 
         Waiting is first come, first served: a newcomer queues behind earlier waiters even when a
         slot is free (a woken waiter is about to take it), and a woken waiter that finds no slot
@@ -515,7 +531,7 @@ class OpenAIUpstreamBackend:
             if all_down(self.upstreams):
                 raise BackendUnavailable(self._down_reason())
             if woken or not self._waiters or eligible is not None:
-                index = choose_upstream(self.upstreams, tried, eligible)
+                index = choose_upstream(self.upstreams, tried, eligible, prefix)
                 if index is not None:
                     self.upstreams[index].in_flight += 1
                     return index

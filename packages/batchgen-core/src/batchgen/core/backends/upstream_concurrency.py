@@ -11,18 +11,34 @@ Nothing here does I/O or reads a clock; times are passed in. The backend asks, t
                       upstream is probed again after ``probe_interval_s``, doubling up to
                       ``max_probe_interval_s`` while probes fail.
 ``UpstreamState``     one upstream's limit, health and in-flight count.
-``choose_upstream``   where the next attempt of a request goes: among the up upstreams with a free
-                      slot, the one this request tried least, then the least loaded relative to its
-                      limit; None when every up upstream is full (the attempt waits).
+``choose_upstream``   where the next attempt of a request goes: a first attempt with a prompt
+                      prefix key goes to its prefix's upstream (``prefix_home``) when that one has
+                      a free slot; otherwise, among the up upstreams with a free slot, the one this
+                      request tried least, then the least loaded relative to its limit; None when
+                      every up upstream is full (the attempt waits).
+``prefix_home``       the upstream a prefix key belongs to: rendezvous (highest random weight)
+                      hashing over the up upstreams serving the request's model, so the requests of
+                      one prefix meet one engine's prefix cache, and adding, removing or losing an
+                      upstream moves only the prefixes whose highest weight it has or had.
+``affinity_outcome``  what became of a prefix's affinity for one request: ``kept`` (it went to
+                      the prefix's upstream), ``down`` (that upstream was down: the next one by
+                      weight took it if it had room), ``saturated`` (it was full: the request went
+                      where it would have gone without a prefix).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
 from batchgen.core.url_redaction import redact_url
+
+KEPT, DOWN, SATURATED = "kept", "down", "saturated"
+#: What became of a prefix's affinity for one request (``affinity_outcome``).
+AFFINITY_OUTCOMES = (KEPT, DOWN, SATURATED)
+_MASK64 = (1 << 64) - 1
 
 
 @attrs.frozen
@@ -140,6 +156,14 @@ class UpstreamState:
     in_flight: int = 0
     #: Failed attempts since start (overloads, errors, timeouts, bad answers), for monitoring.
     failures: int = 0
+    #: Requests of the prefixes whose upstream this is, by ``affinity_outcome``, for monitoring.
+    affinity: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(AFFINITY_OUTCOMES, 0))
+    #: A 64-bit number of the URL, mixed with a prefix key to give this upstream's weight for it.
+    seed: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        digest = hashlib.blake2b(self.url.encode(), digest_size=8).digest()
+        self.seed = int.from_bytes(digest, "little")
 
     @property
     def load(self) -> float:
@@ -151,20 +175,73 @@ class UpstreamState:
         return not self.health.down and self.in_flight < self.limit.limit
 
 
+def _weight(seed: int, prefix: int) -> int:
+    """An upstream's rendezvous weight for a prefix key: splitmix64's finaliser of the two mixed,
+    so each upstream orders the keys independently of the others."""
+    value = (seed ^ (prefix & _MASK64)) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def prefix_home(
+    upstreams: Sequence[UpstreamState],
+    prefix: int,
+    eligible: Collection[int] | None = None,
+    *,
+    up_only: bool = True,
+) -> int | None:
+    """The upstream a prefix key belongs to: of the ``eligible`` upstreams (all when None) that
+    are up (any, with ``up_only=False``), the one with the highest weight for the key, whether
+    it has room or not; None when there is none."""
+    best: int | None = None
+    best_weight = -1
+    for index, upstream in enumerate(upstreams):
+        if (eligible is not None and index not in eligible) or (up_only and upstream.health.down):
+            continue
+        weight = _weight(upstream.seed, prefix)
+        if weight > best_weight:
+            best, best_weight = index, weight
+    return best
+
+
+def affinity_outcome(
+    upstreams: Sequence[UpstreamState], prefix: int, chosen: int, eligible: Collection[int] | None = None
+) -> tuple[int, str]:
+    """For a first attempt of a request with a prefix key that went to ``chosen``: the prefix's
+    own upstream (``prefix_home`` over every eligible one, up or down) and what became of its
+    affinity (``KEPT``, ``DOWN`` or ``SATURATED``)."""
+    home = prefix_home(upstreams, prefix, eligible, up_only=False)
+    assert home is not None  # ``chosen`` is eligible
+    if chosen == home:
+        return home, KEPT
+    if upstreams[home].health.down:
+        return home, DOWN
+    return home, SATURATED
+
+
 def choose_upstream(
     upstreams: Sequence[UpstreamState],
     tried: Mapping[int, int] | None = None,
     eligible: Collection[int] | None = None,
+    prefix: int | None = None,
 ) -> int | None:
     """Index of the upstream the next attempt goes to, or None if it has to wait for a free slot.
 
     With ``eligible``, only those upstreams are considered (the ones serving the request's model).
 
-    Only up upstreams with a free slot are candidates. ``tried`` counts the attempts this request
-    already made on each upstream: the one it tried least wins, then the least loaded relative to
-    its limit, then the first listed. So retries go round the upstreams instead of back to the
-    one that just failed, whenever another has room.
+    A first attempt (nothing ``tried``) with a ``prefix`` key goes to ``prefix_home``, the up
+    upstream its prefix belongs to, when that one has a free slot. Otherwise only up upstreams
+    with a free slot are candidates. ``tried`` counts the attempts this request already made on
+    each upstream: the one it tried least wins, then the least loaded relative to its limit, then
+    the first listed. So retries go round the upstreams instead of back to the one that just
+    failed, whenever another has room, and a prefix whose upstream is full spills over to the
+    least loaded one rather than waiting.
     """
+    if prefix is not None and not tried:
+        home = prefix_home(upstreams, prefix, eligible)
+        if home is not None and upstreams[home].has_room:
+            return home
     tried = tried or {}
     room = [
         index
