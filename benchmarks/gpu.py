@@ -1,4 +1,4 @@
-"""GPU throughput: the transformers backend through the service vs plain batched ``generate``.
+"""GPU throughput: a backend through the service vs its engine used directly.
 
 For a machine with an NVIDIA GPU. Builds a model of a real shape with random weights (TinyLlama
 1.1B by default, bf16) and a small byte-level tokenizer trained on the spot, so nothing is
@@ -7,7 +7,12 @@ downloaded and no weights are needed. Runs N requests of about 128 prompt tokens
 embedded BatchService, and in the same run through plain ``model.generate`` in batches of the same
 size. Prints both token rates and ratio = service / plain, then one JSON line.
 
+``--engine vllm`` measures the vllm backend instead (an environment with the CUDA ``vllm``
+package): the same requests through an embedded BatchService on ``VLLMBackend``, and through
+vLLM's offline ``LLM.generate`` on all prompts at once (the issue's target: >= 0.95).
+
     python benchmarks/gpu.py [--shape tinyllama-1.1b] [--requests 1024] [--batch-size 256]
+    python benchmarks/gpu.py --engine vllm --requests 1024
     python benchmarks/gpu.py --device cpu --shape tiny --requests 32 --batch-size 16 --new-tokens 16
 """
 
@@ -135,6 +140,12 @@ async def service_run(
         model=str(folder), cache_dir=folder.parent, device=device, max_batch_size=batch_size
     )
     settings = ServiceSettings(storage_path=folder.parent / "storage", max_pool_size=max(batch_size * 2, 64))
+    return await _through_service(backend, settings, count, new_tokens)
+
+
+async def _through_service(
+    backend: Any, settings: ServiceSettings, count: int, new_tokens: int
+) -> tuple[int, float]:
     lines = b"".join(
         json.dumps(
             {
@@ -157,6 +168,26 @@ async def service_run(
     return batch.usage.completion_tokens, elapsed
 
 
+def plain_vllm(folder: Path, count: int, new_tokens: int) -> tuple[int, float]:
+    """vLLM's offline engine on all the prompts at once (the model has no end token)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype="bfloat16", max_model_len=2048)
+    conversations = [[{"role": "user", "content": prompt_text(i)}] for i in range(count)]
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, SamplingParams(max_tokens=new_tokens, temperature=0), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(output.outputs[0].token_ids) for output in outputs), elapsed
+
+
+async def service_vllm(folder: Path, count: int, new_tokens: int) -> tuple[int, float]:
+    from batchgen.core.backends.vllm_engine import VLLMBackend
+
+    backend = VLLMBackend(model=str(folder), dtype="bfloat16", context_length=2048)
+    settings = ServiceSettings(storage_path=folder.parent / "storage-vllm", max_pool_size=max(count, 64))
+    return await _through_service(backend, settings, count, new_tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
@@ -164,17 +195,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         build_model(folder, args.shape, args.device)
-        service_tokens, service_s = anyio.run(
-            service_run, folder, args.device, args.requests, args.batch_size, args.new_tokens
-        )
-        plain_tokens, plain_s = plain_generate(
-            folder, args.device, args.requests, args.batch_size, args.new_tokens
-        )
+        if args.engine == "vllm":
+            service_tokens, service_s = anyio.run(service_vllm, folder, args.requests, args.new_tokens)
+            plain_tokens, plain_s = plain_vllm(folder, args.requests, args.new_tokens)
+        else:
+            service_tokens, service_s = anyio.run(
+                service_run, folder, args.device, args.requests, args.batch_size, args.new_tokens
+            )
+            plain_tokens, plain_s = plain_generate(
+                folder, args.device, args.requests, args.batch_size, args.new_tokens
+            )
     figures = {
+        "engine": args.engine,
         "shape": args.shape,
         "device": args.device,
         "requests": args.requests,
@@ -184,8 +221,13 @@ def main() -> None:
         "plain_tokens_per_s": round(plain_tokens / plain_s, 1),
         "ratio": round((service_tokens / service_s) / (plain_tokens / plain_s), 3),
     }
-    print(f"service (embedded BatchService, transformers backend): {figures['service_tokens_per_s']} tok/s")
-    print(f"plain model.generate, batches of {args.batch_size}: {figures['plain_tokens_per_s']} tok/s")
+    plain = (
+        "vLLM's offline LLM.chat, all at once"
+        if args.engine == "vllm"
+        else f"plain model.generate, batches of {args.batch_size}"
+    )
+    print(f"service (embedded BatchService, {args.engine} backend): {figures['service_tokens_per_s']} tok/s")
+    print(f"{plain}: {figures['plain_tokens_per_s']} tok/s")
     print(f"ratio service / plain: {figures['ratio']}")
     print(json.dumps(figures))
 

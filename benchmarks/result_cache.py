@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import httpx
 import msgspec
 from chat_inputs import write_chat_input
-from running_server import peak_rss_mib, running_server, upload
+from running_server import free_port, peak_rss_mib, running_server, upload
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
@@ -50,12 +49,6 @@ def as_replayed(body: bytes) -> bytes:
     *_, last = _CACHED_TOKENS.finditer(body)
     prompt = json.loads(body)["usage"]["prompt_tokens"]
     return body[: last.start()] + b'"cached_tokens":%d' % prompt + body[last.end() :]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run(client: httpx.Client, input_path: Path) -> tuple[dict[str, object], float, dict[str, bytes], int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -17,11 +18,11 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 @contextmanager
 def running_server(
-    storage: Path, port: int, *flags: str
+    storage: Path, port: int, *flags: str, python: str = sys.executable
 ) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
-    """The server process and a client for it, once ``/health`` answers 200."""
+    """The server process (run by ``python``) and a client for it, once ``/health`` answers 200."""
     command = [
-        sys.executable,
+        python,
         "-m",
         "batchgen.server.cli",
         "--port",
@@ -72,6 +73,13 @@ def run_batch(client: httpx.Client, content: Path | bytes) -> tuple[dict[str, An
         time.sleep(0.05)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
     return batch, upload_s, time.perf_counter() - uploaded
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def peak_rss_mib(pid: int) -> float:

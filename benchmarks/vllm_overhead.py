@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from running_server import free_port, run_batch, running_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("offline", "run_batch", "vllm", "openai", "transformers")
@@ -133,14 +134,6 @@ def run_run_batch(model: Path, count: int, new_tokens: int, dtype: str, scratch:
 
 
 # --- (c), (d), (e): batchgen-server ----------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -155,15 +148,6 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float =
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def run_server(
     python: str,
     flags: list[str],
@@ -172,18 +156,16 @@ def run_server(
     scratch: Path,
     upstream: list[str] | None = None,
 ) -> dict[str, Any]:
-    processes: list[subprocess.Popen[bytes]] = []
-    log = (scratch / "server.log").open("wb")
+    serve = None
     try:
-        if upstream is not None:
-            serve_port = _free_port()
+        if upstream is not None:  # (d): vllm serve, then the openai backend in front of it
+            serve_port = free_port()
             vllm = Path(sys.executable).with_name("vllm")
-            processes.append(
-                subprocess.Popen(
+            with (scratch / "serve.log").open("wb") as log:
+                serve = subprocess.Popen(
                     [str(vllm), "serve", *upstream, "--port", str(serve_port)], stdout=log, stderr=log
                 )
-            )
-            _wait_healthy(f"http://127.0.0.1:{serve_port}/health", processes[-1])
+            _wait_healthy(f"http://127.0.0.1:{serve_port}/health", serve)
             flags = [
                 *flags,
                 "--upstream",
@@ -191,45 +173,17 @@ def run_server(
                 "--upstream-max-concurrency",
                 str(count),
             ]
-        port = _free_port()
-        command = [
-            python,
-            "-m",
-            "batchgen.server.cli",
-            "--port",
-            str(port),
-            "--storage-path",
-            str(scratch / "storage"),
-        ]
-        command += ["--max-pool-size", str(max(count, 64)), "--log-level", "warning", *flags]
-        processes.append(subprocess.Popen(command, stdout=log, stderr=log))
-        base = f"http://127.0.0.1:{port}"
-        _wait_healthy(f"{base}/health", processes[-1])
-        with httpx.Client(base_url=base, timeout=60) as client:
-            source = batch_file(scratch / "input.jsonl", count, new_tokens, "default")
-            file_id = client.post(
-                "/v1/files", files={"file": source.read_bytes()}, data={"purpose": "batch"}
-            ).json()["id"]
-            started = time.perf_counter()
-            batch = client.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": file_id,
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            ).json()
-            while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
-                time.sleep(0.05)
-                batch = client.get(f"/v1/batches/{batch['id']}").json()
-            elapsed = time.perf_counter() - started
+        flags = [*flags, "--max-pool-size", str(max(count, 64))]
+        source = batch_file(scratch / "input.jsonl", count, new_tokens, "default")
+        with running_server(scratch / "storage", free_port(), *flags, python=python) as (_, client):
+            batch, _, elapsed = run_batch(client, source)
         if batch["status"] != "completed" or batch["request_counts"]["completed"] != count:
             raise RuntimeError(f"the batch ended {batch['status']}: {batch['request_counts']}")
         return {"tokens": batch["usage"]["output_tokens"], "seconds": elapsed}
     finally:
-        for process in reversed(processes):
-            _stop(process)
-        log.close()
+        if serve is not None:
+            serve.terminate()
+            serve.wait()
 
 
 def run_one(

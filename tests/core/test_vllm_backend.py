@@ -149,8 +149,8 @@ async def test_a_prompt_seen_before_is_served_from_the_prefix_cache(engine: VLLM
     first: GenerationResult = await engine.generate(chat("req_first", long, max_tokens=2))
     again = await engine.generate(chat("req_again", long, max_tokens=2))
     assert first.prompt_tokens == again.prompt_tokens > 64
-    assert again.cached_tokens is not None
-    assert again.prompt_tokens - 16 <= again.cached_tokens <= again.prompt_tokens
+    assert again.cached_tokens is not None  # the prompt's whole blocks (vLLM caches full blocks)
+    assert again.prompt_tokens // 2 <= again.cached_tokens < again.prompt_tokens
     assert (first.cached_tokens or 0) < again.cached_tokens
 
 

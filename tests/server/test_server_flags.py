@@ -228,7 +228,7 @@ def test_help_has_a_group_per_backend_and_each_flag_once() -> None:
     for flag in ("--model", "--tp-size", "--sglang-arg", "--upstream", "--simulated-seed", "--device"):
         assert flag in options
     [model] = [line for line in text.splitlines() if line.startswith("  --model MODEL, --model-path MODEL")]
-    assert "transformers: a local Hugging Face folder or GGUF file" in model
+    assert "transformers, vllm: a local Hugging Face folder or GGUF file" in model  # one text, said once
     assert "sglang: the model path" in model and "(required)" in model
     assert "also takes --model-path (above)" in text
 

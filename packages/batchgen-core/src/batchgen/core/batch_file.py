@@ -419,10 +419,12 @@ def first_line_model(path: str) -> str | None:
     return None
 
 
-def index_batch_file(path: str) -> LineIndex:
-    """Record the offset, length and prompt prefix key of every non-blank line of the file at
-    ``path``. A line with no key (embeddings) gets a key of its own (its negated position, a
-    group of one), and a file with no keyed line records no keys at all."""
+def index_batch_file(path: str, with_prefixes: bool = True) -> LineIndex:
+    """Record the offset, length and (``with_prefixes``) prompt prefix key of every non-blank line
+    of the file at ``path``. A line with no key (embeddings) gets a key of its own (its negated
+    position, a group of one), and a file with no keyed line records no keys at all."""
+    if not with_prefixes:
+        return _index_without_keys(path)
     offsets = array("q")
     lengths = array("l")
     prefixes = array("q")
@@ -441,3 +443,16 @@ def index_batch_file(path: str) -> LineIndex:
                 prefixes.append(key)
             position += len(raw)
     return LineIndex(offsets, lengths, prefixes if keyed else None)
+
+
+def _index_without_keys(path: str) -> LineIndex:
+    offsets = array("q")
+    lengths = array("l")
+    position = 0
+    with open(path, "rb") as stream:
+        for raw in stream:
+            if raw.strip():
+                offsets.append(position)
+                lengths.append(len(raw))
+            position += len(raw)
+    return LineIndex(offsets, lengths, None)

@@ -43,11 +43,11 @@ def lines_not_done(path: str, index: LineIndex, done: set[str]) -> list[int]:
     return pending
 
 
-def read_input(path: str, done: set[str] | None) -> tuple[LineIndex, LineOrder]:
+def read_input(path: str, done: set[str] | None, group_prefixes: bool = True) -> tuple[LineIndex, LineOrder]:
     """The input file's index, and the lines to queue (those not in ``done``) in admission order,
-    checked and grouped by prompt prefix (``intake_pool.line_order``): the work of a batch start
-    that reads the file, in one call so that it runs in one worker thread."""
-    index = index_batch_file(path)
+    checked and, with ``group_prefixes``, grouped by prompt prefix (``intake_pool.line_order``):
+    the work of a batch start that reads the file, in one call so that it runs in one worker thread."""
+    index = index_batch_file(path, with_prefixes=group_prefixes)
     lines = lines_not_done(path, index, done) if done else None
     return index, line_order(index, lines)
 
@@ -63,9 +63,12 @@ class BatchStarter:
         wake_scheduler: Callable[[], None],
         *,
         on_queued: Callable[[str], object] | None = None,
+        group_prefixes: bool = True,
     ) -> None:
-        """``on_queued(batch_id)`` is called once a batch's requests are queued."""
+        """``on_queued(batch_id)`` is called once a batch's requests are queued; ``group_prefixes``:
+        a batch's lines of one prompt prefix are admitted together (else in file order)."""
         self._on_queued = on_queued
+        self._group_prefixes = group_prefixes
         self._tracker = tracker
         self._files = files
         self._intake_pool = intake_pool
@@ -96,7 +99,7 @@ class BatchStarter:
 
     async def _start(self, active: ActiveBatch, file: FileObject, done: set[str] | None) -> None:
         try:
-            index, order = await anyio.to_thread.run_sync(read_input, file.path, done)
+            index, order = await anyio.to_thread.run_sync(read_input, file.path, done, self._group_prefixes)
         except OSError as exc:
             self._tracker.fail(active, "batch_failed", f"Could not read the input file: {exc}")
             return

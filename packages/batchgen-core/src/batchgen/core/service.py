@@ -178,6 +178,9 @@ class ServiceSettings:
     #: The order of a batch's result files when its create call does not say (``output_order``):
     #: "completion" (as requests finish) or "input" (rewritten in input order when it ends).
     output_order: str = attrs.field(default=COMPLETION, validator=attrs.validators.in_(OUTPUT_ORDERS))
+    #: Whether a batch's lines that share a prompt prefix are admitted together (``prefix_groups``),
+    #: so that an engine's prefix cache computes the prefix once; False: in file order.
+    prefix_grouping: bool = True
 
 
 class _Parts:
@@ -232,6 +235,7 @@ class _Parts:
             service.intake_pool,
             service.scheduler.notify,
             on_queued=service.telemetry.batch_queued,
+            group_prefixes=settings.prefix_grouping,
         )
         self.executor = RequestExecutor(
             self.tracker,

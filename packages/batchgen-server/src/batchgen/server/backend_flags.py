@@ -151,9 +151,13 @@ def _help(declarations: list[tuple[str, BackendOption]]) -> str:
     if len(set(notes)) == 1:  # one default for all: say it once, at the end
         parts = [f"{backend}: {option.help}" for backend, option in declarations]
         return "; ".join(parts) + (f" ({notes[0]})" if notes[0] else "")
+    # backends that say the same (help and default) are named together, so each default shows once
+    same: dict[tuple[str, str | None], list[str]] = {}
+    for (backend, option), note in zip(declarations, notes, strict=True):
+        same.setdefault((option.help, note), []).append(backend)
     return "; ".join(
-        f"{backend}: {option.help}" + (f" ({note})" if note else "")
-        for (backend, option), note in zip(declarations, notes, strict=True)
+        f"{', '.join(backends)}: {text}" + (f" ({note})" if note else "")
+        for (text, note), backends in same.items()
     )
 
 

@@ -55,6 +55,15 @@ from batchgen.server.settings import EMBEDDINGS_BACKEND, ServerSettings
 from batchgen.server.start_failures import StartFailures, port_taken
 
 _DEFAULTS = ServerSettings()
+
+
+def _on_off(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return lowered == "on"
+
+
 #: Exit statuses: the service could not start (as uvicorn's own), or it stopped while serving.
 EXIT_STARTUP_FAILED = 3
 #: What the start banner says a transformers start takes, the packaged chat and embedding models
@@ -209,6 +218,15 @@ def build_parser(
         "'completion': as requests finish (the default); 'input': the output and error files are "
         "rewritten in input-line order when the batch completes or is cancelled (the incremental "
         "file serves while it runs)",
+    )
+    add(
+        "--prefix-grouping",
+        type=_on_off,
+        default=_DEFAULTS.prefix_grouping,
+        metavar="on|off",
+        help="'on': a batch's lines that share the start of their prompt (a system prompt, a few "
+        "examples) are admitted together, so that the engine's prefix cache computes it once and "
+        "the openai backend sends them to one upstream; 'off': in file order",
     )
     add(
         "--served-model-name",

@@ -57,6 +57,7 @@ class ServerSettings:
     file_expiry_s: int | None = None
     error_file: str = "output"
     output_order: str = "completion"
+    prefix_grouping: bool = True
     served_model_name: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     log_level: str = "info"
     #: How much the API lowers its own priority once the service (and any model worker) started.
@@ -104,6 +105,7 @@ class ServerSettings:
             file_expiry_s=self.file_expiry_s,
             error_file=self.error_file,
             output_order=self.output_order,
+            prefix_grouping=self.prefix_grouping,
             served_model_names=self.served_model_name,
             webhook_urls=self.webhook_url,
             webhook_batch_urls=self.webhook_batch_urls,

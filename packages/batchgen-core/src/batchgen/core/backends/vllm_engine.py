@@ -67,6 +67,7 @@ from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, dtype_choice, resolve
 from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS, GrammarBounds, checked_schema_text
 from batchgen.core.backends.hf_model_files import resolve_model_folder
 from batchgen.core.backends.option_types import key_value, positive_int
+from batchgen.core.backends.process_reaper import ProcessReaper, reaper_for_children
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import prompt_opens_reasoning, text_messages
 from batchgen.core.backends.vllm_requests import MAX_CHOICES, result_of, sampling_kwargs
@@ -97,6 +98,10 @@ _GENERATING = Capabilities(
     max_choices=MAX_CHOICES,
     deterministic=frozenset({GREEDY, SEEDED}),
 )
+#: How vLLM names its processes (``VLLM::EngineCore``, ``VLLM::Worker``) in their command lines.
+ENGINE_PROCESS_PREFIX = "VLLM::"
+#: How often the backend looks whether its engine core has died.
+WATCH_INTERVAL_S = 0.5
 #: Restarts of a dead engine core with no request finished in between, before the backend gives up.
 MAX_RESTARTS_IN_A_ROW = 3
 #: What one attempt returns when the engine core died under it.
@@ -159,6 +164,8 @@ class VLLMBackend:
         self.grammar_bounds = grammar_bounds
         self.capabilities = _GENERATING
         self._engine: Any = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._reaper: ProcessReaper | None = None
         self._vllm: Any = None
         self._tokenizer: Any = None
         self._context: int | None = context_length
@@ -200,13 +207,16 @@ class VLLMBackend:
             if getattr(config, "runner_type", "generate") == "pooling":
                 self.capabilities = _POOLING
         except Exception as exc:
-            _shutdown_quietly(engine)
+            reaper, self._reaper = self._reaper, None
+            _shutdown_quietly(engine, reaper)
             raise self._failed_start(
                 f"the engine started but is unusable: {type(exc).__name__}: {exc}"
             ) from exc
         self._engine = engine
         self._dead_reason = self._start_error = None
         self._stopping = False
+        # an engine core that dies while no request runs is restarted too
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_engine())
         logger.info(
             "vLLM %s serving %s (%s, context %s)",
             getattr(self._vllm, "__version__", "?"),
@@ -258,7 +268,10 @@ class VLLMBackend:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         arguments = AsyncEngineArgs(**self.engine_kwargs(str(folder), device))
-        return AsyncLLM.from_engine_args(arguments)
+        engine = AsyncLLM.from_engine_args(arguments)
+        # the engine core does not notice this process dying: a watcher ends it then
+        self._reaper = reaper_for_children(ENGINE_PROCESS_PREFIX)
+        return engine
 
     def _failed_start(self, why: str) -> BackendUnavailable:
         self._start_error = (
@@ -266,8 +279,22 @@ class VLLMBackend:
         )
         return BackendUnavailable(self._start_error)
 
+    async def _watch_engine(self) -> None:
+        """Restart the engine core when it dies, whether or not a request notices."""
+        while not self._stopping and self._dead_reason is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            engine = self._engine
+            if engine is not None and engine.errored and not self._restarting:
+                try:
+                    await self._restart(self._generation)
+                except BackendUnavailable:
+                    return  # given up: health says why
+
     async def stop(self) -> None:
         self._stopping = True
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.cancel()
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -277,7 +304,8 @@ class VLLMBackend:
                 await engine.abort(running)
             except Exception:
                 logger.warning("vLLM could not abort the running requests", exc_info=True)
-        await anyio.to_thread.run_sync(_shutdown_quietly, engine)
+        reaper, self._reaper = self._reaper, None
+        await anyio.to_thread.run_sync(_shutdown_quietly, engine, reaper)
 
     def health(self) -> Health:
         if self._dead_reason is not None:
@@ -419,13 +447,15 @@ class VLLMBackend:
             logger.error("the vLLM engine core died; restarting it and resending its requests")
             try:
                 if old is not None:
-                    await anyio.to_thread.run_sync(_shutdown_quietly, old)
+                    reaper, self._reaper = self._reaper, None
+                    await anyio.to_thread.run_sync(_shutdown_quietly, old, reaper)
                 try:
                     engine = await anyio.to_thread.run_sync(self._build_engine)
                 except Exception as exc:
                     raise self._die(f"the vLLM engine core died and could not be restarted: {exc}") from exc
                 if self._stopping:
-                    await anyio.to_thread.run_sync(_shutdown_quietly, engine)
+                    reaper, self._reaper = self._reaper, None
+                    await anyio.to_thread.run_sync(_shutdown_quietly, engine, reaper)
                     return
                 self._engine = engine
                 self._generation += 1
@@ -542,11 +572,14 @@ class VLLMBackend:
         return BackendUnavailable(self._dead_reason)
 
 
-def _shutdown_quietly(engine: Any) -> None:
+def _shutdown_quietly(engine: Any, reaper: ProcessReaper | None = None) -> None:
+    """Shut ``engine`` down, then let its ``reaper`` end whatever of it is left."""
     try:
         engine.shutdown()
     except Exception:
         logger.warning("shutting the vLLM engine down failed", exc_info=True)
+    if reaper is not None:
+        reaper.close()
 
 
 def _kv_cache_gib(text: str) -> float:
