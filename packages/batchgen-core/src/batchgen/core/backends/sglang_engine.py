@@ -59,7 +59,7 @@ from batchgen.core.backends.capabilities import (
 )
 from batchgen.core.backends.option_types import key_value, positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
-from batchgen.core.backends.text import prompt_opens_reasoning, split_reasoning, text_messages
+from batchgen.core.backends.text import prompt_opens_reasoning, rendered_chat, split_reasoning
 from batchgen.core.models import GenerationRequest, GenerationResult, Health, SamplingParameters
 
 logger = logging.getLogger("batchgen.backends.sglang")
@@ -333,18 +333,7 @@ class SGLangBackend:
                     "invalid_request",
                     "Chat requests need the model's tokenizer, which the engine did not load.",
                 )
-            try:
-                text = tokenizer.apply_chat_template(
-                    text_messages(request.messages, backend="sglang"),
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-            except RequestRejected:
-                raise
-            except Exception as exc:
-                raise RequestRejected(
-                    "invalid_request", f"The model's chat template cannot render these messages: {exc}"
-                ) from exc
+            text = rendered_chat(tokenizer, request.messages, backend="sglang")
             # The template wrote the special tokens itself, as SGLang's chat endpoint assumes.
             ids = list(tokenizer.encode(text, add_special_tokens=False))
             return _Prompt(ids, text, len(ids), opens_reasoning=prompt_opens_reasoning(text))

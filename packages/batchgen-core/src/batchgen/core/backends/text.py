@@ -59,6 +59,23 @@ def text_messages(messages: Iterable[Mapping[str, Any]], *, backend: str) -> lis
     return result
 
 
+def rendered_chat(tokenizer: Any, messages: Iterable[Mapping[str, Any]], *, backend: str) -> str:
+    """The prompt the model's chat template makes of ``messages`` (ending in the assistant's turn);
+    a template that cannot render them is the line's ``invalid_request`` error."""
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                text_messages(messages, backend=backend), tokenize=False, add_generation_prompt=True
+            )
+        )
+    except RequestRejected:
+        raise
+    except Exception as exc:
+        raise RequestRejected(
+            "invalid_request", f"The model's chat template cannot render these messages: {exc}"
+        ) from exc
+
+
 def trim_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     """``text`` up to the earliest occurrence of any non-empty stop string, and whether one occurred."""
     cuts = [index for index in (text.find(stop) for stop in stops if stop) if index != -1]

