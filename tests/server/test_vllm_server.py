@@ -165,7 +165,12 @@ def test_a_killed_engine_core_is_replaced_and_each_request_has_one_line(
         assert health.status_code == 200, health.text
     assert Counter(line["custom_id"] for line in output) == Counter(f"q{n}" for n in range(16))
     assert all(line["error"] is None for line in output)
-    assert {line["response"]["body"]["usage"]["completion_tokens"] for line in output} == {1000}
+    for line in output:  # to the limit, or to the end token the random model may emit (vLLM stops there)
+        [choice] = line["response"]["body"]["choices"]
+        tokens = line["response"]["body"]["usage"]["completion_tokens"]
+        assert (choice["finish_reason"], tokens) == ("length", 1000) or (
+            choice["finish_reason"] == "stop" and tokens < 1000
+        ), line
     assert _gone(engine)
     [replacement] = _engine_cores_of(server.process.pid)
     assert replacement != engine
