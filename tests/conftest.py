@@ -17,6 +17,7 @@ the tests that need no process, and none is left out by mistake.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -192,6 +193,28 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     server = start_server(tmp_path_factory.mktemp("live") / "storage")
     yield server
     server.stop()
+
+
+#: The fake ``sglang`` package (SGLang needs CUDA) and the knobs it reads from the environment.
+FAKE_SGLANG = Path(__file__).resolve().parent / "fakes"
+FAKE_SGLANG_KNOBS = (
+    "FAKE_SGLANG_DELAY_S",
+    "FAKE_SGLANG_DIE_AFTER",
+    "FAKE_SGLANG_FAIL_START",
+    "FAKE_SGLANG_RECORD",
+)
+
+
+@pytest.fixture
+def fake_sglang_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The fake ``sglang`` on the PYTHONPATH that server processes inherit, with none of its knobs
+    set; the monkeypatch, to set some."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(FAKE_SGLANG), os.environ.get("PYTHONPATH")]))
+    )
+    for name in FAKE_SGLANG_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
 
 
 @pytest.fixture(scope="session")

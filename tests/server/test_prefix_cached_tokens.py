@@ -8,7 +8,6 @@ SQLite) and a kill -9 in the middle of a batch (rebuilt from the lines written).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -21,7 +20,6 @@ import pytest
 from tests.helpers import TERMINAL, chat_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
 SGLANG_FLAGS = ("--backend", "sglang", "--model-path", "fake-model")
 #: A long instruction every request shares, as batch jobs do: the part the engine's cache serves.
 SYSTEM = "You are a careful assistant. " * 20
@@ -29,20 +27,9 @@ METRIC = "batchgen_prefix_cached_tokens_total"
 
 
 @pytest.fixture
-def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """The fake ``sglang`` on the PYTHONPATH server processes inherit, with no knobs set; the
-    monkeypatch, to set some."""
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
-    )
-    for name in (
-        "FAKE_SGLANG_DELAY_S",
-        "FAKE_SGLANG_DIE_AFTER",
-        "FAKE_SGLANG_FAIL_START",
-        "FAKE_SGLANG_RECORD",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+def fake_sglang(fake_sglang_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The fake ``sglang`` for server processes (``fake_sglang_env``); the monkeypatch, to set its knobs."""
+    return fake_sglang_env
 
 
 def _chat(custom_id: str, question: str) -> dict[str, Any]:

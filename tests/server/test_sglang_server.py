@@ -8,7 +8,6 @@ and output files are the real ones.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,18 +25,8 @@ SGLANG_FLAGS = ("--backend", "sglang", "--model-path", "fake-model")
 
 
 @pytest.fixture
-def fake_sglang_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_sglang_path(fake_sglang_env: pytest.MonkeyPatch) -> None:
     """Put the fake ``sglang`` on the PYTHONPATH that server processes inherit."""
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
-    )
-    for name in (
-        "FAKE_SGLANG_DELAY_S",
-        "FAKE_SGLANG_DIE_AFTER",
-        "FAKE_SGLANG_FAIL_START",
-        "FAKE_SGLANG_RECORD",
-    ):
-        monkeypatch.delenv(name, raising=False)
 
 
 def _submit(client: httpx.Client, path: Path) -> dict:

@@ -118,11 +118,6 @@ class _Prompt:
     opens_reasoning: bool = False
 
 
-@attrs.define(eq=False)
-class _InFlight:
-    done: anyio.Event = attrs.field(factory=anyio.Event)
-
-
 class VLLMBackend:
     """vLLM's ``AsyncLLM`` behind the ``Backend`` protocol (see the module docstring)."""
 
@@ -170,7 +165,8 @@ class VLLMBackend:
         self._tokenizer: Any = None
         self._context: int | None = context_length
         self._vocabulary: int | None = None
-        self._running: dict[str, _InFlight] = {}
+        #: The request ids in the engine now (what ``abort`` may reach, and ``stop`` aborts).
+        self._running: set[str] = set()
         self._aborted: set[str] = set()
         self._dead_reason: str | None = None
         self._start_error: str | None = None
@@ -406,8 +402,7 @@ class VLLMBackend:
 
     async def _generate_once(self, engine: Any, prompt: _Prompt, parameters: Any, rid: str) -> Any:
         """The request's final ``RequestOutput`` from ``engine``, or ``_ENGINE_DIED``."""
-        flight = _InFlight()
-        self._running[rid] = flight
+        self._running.add(rid)
         final: Any = None
         try:
             if engine.errored:
@@ -420,8 +415,7 @@ class VLLMBackend:
                 return _ENGINE_DIED
             raise failure from exc
         finally:
-            self._running.pop(rid, None)
-            flight.done.set()
+            self._running.discard(rid)
         aborted = rid in self._aborted
         self._aborted.discard(rid)
         ended_early = final is None or any(str(choice.finish_reason) == "abort" for choice in final.outputs)
