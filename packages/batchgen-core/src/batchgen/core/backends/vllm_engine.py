@@ -27,7 +27,9 @@ the storage path (the transformers backend's cache, shared), which vLLM loads; a
 folder is loaded as it is. ``--dtype auto`` picks as the transformers backend does (bfloat16 on
 CUDA and on CPUs with native bfloat16, float32 elsewhere: vLLM's emulated bfloat16 is about 5 times
 slower on an AVX2 CPU). ``--kv-cache-gib`` sizes the KV cache (vLLM's ``kv_cache_memory_bytes``; on a
-CPU, vLLM's own ``VLLM_CPU_KVCACHE_SPACE`` in the environment takes precedence over it).
+CPU, vLLM's own ``VLLM_CPU_KVCACHE_SPACE`` in the environment takes precedence over it). On a CPU it
+defaults to ``CPU_KV_CACHE_GIB``: left to itself, vLLM's CPU worker takes 90% of the machine's
+memory for the cache, which leaves the server and everything else beside it too little.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ ENGINE_PROCESS_PREFIX = "VLLM::"
 WATCH_INTERVAL_S = 0.5
 #: Restarts of a dead engine core with no request finished in between, before the backend gives up.
 MAX_RESTARTS_IN_A_ROW = 3
+#: The KV cache on a CPU when neither ``--kv-cache-gib`` nor ``VLLM_CPU_KVCACHE_SPACE`` sizes it.
+CPU_KV_CACHE_GIB = 4.0
+#: The ``--kv-cache-gib`` values taken: from 1 MiB (less rounds to no bytes at all) to 64 TiB (past
+#: any machine's memory, short of an overflow).
+MIN_KV_CACHE_GIB = 1 / 1024
+MAX_KV_CACHE_GIB = 65536.0
 #: What one attempt returns when the engine core died under it.
 _ENGINE_DIED: Any = object()
 _POOLING = Capabilities(endpoints=frozenset({EMBEDDINGS}), deterministic=frozenset({GREEDY}))
@@ -238,8 +246,11 @@ class VLLMBackend:
         }
         if device == "cpu":
             named["enforce_eager"] = True  # no CUDA graphs; torch.compile's minutes buy little here
-        if self.kv_cache_gib is not None:
-            named["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
+        kv_cache_gib = self.kv_cache_gib
+        if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_gib = CPU_KV_CACHE_GIB
+        if kv_cache_gib is not None:
+            named["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         return {**{key: value for key, value in named.items() if value is not None}, **self.engine_args}
 
     def _build_engine(self) -> Any:
@@ -570,8 +581,8 @@ def _shutdown_quietly(engine: Any, reaper: ProcessReaper | None = None) -> None:
 
 def _kv_cache_gib(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise ValueError(f"must be more than 0, got {value}")
+    if not MIN_KV_CACHE_GIB <= value <= MAX_KV_CACHE_GIB:
+        raise ValueError(f"must be from 1/1024 (1 MiB) to {MAX_KV_CACHE_GIB:g}, got {value:g}")
     return value
 
 
@@ -596,7 +607,7 @@ SPEC = BackendSpec(
             "--kv-cache-gib",
             _kv_cache_gib,
             help="memory for vLLM's KV cache, in GiB",
-            default_help="vLLM's own (4 GiB on a CPU; what --gpu-memory-utilization leaves on a GPU)",
+            default_help=f"{CPU_KV_CACHE_GIB:g} on a CPU; on a GPU, vLLM's own (what its memory share leaves)",
             metavar="GIB",
         ),
         BackendOption(
