@@ -70,6 +70,7 @@ from batchgen.core.backends.capabilities import (
     UPSTREAM_SAMPLING,
     Capabilities,
 )
+from batchgen.core.backends.http_client_shards import ClientShards
 from batchgen.core.backends.option_types import positive_int
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import trim_at_stop
@@ -391,7 +392,8 @@ class OpenAIUpstreamBackend:
         #: The models each upstream listed when it last answered ``GET /models`` (None: not yet).
         self.upstream_models: list[tuple[str, ...] | None] = [None] * len(self.upstreams)
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        #: The HTTP clients (None until started): requests in flight spread over small pools.
+        self._clients: ClientShards | None = None
         self._httpx: Any = None
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._waiters: deque[anyio.Event] = deque()
@@ -401,7 +403,7 @@ class OpenAIUpstreamBackend:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Open the HTTP client, probe every upstream once, and start re-probing down ones."""
-        if self._client is not None:
+        if self._clients is not None:
             return
         try:
             import httpx
@@ -411,11 +413,12 @@ class OpenAIUpstreamBackend:
             ) from exc
         self._httpx = httpx
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._client = httpx.AsyncClient(
-            transport=self._transport,
-            headers=headers,
-            timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        timeout = httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._clients = ClientShards(
+            lambda: httpx.AsyncClient(
+                transport=self._transport, headers=headers, timeout=timeout, limits=limits
+            )
         )
         async with anyio.create_task_group() as tasks:
             for index in range(len(self.upstreams)):
@@ -433,9 +436,9 @@ class OpenAIUpstreamBackend:
             self._probe_tasks.cancel_scope.cancel()
             await self._probes.aclose()
         self._probes = self._probe_tasks = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._clients is not None:
+            await self._clients.aclose()
+            self._clients = None
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -452,7 +455,7 @@ class OpenAIUpstreamBackend:
         return None if len(eligible) == len(self.upstreams) or not eligible else eligible
 
     def health(self) -> Health:
-        if self._client is None:
+        if self._clients is None:
             return Health(False, "the openai backend is not started")
         if all_down(self.upstreams):
             return Health(False, self._down_reason())
@@ -474,7 +477,7 @@ class OpenAIUpstreamBackend:
             scope.cancel()
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
-        if self._client is None:
+        if self._clients is None:
             raise BackendUnavailable("the openai backend is not started")
         path = _PATHS[request.endpoint]
         model = request.model or self.model_name
@@ -601,12 +604,11 @@ class OpenAIUpstreamBackend:
     async def _post(
         self, url: str, body: bytes, endpoint: str, keep_choices: bool = False
     ) -> GenerationResult | RequestRejected | _Failure:
-        assert self._client is not None
+        assert self._clients is not None
         httpx = self._httpx
         try:
-            response = await self._client.post(
-                url, content=body, headers={"Content-Type": "application/json"}
-            )
+            with self._clients.client() as client:
+                response = await client.post(url, content=body, headers={"Content-Type": "application/json"})
         except httpx.TimeoutException as exc:
             return _Failure(f"timed out ({_describe(exc)})", overload=True)
         except httpx.ConnectError as exc:
@@ -652,11 +654,11 @@ class OpenAIUpstreamBackend:
 
     async def _probe(self, index: int, first: bool) -> None:
         """``GET /models`` on one upstream: up if it answers (learning the model name if needed)."""
-        assert self._client is not None
+        assert self._clients is not None
         upstream = self.upstreams[index]
         error: str | None = None
         try:
-            response = await self._client.get(f"{upstream.url}/models", timeout=self.probe_timeout_s)
+            response = await self._clients.first().get(f"{upstream.url}/models", timeout=self.probe_timeout_s)
             payload = _decode(response.content) if response.status_code == 200 else None
             if response.status_code != 200:
                 error = (
