@@ -12,7 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.core.backends.spec import BackendOption
-from batchgen.core.backends.vllm_engine import CPU_KV_CACHE_GIB, MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB, SPEC, VLLMBackend
+from batchgen.core.backends.vllm_engine import (
+    CPU_KV_CACHE_GIB,
+    MAX_KV_CACHE_GIB,
+    MIN_KV_CACHE_GIB,
+    SPEC,
+    VLLMBackend,
+)
 
 GIB = 2**30
 
