@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.core.backends import process_reaper
-from batchgen.core.backends.process_reaper import ProcessReaper, descendants, start_time
+from batchgen.core.backends.process_reaper import ProcessReaper, descendants, reaped_start, start_time
 
 pytestmark = pytest.mark.live
 
@@ -116,3 +116,25 @@ def test_descendants_finds_grandchildren_by_command() -> None:
             os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait()
+
+
+def test_a_reaped_start_owns_only_the_processes_it_started() -> None:
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    # a process of the same name that was there before (another engine, a vllm serve a test runs)
+    before = subprocess.Popen(sleep)
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> str:
+        started.append(subprocess.Popen(sleep))
+        return "engine"
+
+    try:
+        result, reaper = reaped_start(start, sys.executable)
+        assert result == "engine"
+        assert [target.split(":")[0] for target in reaper.targets] == [str(started[0].pid)]
+        reaper.close()
+        assert started[0].wait(timeout=10) == -signal.SIGKILL
+        assert _alive(before.pid), "a process the start did not make was killed"
+    finally:
+        for process in (before, *started):
+            process.kill()

@@ -15,8 +15,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 #: The watcher: read stdin to its end, then SIGKILL each ``pid:starttime`` argument still alive.
 _WATCHER = """
@@ -94,6 +98,20 @@ class ProcessReaper:
         return self._watcher.pid
 
 
-def reaper_for_children(command_prefix: str) -> ProcessReaper:
-    """A reaper for this process's descendants whose command line starts with ``command_prefix``."""
-    return ProcessReaper(descendants(os.getpid(), command_prefix))
+#: One start at a time in this process, so that the processes that appear during a start are its own.
+_STARTS = threading.Lock()
+
+
+def reaped_start(start: Callable[[], T], command_prefix: str) -> tuple[T, ProcessReaper]:
+    """Call ``start`` and return its result with a reaper for the processes it started: this
+    process's descendants whose command line starts with ``command_prefix`` that were not there
+    before (each by pid and start time). Processes of that name started otherwise (another engine
+    in this process, a server a test runs) are not the reaper's, and survive its ``close``. Starts
+    through here are one at a time, so two starting together cannot take each other's processes."""
+    with _STARTS:
+        before = {(pid, start_time(pid)) for pid in descendants(os.getpid(), command_prefix)}
+        result = start()
+        started = [
+            pid for pid in descendants(os.getpid(), command_prefix) if (pid, start_time(pid)) not in before
+        ]
+        return result, ProcessReaper(started)

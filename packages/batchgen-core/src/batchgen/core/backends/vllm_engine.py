@@ -69,7 +69,7 @@ from batchgen.core.backends.hf_dtype import DTYPE_CHOICES, DTYPE_OPTION, resolve
 from batchgen.core.backends.hf_grammar_bounds import DEFAULT_BOUNDS, GrammarBounds, checked_schema_text
 from batchgen.core.backends.hf_model_files import MODEL_OPTION, resolve_model_folder
 from batchgen.core.backends.option_types import key_value, positive_int
-from batchgen.core.backends.process_reaper import ProcessReaper, reaper_for_children
+from batchgen.core.backends.process_reaper import ProcessReaper, reaped_start
 from batchgen.core.backends.spec import BackendOption, BackendSpec
 from batchgen.core.backends.text import prompt_opens_reasoning, rendered_chat
 from batchgen.core.backends.vllm_requests import MAX_CHOICES, result_of, sampling_kwargs
@@ -278,9 +278,11 @@ class VLLMBackend:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         arguments = AsyncEngineArgs(**self.engine_kwargs(str(folder), device))
-        engine = AsyncLLM.from_engine_args(arguments)
-        # the engine core does not notice this process dying: a watcher ends it then
-        self._reaper = reaper_for_children(ENGINE_PROCESS_PREFIX)
+        # the engine core does not notice this process dying: a watcher ends it then (only the
+        # processes this start made: another engine's, or a vllm serve beside it, are not ours)
+        engine, self._reaper = reaped_start(
+            lambda: AsyncLLM.from_engine_args(arguments), ENGINE_PROCESS_PREFIX
+        )
         return engine
 
     def _failed_start(self, why: str) -> BackendUnavailable:
