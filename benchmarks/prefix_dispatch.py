@@ -10,7 +10,9 @@ Two workloads through ``batchgen-server --backend vllm`` (SmolLM2, prefix cachin
 ``distinct``   the same number of lines, no two sharing a start (grouping must cost nothing)
 
 Each runs with ``--prefix-grouping on`` and ``off`` (a fresh server each time, engine start not
-timed; from the batch's create to its end), ``--rounds`` times; the figures are medians. Prints
+timed, nor a small warm-up batch of prompts unrelated to either workload that each fresh server
+runs first; from the batch's create to its end), ``--rounds`` times, the two settings' order
+alternating between rounds; the figures are medians. Prints
 requests/s and tokens/s (prompt and completion) per setting, the ratios on/off (targets: >= 1.3
 on shared, >= 0.98 on distinct), the prompt tokens the cache served, which CPU, and one JSON line.
 
@@ -69,12 +71,44 @@ def lines(workload: str, prefixes: int, per_prefix: int, words: int, max_tokens:
     return found
 
 
-def run(batch: list[dict[str, Any]], grouping: str, kv_cache_gib: float, scratch: Path) -> dict[str, Any]:
+def warm_up_lines(count: int, words: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Lines whose prompts share no start with either workload's (their numbers are out of range),
+    to run the engine's first passes before the timed batch without filling its cache with it."""
+    return [
+        {
+            "custom_id": f"warm-{index}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "default",
+                "messages": [{"role": "system", "content": system_prompt(10**9 + index, words)}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        }
+        for index in range(count)
+    ]
+
+
+def _jsonl(batch: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in batch)
+
+
+def run(
+    batch: list[dict[str, Any]],
+    warm_up: list[dict[str, Any]],
+    grouping: str,
+    kv_cache_gib: float,
+    scratch: Path,
+) -> dict[str, Any]:
     flags = ("--backend", "vllm", "--kv-cache-gib", str(kv_cache_gib), "--max-context-length", "2048")
     flags = (*flags, "--prefix-grouping", grouping)
-    data = b"".join(json.dumps(line).encode() + b"\n" for line in batch)
     with running_server(scratch / grouping, free_port(), *flags) as (_, client):
-        done, _, elapsed = run_batch(client, data)
+        # a fresh engine's first passes are slow on a CPU (its kernels meet each shape for the first
+        # time): a small untimed batch first, so the timed one measures the dispatch, not the warm-up
+        if warm_up:
+            run_batch(client, _jsonl(warm_up))
+        done, _, elapsed = run_batch(client, _jsonl(batch))
     if done["status"] != "completed" or done["request_counts"]["completed"] != len(batch):
         raise RuntimeError(f"the batch ended {done['status']}: {done['request_counts']}")
     usage = done["usage"]
@@ -96,6 +130,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--warm-up", type=int, default=32, help="untimed lines each fresh server runs before the timed batch"
+    )
+    parser.add_argument(
         "--workloads", nargs="+", choices=("shared", "distinct"), default=["shared", "distinct"]
     )
     args = parser.parse_args()
@@ -114,9 +151,14 @@ def main() -> None:
         for workload in args.workloads:
             batch = lines(workload, args.prefixes, args.per_prefix, args.prefix_words, args.max_tokens)
             runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+            warm_up = warm_up_lines(args.warm_up, args.prefix_words, args.max_tokens)
             for round_number in range(args.rounds):
-                for grouping in ("on", "off"):
-                    figures = run(batch, grouping, args.kv_cache_gib, scratch / f"{workload}-{round_number}")
+                # on first in even rounds, off first in odd ones: a drift of the machine's speed
+                # over the run does not favour either setting
+                order = ("on", "off") if round_number % 2 == 0 else ("off", "on")
+                for grouping in order:
+                    where = scratch / f"{workload}-{round_number}"
+                    figures = run(batch, warm_up, grouping, args.kv_cache_gib, where)
                     runs[grouping].append(figures)
                     print(
                         f"{workload}, round {round_number + 1}, grouping {grouping}: {json.dumps(figures)}",

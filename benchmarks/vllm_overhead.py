@@ -17,7 +17,9 @@ last answer (engine starts are not counted):
                     minus the median of the same command's on a one-line file (its start)
 (c) ``vllm``        ``batchgen-server --backend vllm``: upload, create the batch, poll it to the end
 (d) ``openai``      ``batchgen-server --backend openai`` in front of ``vllm serve`` (as ``python -m
-                    vllm.entrypoints.openai.api_server``)
+                    vllm.entrypoints.openai.api_server``), the upstream's concurrency starting at
+                    vLLM's batch size (``--upstream-initial-concurrency``) rather than ramping up
+                    from 4
 (e) ``transformers`` ``batchgen-server`` with the default transformers backend (run by the
                     interpreter of ``--transformers-python``, which has transformers 5.24)
 
@@ -209,7 +211,9 @@ def run_server(
                 serve = subprocess.Popen([*command, "--port", str(serve_port)], stdout=log, stderr=log)
             _wait_healthy(f"http://127.0.0.1:{serve_port}/health", serve)
             flags = [*flags, "--upstream", f"http://127.0.0.1:{serve_port}/v1"]
+            # vllm serve queues what it cannot batch, so start where its batch is full, not at 4
             flags += ["--upstream-max-concurrency", str(largest)]
+            flags += ["--upstream-initial-concurrency", str(min(largest, MAX_SEQUENCES))]
         flags = [*flags, "--max-pool-size", str(max(largest, 64))]
         with running_server(scratch / "storage", free_port(), *flags, python=python) as (server, client):
             for count, round_number in runs:

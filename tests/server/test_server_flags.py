@@ -128,6 +128,8 @@ def test_openai_flags() -> None:
         "qwen",
         "--upstream-max-concurrency",
         "8",
+        "--upstream-initial-concurrency",
+        "6",
         "--max-context-length",
         "512",
     )
@@ -138,6 +140,7 @@ def test_openai_flags() -> None:
     ]
     assert (backend.api_key, backend.model_name, backend.context_length) == ("sk-test", "qwen", 512)
     assert {upstream.limit.maximum for upstream in backend.upstreams} == {8}
+    assert {upstream.limit.limit for upstream in backend.upstreams} == {6}
 
 
 def test_simulated_flags() -> None:

@@ -1,11 +1,14 @@
 """The ``openai`` backend's HTTP clients: several small connection pools instead of one large one.
 
 httpcore's connection pool walks every connection it holds on each request it sends and on each
-response it closes (to find an idle connection and to drop expired ones), so the cost of one
-request grows with the connections open, and one pool with a thousand requests in flight spends
-most of the server's CPU walking. Measured with py-spy on ``batchgen-server --backend openai``
-running 1,024 requests against one ``vllm serve``: more than half of the server's samples were in
-that walk (``benchmarks/vllm_overhead.py``, path ``openai``).
+response it closes (to find an idle connection and to drop expired ones, asking each idle one's
+socket whether it is readable), and for every idle connection it finds it counts the connections
+again: the cost of one request grows with the square of the connections a pool holds. One pool
+with a thousand requests in flight spends most of the server's CPU walking. Measured with py-spy on
+``batchgen-server --backend openai`` running 1,024 requests against one ``vllm serve``
+(``benchmarks/vllm_overhead.py``, path ``openai``): more than half of the server's samples were in
+that walk with one pool, a quarter with pools of 64, and it leaves the top of the profile with
+pools of 16.
 
 ``ClientShards`` keeps requests in flight spread over clients of at most ``SHARD_REQUESTS`` each:
 a request takes the least busy client, and a new client is made only when every one has that
@@ -21,7 +24,7 @@ from typing import Any
 import attrs
 
 #: Requests in flight on one client before the next one is made.
-SHARD_REQUESTS = 64
+SHARD_REQUESTS = 16
 
 
 @attrs.define

@@ -727,6 +727,16 @@ SPEC = BackendSpec(
             64,
             "most requests in flight to one upstream; concurrency adapts below this",
         ),
+        BackendOption(
+            "initial_concurrency",
+            "--upstream-initial-concurrency",
+            positive_int,
+            4,
+            "requests in flight to an upstream at first (and again after it was down); the limit "
+            "doubles from here while every slot is busy and answers come back. Set it near the "
+            "upstream's batch size (vLLM's --max-num-seqs, SGLang's --max-running-requests) to "
+            "skip the ramp",
+        ),
     ),
     context_length_keyword="context_length",
 )
