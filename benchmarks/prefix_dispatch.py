@@ -41,53 +41,41 @@ def system_prompt(prefix: int, words: int) -> str:
     return f"You are classifier number {prefix}. Rules: {body}. Answer with one word."
 
 
+def chat_line(custom_id: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
 def lines(workload: str, prefixes: int, per_prefix: int, words: int, max_tokens: int) -> list[dict[str, Any]]:
     found = []
     for prefix in range(prefixes):
         for item in range(per_prefix):
             if workload == "shared":
-                messages = [
-                    {"role": "system", "content": system_prompt(prefix, words)},
-                    {"role": "user", "content": f"Item {item}: is {WORDS[item % len(WORDS)]} a thing?"},
-                ]
+                system = system_prompt(prefix, words)
             else:  # every line its own start, about as long
-                messages = [
-                    {
-                        "role": "system",
-                        "content": system_prompt(prefixes * per_prefix + prefix * per_prefix + item, words),
-                    },
-                    {"role": "user", "content": f"Item {item}: is {WORDS[item % len(WORDS)]} a thing?"},
-                ]
-            body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-            found.append(
-                {
-                    "custom_id": f"p{prefix}-i{item}",
-                    "method": "POST",
-                    "url": "/v1/chat/completions",
-                    "body": body,
-                }
-            )
+                system = system_prompt(prefixes * per_prefix + prefix * per_prefix + item, words)
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Item {item}: is {WORDS[item % len(WORDS)]} a thing?"},
+            ]
+            found.append(chat_line(f"p{prefix}-i{item}", messages, max_tokens))
     random.Random(7).shuffle(found)
     return found
 
 
-def warm_up_lines(count: int, words: int, max_tokens: int) -> list[dict[str, Any]]:
+def warm_up_lines(count: int, words: int, max_tokens: int) -> bytes:
     """Lines whose prompts share no start with either workload's (their numbers are out of range),
     to run the engine's first passes before the timed batch without filling its cache with it."""
-    return [
-        {
-            "custom_id": f"warm-{index}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": "default",
-                "messages": [{"role": "system", "content": system_prompt(10**9 + index, words)}],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-            },
-        }
-        for index in range(count)
-    ]
+    return _jsonl(
+        [
+            chat_line(
+                f"warm-{index}",
+                [{"role": "system", "content": system_prompt(10**9 + index, words)}],
+                max_tokens,
+            )
+            for index in range(count)
+        ]
+    )
 
 
 def _jsonl(batch: list[dict[str, Any]]) -> bytes:
@@ -96,7 +84,7 @@ def _jsonl(batch: list[dict[str, Any]]) -> bytes:
 
 def run(
     batch: list[dict[str, Any]],
-    warm_up: list[dict[str, Any]],
+    warm_up: bytes,
     grouping: str,
     kv_cache_gib: float,
     scratch: Path,
@@ -107,7 +95,7 @@ def run(
         # a fresh engine's first passes are slow on a CPU (its kernels meet each shape for the first
         # time): a small untimed batch first, so the timed one measures the dispatch, not the warm-up
         if warm_up:
-            run_batch(client, _jsonl(warm_up))
+            run_batch(client, warm_up)
         done, _, elapsed = run_batch(client, _jsonl(batch))
     if done["status"] != "completed" or done["request_counts"]["completed"] != len(batch):
         raise RuntimeError(f"the batch ended {done['status']}: {done['request_counts']}")
