@@ -187,8 +187,15 @@ def test_settings_built_in_code_take_the_backend_options_by_keyword() -> None:
     ],
 )
 def test_bad_flags_are_usage_errors_that_say_why(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # the default storage folder is relative to the working directory: not the checkout's, which a
+    # server started there with `nox -s serve` holds (its lock would be the refusal seen instead)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2
