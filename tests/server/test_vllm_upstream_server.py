@@ -13,6 +13,7 @@ every request exactly once, finished by the other.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -22,6 +23,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchgen.core.backends.openai_upstream import normalize_base_url
+from batchgen.core.backends.upstream_concurrency import (
+    AdaptiveLimit,
+    UpstreamHealth,
+    UpstreamState,
+    prefix_home,
+)
+from batchgen.core.prefix_keys import prefix_key
 from tests.helpers import chat_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer, start_server
 from tests.upstreams import Upstream, start_vllm_upstream
@@ -79,13 +88,40 @@ def _label(upstream: Upstream) -> str:
     return upstream.url.removeprefix("http://").removesuffix("/v1")
 
 
+def _split_prefixes(url: str, upstreams: list[Upstream], per_upstream: int) -> tuple[list[str], list[str]]:
+    """Long prompt prefixes, ``per_upstream`` of them homed on each upstream by the backend's own
+    rendezvous hashing, and the label of each one's home. Six arbitrary prefixes all land on one
+    of two upstreams once in 32 fleets (the weights follow the URLs, whose ports are random), so
+    the test picks prefixes that split and then checks that the server sent them where it says."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["root"]
+    states = [
+        UpstreamState(
+            url=normalize_base_url(upstream.url), limit=AdaptiveLimit(maximum=4), health=UpstreamHealth()
+        )
+        for upstream in upstreams
+    ]
+    chosen: dict[int, list[str]] = {index: [] for index in range(len(upstreams))}
+    for candidate in itertools.count():
+        prefix = " ".join(f"rule{candidate}-{n}" for n in range(120))
+        key = prefix_key(model, messages=[{"role": "user", "content": f"{prefix} Item 0."}])
+        assert key is not None
+        home = prefix_home(states, key)
+        assert home is not None
+        if len(chosen[home]) < per_upstream:
+            chosen[home].append(prefix)
+        if all(len(prefixes) == per_upstream for prefixes in chosen.values()):
+            break
+    pairs = [(prefix, _label(upstreams[index])) for index, prefixes in chosen.items() for prefix in prefixes]
+    return [prefix for prefix, _ in pairs], [label for _, label in pairs]
+
+
 def test_prefixes_go_to_their_own_vllm_and_report_its_cache_hits(
     batchgen: list[LiveServer], vllm_upstreams: list[Upstream], tmp_path: Path
 ) -> None:
     # four requests at a time: never more than an upstream's first concurrency limit, so no
     # request finds its prefix's upstream full and spills over to the other
     server = _start(batchgen, vllm_upstreams, tmp_path / "storage", "--max-pool-size", "4")
-    prefixes = [" ".join(f"rule{p}-{n}" for n in range(120)) for p in range(6)]
+    prefixes, homes = _split_prefixes(server.base_url, vllm_upstreams, per_upstream=3)
 
     def line(p: int, item: int) -> dict[str, object]:
         return chat_line(f"p{p}-{item}", f"{prefixes[p]} Item {item}.", max_tokens=4)
@@ -114,10 +150,10 @@ def test_prefixes_go_to_their_own_vllm_and_report_its_cache_hits(
         ]
         for upstream in vllm_upstreams
     }
-    # every request went to its prefix's upstream, and that vLLM counted it
-    assert sum(kept.values()) == 30, kept
+    # every request went to its prefix's upstream (five lines of each of its three prefixes),
+    # and that vLLM counted it
+    assert kept == {_label(upstream): 15 for upstream in vllm_upstreams}, (kept, homes)
     assert {label: _vllm_finished(u) for label, u in zip(kept, vllm_upstreams, strict=True)} == kept
-    assert all(kept.values()), kept  # six prefixes, not all homed on one of two upstreams
     # the later lines found their prefix's blocks in the cache of the upstream that served it
     done, output = ended[1]
     usages = [out["response"]["body"]["usage"] for out in output]
