@@ -28,9 +28,13 @@ CONSTRAINTS = ("-c", "constraints.txt")
 #: reads the shipped Prometheus alert rules (tests/server/test_operations_docs.py); trustme makes the
 #: throwaway certificate authority of the HTTPS test (tests/server/test_server_security.py); jsonschema
 #: validates result lines against OpenAI's schema (tests/server/test_openai_schema_shapes.py) and
-#: structured output against its schema (tests/server/test_structured_output.py).
+#: structured output against its schema (tests/server/test_structured_output.py); psycopg and its pool
+#: are the shard ledger's driver (batchgen-core[postgres]), which tests/core/test_shard_ledger.py runs
+#: against a real PostgreSQL it starts.
 UNIT_DEPS = (
     "pytest",
+    "psycopg[binary]",
+    "psycopg-pool",
     "hypothesis",
     "schemathesis",
     "anyio",

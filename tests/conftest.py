@@ -33,6 +33,7 @@ from litestar.testing import TestClient
 from batchgen.server.app import create_app
 from batchgen.server.cli import settings_from_args
 from tests.live import LiveServer, start_server
+from tests.postgres import PostgresServer
 from tests.tiny_model import VLLM_HEAD_DIM, build_tiny_model
 
 # Hypothesis judges what a test asserts, never how long one example takes: on two shared cores
@@ -44,7 +45,8 @@ settings.register_profile(
 settings.load_profile("batchgen")
 
 #: Fixtures that start ``batchgen-server`` processes: a test using one is ``live``.
-LIVE_FIXTURES = frozenset({"live_server", "server_factory", "echo_site"})
+#: ``postgres_server`` and ``postgres_url`` start a real PostgreSQL (``tests.postgres``).
+LIVE_FIXTURES = frozenset({"live_server", "server_factory", "echo_site", "postgres_server", "postgres_url"})
 #: Fixtures that need torch and transformers: a test using one is ``model``.
 MODEL_FIXTURES = frozenset({"tiny_model"})
 #: Modules (not edited here) whose every test starts a process of its own.
@@ -185,6 +187,21 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the whole run, started on first use."""
+    server = PostgresServer.start()
+    yield server
+    server.stop()
+    server.remove()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """The URL of a fresh database of its own for one test."""
+    return postgres_server.new_database()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,12 @@
+"""Work shared by several replicas: a batch's lines cut into shards, leased and fenced.
+
+The single-process server does not use this package: it owns its batches by holding the storage
+folder's lock. Several replicas instead share a ledger in Postgres:
+
+``shards``            the pure part: how a batch's lines are cut into shards, and the types the
+                      ledger hands out (a ``Lease`` carries the epoch that fences its commits).
+``postgres_ledger``   ``PostgresShardLedger``: the shards, their leases on the database's clock,
+                      and the manifest of committed output segments, in Postgres (psycopg 3).
+``segment_files``     ``SegmentFiles``: output segments as files on a filesystem every replica
+                      mounts; written once each, visible only through a committed manifest row.
+"""

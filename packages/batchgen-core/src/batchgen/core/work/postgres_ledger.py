@@ -1,0 +1,395 @@
+"""PostgresShardLedger: who runs which shard of which batch, and which output exists, in Postgres.
+
+Three tables (created by ``create_schema``, idempotent):
+
+``batch_work``      one row per batch the replicas share: ``running``, ``cancelled`` or
+                    ``finished``; the counters of committed lines; the next segment number.
+``batch_shards``    one row per shard: ``pending``, ``leased`` (to ``owner_id`` until
+                    ``lease_expires_at``) or ``done``; its ``epoch``, raised at every lease; the
+                    lines committed so far (``done_lines``).
+``batch_segments``  the manifest: every committed segment, numbered in commit order per batch.
+
+Rules the SQL keeps, whatever the replicas do:
+
+- Every time is the database's (``clock_timestamp()``), never a replica's clock.
+- A claim takes shards that are pending or whose lease has run out, ``FOR UPDATE SKIP LOCKED``,
+  so two claimers never get one shard; it raises the shard's epoch. Batches take turns: the next
+  shard goes to the running batch holding the fewest live leases (then the older batch), so a
+  small batch behind a huge one gets its shards at once and finishes first.
+- A commit is one short transaction, fenced: it counts only while the committing lease is the
+  shard's current one (same owner, same epoch, not expired) and the batch is running; otherwise
+  ``CommitRefused`` and nothing changes. A line can be committed once: a commit listing a line
+  already committed raises ``LineCommittedTwice`` and changes nothing.
+- Commits of one batch are serialised on its ``batch_work`` row, which numbers them: the manifest
+  of a batch only ever grows at its end, so a reader's bytes for a committed state never move.
+- A renewal extends only live leases of running batches, and returns them: a held shard missing
+  from the answer was lost (expired, taken over, or its batch cancelled), and its work must stop.
+- ``finish_if_done`` turns a running batch whose shards are all done ``finished`` for exactly one
+  caller.
+
+psycopg 3 with its async pool: every call awaits the network without blocking the event loop,
+and the connections are in autocommit mode, with explicit transactions where a call needs one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import attrs
+from psycopg_pool import AsyncConnectionPool
+
+from batchgen.core.work.shards import (
+    ERRORS,
+    OUTPUT,
+    SHARD_LINES,
+    Lease,
+    Segment,
+    SegmentPart,
+    ShardRange,
+    check_lines,
+    plan_shards,
+)
+
+__all__ = ["BatchWork", "CommitRefused", "LineCommittedTwice", "PostgresShardLedger"]
+
+RUNNING, CANCELLED, FINISHED = "running", "cancelled", "finished"
+
+#: Serialises concurrent ``create_schema`` calls of replicas starting together.
+_SCHEMA_LOCK = 0x6261_7463_6867_656E  # "batchgen"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS batch_work (
+    batch_id text PRIMARY KEY,
+    status text NOT NULL DEFAULT 'running' CHECK (status IN ('running', 'cancelled', 'finished')),
+    created_no bigserial,
+    line_count integer NOT NULL CHECK (line_count >= 0),
+    completed integer NOT NULL DEFAULT 0,
+    failed integer NOT NULL DEFAULT 0,
+    segments bigint NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS batch_shards (
+    batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
+    shard_no integer NOT NULL,
+    first_line integer NOT NULL,
+    n_lines integer NOT NULL CHECK (n_lines > 0),
+    state text NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'leased', 'done')),
+    owner_id text,
+    epoch bigint NOT NULL DEFAULT 0,
+    lease_expires_at timestamptz,
+    attempts integer NOT NULL DEFAULT 0,
+    done_lines integer[] NOT NULL DEFAULT '{}',
+    PRIMARY KEY (batch_id, shard_no)
+);
+CREATE INDEX IF NOT EXISTS batch_shards_open ON batch_shards (batch_id) WHERE state <> 'done';
+CREATE INDEX IF NOT EXISTS batch_shards_owner ON batch_shards (owner_id) WHERE state = 'leased';
+CREATE TABLE IF NOT EXISTS batch_segments (
+    batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
+    seq bigint NOT NULL,
+    kind text NOT NULL CHECK (kind IN ('output', 'errors')),
+    shard_no integer NOT NULL,
+    epoch bigint NOT NULL,
+    object_key text NOT NULL UNIQUE,
+    size bigint NOT NULL CHECK (size >= 0),
+    lines integer[] NOT NULL,
+    committed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (batch_id, seq)
+);
+"""
+
+_LIVE = "state = 'leased' AND lease_expires_at > clock_timestamp()"
+_CLAIMABLE = "(s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at <= clock_timestamp()))"
+
+_CLAIM = f"""
+WITH live AS (
+    SELECT batch_id, count(*) FILTER (WHERE {_LIVE}) AS leased
+    FROM batch_shards WHERE state <> 'done' GROUP BY batch_id
+), ranked AS (
+    SELECT s.batch_id, s.shard_no, w.created_no,
+           live.leased + row_number() OVER (PARTITION BY s.batch_id ORDER BY s.shard_no) AS turn
+    FROM batch_shards s JOIN batch_work w USING (batch_id) JOIN live USING (batch_id)
+    WHERE w.status = 'running' AND {_CLAIMABLE}
+), picked AS (
+    SELECT s.batch_id, s.shard_no FROM batch_shards s JOIN ranked r USING (batch_id, shard_no)
+    WHERE {_CLAIMABLE}
+    ORDER BY r.turn, r.created_no, s.shard_no
+    LIMIT %(limit)s
+    FOR UPDATE OF s SKIP LOCKED
+)
+UPDATE batch_shards s
+SET state = 'leased', owner_id = %(owner)s, epoch = s.epoch + 1, attempts = s.attempts + 1,
+    lease_expires_at = clock_timestamp() + %(ttl)s * interval '1 second'
+FROM picked p
+WHERE s.batch_id = p.batch_id AND s.shard_no = p.shard_no
+RETURNING s.batch_id, s.shard_no, s.first_line, s.n_lines, s.epoch, s.done_lines
+"""
+
+_RENEW = """
+UPDATE batch_shards s SET lease_expires_at = clock_timestamp() + %(ttl)s * interval '1 second'
+FROM batch_work w
+WHERE s.owner_id = %(owner)s AND s.state = 'leased' AND s.lease_expires_at > clock_timestamp()
+  AND w.batch_id = s.batch_id AND w.status = 'running'
+RETURNING s.batch_id, s.shard_no, s.epoch
+"""
+
+_FENCE = f"""
+SELECT first_line, n_lines, done_lines FROM batch_shards
+WHERE batch_id = %(batch)s AND shard_no = %(shard)s AND owner_id = %(owner)s AND epoch = %(epoch)s
+  AND {_LIVE}
+FOR UPDATE
+"""
+
+
+class CommitRefused(Exception):
+    """A commit under a lease that is no longer the shard's, or for a batch no longer running:
+    nothing was recorded. The replica must drop the shard's work."""
+
+
+class LineCommittedTwice(ValueError):
+    """A commit listed a line that an earlier commit already holds: nothing was recorded."""
+
+
+@attrs.frozen
+class BatchWork:
+    """A shared batch as the ledger holds it."""
+
+    batch_id: str
+    status: str
+    line_count: int
+    completed: int
+    failed: int
+    shards: int
+    shards_done: int
+
+
+class PostgresShardLedger:
+    """The shard ledger over a pool of connections to ``url`` (``postgresql://...``).
+
+    Use as ``async with PostgresShardLedger(url) as ledger:``, or ``open``/``close``.
+    """
+
+    def __init__(self, url: str, *, max_connections: int = 4, connect_timeout_s: float = 10.0) -> None:
+        self._pool = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=max_connections,
+            open=False,
+            timeout=connect_timeout_s,
+            # a connection the server dropped (a restart) is replaced before use, not handed out
+            check=AsyncConnectionPool.check_connection,
+            kwargs={"autocommit": True, "connect_timeout": max(1, round(connect_timeout_s))},
+        )
+
+    async def open(self) -> None:
+        await self._pool.open(wait=True)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def _rows(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(sql, params)
+            return await cursor.fetchall() if cursor.description is not None else []
+
+    async def create_schema(self) -> None:
+        """Create the tables and indexes if they are missing (safe with replicas starting at once)."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            await conn.execute(_SCHEMA)
+
+    # --- batches --------------------------------------------------------------------------
+
+    async def add_batch(self, batch_id: str, line_count: int, shard_lines: int = SHARD_LINES) -> bool:
+        """Share a batch of ``line_count`` lines, cut into shards; False if it is there already
+        (a second replica starting the same batch changes nothing)."""
+        shards = plan_shards(line_count, shard_lines)
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "INSERT INTO batch_work (batch_id, line_count) VALUES (%s, %s) "
+                "ON CONFLICT (batch_id) DO NOTHING RETURNING batch_id",
+                (batch_id, line_count),
+            )
+            if await cursor.fetchone() is None:
+                return False
+            async with conn.cursor() as insert:
+                await insert.executemany(
+                    "INSERT INTO batch_shards (batch_id, shard_no, first_line, n_lines) VALUES (%s, %s, %s, %s)",
+                    [(batch_id, shard.shard_no, shard.first_line, shard.n_lines) for shard in shards],
+                )
+            if not shards:  # an empty batch has nothing to run
+                await conn.execute(
+                    "UPDATE batch_work SET status = 'finished' WHERE batch_id = %s", (batch_id,)
+                )
+        return True
+
+    async def cancel(self, batch_id: str) -> bool:
+        """Stop a running batch: no more claims or commits, and its owners lose their shards at
+        their next renewal. False if it was not running."""
+        rows = await self._rows(
+            "UPDATE batch_work SET status = 'cancelled' WHERE batch_id = %(batch)s AND status = 'running' "
+            "RETURNING batch_id",
+            {"batch": batch_id},
+        )
+        return bool(rows)
+
+    async def finish_if_done(self, batch_id: str) -> bool:
+        """Mark a running batch whose shards are all done finished; True for exactly one caller."""
+        rows = await self._rows(
+            "UPDATE batch_work SET status = 'finished' WHERE batch_id = %(batch)s AND status = 'running' "
+            "AND NOT EXISTS (SELECT 1 FROM batch_shards WHERE batch_id = %(batch)s AND state <> 'done') "
+            "RETURNING batch_id",
+            {"batch": batch_id},
+        )
+        return bool(rows)
+
+    async def batch(self, batch_id: str) -> BatchWork | None:
+        rows = await self._rows(
+            "SELECT w.batch_id, w.status, w.line_count, w.completed, w.failed, count(s.shard_no), "
+            "count(s.shard_no) FILTER (WHERE s.state = 'done') "
+            "FROM batch_work w LEFT JOIN batch_shards s USING (batch_id) WHERE w.batch_id = %(batch)s "
+            "GROUP BY w.batch_id",
+            {"batch": batch_id},
+        )
+        return BatchWork(*rows[0]) if rows else None
+
+    # --- leases ---------------------------------------------------------------------------
+
+    async def claim(self, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
+        """Lease up to ``limit`` shards to ``owner_id`` for ``ttl_s`` seconds of the database's clock."""
+        if limit < 1:
+            return []
+        rows = await self._rows(_CLAIM, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
+        return sorted(
+            (
+                Lease(batch, ShardRange(shard, first, count), owner_id, epoch, frozenset(done))
+                for batch, shard, first, count, epoch, done in rows
+            ),
+            key=lambda lease: lease.key,
+        )
+
+    async def renew(self, owner_id: str, ttl_s: float) -> dict[tuple[str, int], int]:
+        """Extend every live lease of ``owner_id`` on a running batch by ``ttl_s`` seconds; the
+        leases it still holds, as (batch id, shard number) -> epoch."""
+        rows = await self._rows(_RENEW, {"owner": owner_id, "ttl": ttl_s})
+        return {(batch, shard): epoch for batch, shard, epoch in rows}
+
+    async def release(self, lease: Lease) -> bool:
+        """Give a leased shard back before its lease runs out (a replica stopping cleanly), so
+        another replica takes it at once; False if the lease was no longer the shard's."""
+        rows = await self._rows(
+            "UPDATE batch_shards SET state = 'pending', owner_id = NULL, lease_expires_at = NULL "
+            "WHERE batch_id = %(batch)s AND shard_no = %(shard)s AND owner_id = %(owner)s "
+            "AND epoch = %(epoch)s AND state = 'leased' RETURNING shard_no",
+            _lease_params(lease),
+        )
+        return bool(rows)
+
+    # --- output ---------------------------------------------------------------------------
+
+    async def commit(self, lease: Lease, parts: Sequence[SegmentPart]) -> list[Segment]:
+        """Make ``parts`` (segments already written to the segment store) part of the batch's
+        output, fenced by ``lease``: all of them or, with ``CommitRefused`` or
+        ``LineCommittedTwice``, none. The shard is done once every one of its lines is committed."""
+        lines = [line for part in parts for line in part.lines]
+        check_lines(lease.shard, lines)
+        params = _lease_params(lease)
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(_FENCE, params)
+            fenced = await cursor.fetchone()
+            if fenced is None:
+                raise CommitRefused(
+                    f"shard {lease.shard.shard_no} of {lease.batch_id} is no longer leased to "
+                    f"{lease.owner_id} at epoch {lease.epoch}"
+                )
+            _, n_lines, done = fenced
+            again = set(done).intersection(lines)
+            if again:
+                raise LineCommittedTwice(
+                    f"lines {sorted(again)[:5]} of {lease.batch_id} are committed already"
+                )
+            completed = sum(len(part.lines) for part in parts if part.kind == OUTPUT)
+            failed = sum(len(part.lines) for part in parts if part.kind == ERRORS)
+            cursor = await conn.execute(
+                "UPDATE batch_work SET completed = completed + %(completed)s, failed = failed + %(failed)s, "
+                "segments = segments + %(parts)s WHERE batch_id = %(batch)s AND status = 'running' "
+                "RETURNING segments",
+                {**params, "completed": completed, "failed": failed, "parts": len(parts)},
+            )
+            counted = await cursor.fetchone()
+            if counted is None:
+                raise CommitRefused(f"{lease.batch_id} is not running")
+            first_seq = counted[0] - len(parts)
+            segments = [
+                Segment(
+                    lease.batch_id,
+                    part.kind,
+                    lease.shard.shard_no,
+                    first_seq + offset,
+                    lease.epoch,
+                    part.object_key,
+                    part.size,
+                    tuple(part.lines),
+                )
+                for offset, part in enumerate(parts)
+            ]
+            async with conn.cursor() as insert:
+                await insert.executemany(
+                    "INSERT INTO batch_segments (batch_id, seq, kind, shard_no, epoch, object_key, size, lines) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    [
+                        (s.batch_id, s.seq, s.kind, s.shard_no, s.epoch, s.object_key, s.size, list(s.lines))
+                        for s in segments
+                    ],
+                )
+            all_done = len(done) + len(lines) == n_lines
+            await conn.execute(
+                "UPDATE batch_shards SET done_lines = done_lines || %(lines)s::integer[], "
+                "state = CASE WHEN %(all_done)s THEN 'done' ELSE state END, "
+                "owner_id = CASE WHEN %(all_done)s THEN NULL ELSE owner_id END "
+                "WHERE batch_id = %(batch)s AND shard_no = %(shard)s",
+                {**params, "lines": lines, "all_done": all_done},
+            )
+        return segments
+
+    async def segments(self, batch_id: str, kind: str | None = None) -> list[Segment]:
+        """The committed segments of a batch (of one ``kind``, or all), in commit order."""
+        rows = await self._rows(
+            "SELECT batch_id, kind, shard_no, seq, epoch, object_key, size, lines FROM batch_segments "
+            "WHERE batch_id = %(batch)s AND (%(kind)s::text IS NULL OR kind = %(kind)s) ORDER BY seq",
+            {"batch": batch_id, "kind": kind},
+        )
+        return [
+            Segment(b, k, shard, seq, epoch, key, size, tuple(lines))
+            for b, k, shard, seq, epoch, key, size, lines in rows
+        ]
+
+    async def committed_keys(self) -> set[str]:
+        """Every object key the manifest lists (what segment collection must keep)."""
+        return {key for (key,) in await self._rows("SELECT object_key FROM batch_segments")}
+
+    async def holders(self, batch_id: str) -> dict[str, int]:
+        """Live leases of a batch per owner (who runs it now)."""
+        rows = await self._rows(
+            f"SELECT owner_id, count(*) FROM batch_shards WHERE batch_id = %(batch)s AND {_LIVE} GROUP BY owner_id",
+            {"batch": batch_id},
+        )
+        return dict(rows)
+
+
+def _lease_params(lease: Lease) -> dict[str, Any]:
+    return {
+        "batch": lease.batch_id,
+        "shard": lease.shard.shard_no,
+        "owner": lease.owner_id,
+        "epoch": lease.epoch,
+    }
