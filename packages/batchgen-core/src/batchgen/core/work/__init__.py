@@ -9,4 +9,6 @@ folder's lock. Several replicas instead share a ledger in Postgres:
                       and the manifest of committed output segments, in Postgres (psycopg 3).
 ``segment_files``     ``SegmentFiles``: output segments as files on a filesystem every replica
                       mounts; written once each, visible only through a committed manifest row.
+``shard_runner``      ``ShardRunner``: one replica's loop: claim, run lines, commit segments,
+                      renew, drop lost shards, release at stop.
 """

@@ -1,0 +1,257 @@
+"""ShardRunner: one replica's share of the work: claim shards, run their lines, commit, renew, let go.
+
+The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a ``SegmentFiles``:
+
+- **claim** up to ``max_shards`` shards whenever it holds fewer (polling every ``poll_s`` while
+  there is nothing to claim);
+- **run** each leased shard's remaining lines through ``run_line`` (at most ``concurrency`` at once
+  over all shards), buffering the finished lines;
+- **commit** a shard's buffer as one output and one error segment every ``commit_lines`` lines or
+  ``commit_interval_s`` seconds, and when the shard's last line is done: segment files first
+  (durable), then the fenced commit; a refused commit (the lease was lost) drops the shard at once;
+- **renew** every lease each ``ttl_s / 3`` seconds; a shard missing from the answer (expired, taken
+  over, its batch cancelled) is dropped: its running lines are cancelled and its buffer discarded
+  (another replica runs those lines again; they were never committed, so no line appears twice);
+- after a shard's last commit, ``finish_if_done`` marks its batch finished (one replica wins);
+- ``stop`` cancels the work and releases the unfinished leases, so others take them at once.
+
+Each start of a runner is a new owner in the ledger (``owner_id``: the replica id and a token).
+
+A replica that cannot renew (paused, cut off from the database) keeps running until its leases
+would have run out, but every commit it tries after that is refused: output stays exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+import attrs
+
+from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice, PostgresShardLedger
+from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.shards import SEGMENT_KINDS, Lease, SegmentPart
+
+__all__ = ["LineResult", "ShardRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class LineResult:
+    """What one input line produced: a result line (``OUTPUT``) or an error line (``ERRORS``), as
+    the JSONL bytes to store (one line, ending in a newline)."""
+
+    kind: str
+    data: bytes
+
+
+#: Runs line ``line`` of batch ``batch_id`` and says what it produced.
+LineFunction = Callable[[str, int], Awaitable[LineResult]]
+
+
+@attrs.define
+class _HeldShard:
+    lease: Lease
+    task: asyncio.Task[None] | None = None
+    buffer: list[tuple[int, LineResult]] = attrs.field(factory=list)
+    #: Lines of a commit that failed without an answer: tried again, alone, before the buffer.
+    unsure: list[tuple[int, LineResult]] | None = None
+    segments_written: int = 0
+
+
+class ShardRunner:
+    """One replica's loop over the shared work (see the module's docstring)."""
+
+    def __init__(
+        self,
+        ledger: PostgresShardLedger,
+        segments: SegmentFiles,
+        run_line: LineFunction,
+        *,
+        replica_id: str,
+        max_shards: int = 4,
+        concurrency: int = 16,
+        ttl_s: float = 10.0,
+        commit_lines: int = 256,
+        commit_interval_s: float = 1.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        if ttl_s <= 0 or max_shards < 1 or concurrency < 1 or commit_lines < 1:
+            raise ValueError("ttl_s, max_shards, concurrency and commit_lines must be positive")
+        self.ledger = ledger
+        self.segments = segments
+        self.run_line = run_line
+        #: This run's name in the ledger: the replica's id and a token of this start, so a
+        #: restarted replica never renews the leases its dead predecessor held (they run out, and
+        #: any replica takes them over, itself included).
+        self.owner_id = f"{replica_id}/{secrets.token_hex(4)}"
+        self.max_shards = max_shards
+        self.ttl_s = ttl_s
+        self.commit_lines = commit_lines
+        self.commit_interval_s = commit_interval_s
+        self.poll_s = poll_s
+        self._slots = asyncio.Semaphore(concurrency)
+        self._held: dict[tuple[str, int], _HeldShard] = {}
+        self._stopping = asyncio.Event()
+        #: Monitoring: leases lost to expiry, takeover or cancel, and commits refused.
+        self.leases_lost = 0
+        self.commits_refused = 0
+        self.lines_committed = 0
+
+    @property
+    def held(self) -> list[Lease]:
+        return [shard.lease for shard in self._held.values()]
+
+    async def run(self) -> None:
+        """Work until ``stop``; then release what is unfinished."""
+        heartbeat = asyncio.create_task(self._heartbeat(), name=f"{self.owner_id}-heartbeat")
+        try:
+            while not self._stopping.is_set():
+                room = self.max_shards - len(self._held)
+                try:
+                    leases = await self.ledger.claim(self.owner_id, room, self.ttl_s) if room > 0 else []
+                except Exception:  # the database is away: try again after a poll interval
+                    logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
+                    leases = []
+                for lease in leases:
+                    shard = _HeldShard(lease)
+                    self._held[lease.key] = shard
+                    shard.task = asyncio.create_task(
+                        self._run_shard(shard), name=f"{self.owner_id}-{lease.key}"
+                    )
+                if not leases:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), self.poll_s)
+        finally:
+            heartbeat.cancel()
+            held = list(self._held.values())
+            for shard in held:
+                if shard.task is not None:
+                    shard.task.cancel()
+            await asyncio.gather(
+                heartbeat, *(s.task for s in held if s.task is not None), return_exceptions=True
+            )
+            for shard in held:
+                with contextlib.suppress(Exception):
+                    await self.ledger.release(shard.lease)
+            self._held.clear()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                kept = await self.ledger.renew(self.owner_id, self.ttl_s)
+            except Exception:  # the database is away: commits will be refused once the leases end
+                logger.warning("%s could not renew its leases", self.owner_id, exc_info=True)
+                continue
+            for key, shard in list(self._held.items()):
+                if kept.get(key) != shard.lease.epoch:
+                    logger.info("%s lost shard %s of %s", self.owner_id, key[1], key[0])
+                    self._drop(shard)
+                    self.leases_lost += 1
+
+    def _drop(self, shard: _HeldShard) -> None:
+        if self._held.get(shard.lease.key) is shard:
+            del self._held[shard.lease.key]
+        if shard.task is not None and shard.task is not asyncio.current_task():
+            shard.task.cancel()
+
+    async def _run_shard(self, shard: _HeldShard) -> None:
+        lease = shard.lease
+        try:
+            pending = {asyncio.create_task(self._run_one(lease.batch_id, line)) for line in lease.remaining}
+            last_commit = time.monotonic()
+            try:
+                while pending:
+                    done, pending = await asyncio.wait(
+                        pending, timeout=self.commit_interval_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    shard.buffer.extend(task.result() for task in done)
+                    due = time.monotonic() - last_commit >= self.commit_interval_s
+                    if shard.unsure is not None or (
+                        shard.buffer and (len(shard.buffer) >= self.commit_lines or due)
+                    ):
+                        await self._commit(shard)
+                        last_commit = time.monotonic()
+            finally:
+                for task in pending:
+                    task.cancel()
+            while (
+                shard.buffer or shard.unsure is not None
+            ):  # the last lines: until they are committed, or the lease is lost
+                if not await self._commit(shard):
+                    await asyncio.sleep(min(1.0, self.ttl_s / 3))
+            self._drop(shard)
+            try:
+                await self.ledger.finish_if_done(lease.batch_id)
+            except Exception:  # whoever commits this batch's last shard next tries again
+                logger.warning("%s could not finish %s", self.owner_id, lease.batch_id, exc_info=True)
+        except CommitRefused:
+            self.commits_refused += 1
+            self._drop(shard)
+        except Exception:  # run_line failed (a bug: it reports errors as lines): let the shard go
+            logger.exception(
+                "%s gives up shard %s of %s", self.owner_id, lease.shard.shard_no, lease.batch_id
+            )
+            self._drop(shard)
+            with contextlib.suppress(Exception):
+                await self.ledger.release(lease)
+
+    async def _run_one(self, batch_id: str, line: int) -> tuple[int, LineResult]:
+        async with self._slots:
+            return line, await self.run_line(batch_id, line)
+
+    async def _commit(self, shard: _HeldShard) -> bool:
+        """Write the shard's buffer as segments and commit them; False (the lines kept, to be
+        committed later) when the store or the database failed. CommitRefused: the lease is lost.
+
+        A commit whose answer was lost (the connection broke after the database committed) is
+        tried again with exactly the same lines, alone: ``LineCommittedTwice`` then means that
+        it did commit."""
+        lease = shard.lease
+        retrying = shard.unsure is not None
+        finished = shard.unsure if shard.unsure is not None else shard.buffer
+        if not retrying:
+            shard.buffer = []
+        shard.unsure = None
+        try:
+            parts = []
+            for kind in SEGMENT_KINDS:
+                lines = sorted((line, result) for line, result in finished if result.kind == kind)
+                if not lines:
+                    continue
+                # a new key for every try: a failed try's file is an orphan, never rewritten
+                key = SegmentFiles.key(
+                    lease.batch_id, kind, lease.shard.shard_no, lease.epoch, shard.segments_written
+                )
+                shard.segments_written += 1
+                data = b"".join(result.data for _, result in lines)
+                size = await asyncio.to_thread(self.segments.write, key, data)
+                parts.append(SegmentPart(kind, key, size, tuple(line for line, _ in lines)))
+            await self.ledger.commit(lease, parts)
+        except CommitRefused:
+            raise
+        except LineCommittedTwice:
+            if not retrying:
+                raise
+            # the earlier try of these very lines did commit
+        except Exception:
+            logger.warning(
+                "%s could not commit shard %s of %s",
+                self.owner_id,
+                lease.shard.shard_no,
+                lease.batch_id,
+                exc_info=True,
+            )
+            shard.unsure = finished
+            return False
+        self.lines_committed += len(finished)
+        return True

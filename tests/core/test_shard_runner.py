@@ -1,0 +1,287 @@
+"""Shard runners sharing batches on a real PostgreSQL and a shared folder: every line exactly once.
+
+In one process: two runners split a batch and commit every line once, and a small batch created
+behind a large one finishes first. As processes (``tests.work_replica``): three replicas, the one
+holding the most shards killed with SIGKILL at random moments and restarted, and one paused with
+SIGSTOP for twice its lease and then continued (a zombie whose commits are refused): at the end
+every line of the batch has exactly one output or error line in the committed segments, the
+counters equal those lines, and nothing a dead or fenced-out replica wrote is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from batchgen.core.work.postgres_ledger import PostgresShardLedger
+from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.shard_runner import LineResult, ShardRunner
+from batchgen.core.work.shards import ERRORS, OUTPUT
+from tests.postgres import PostgresServer
+
+pytestmark = pytest.mark.live
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _served(
+    ledger: PostgresShardLedger, store: SegmentFiles, batch_id: str
+) -> dict[str, list[dict[str, str]]]:
+    """The committed lines of a batch, by kind, as a reader sees them."""
+    served = {}
+    for kind in (OUTPUT, ERRORS):
+        manifest = await ledger.segments(batch_id, kind)
+        served[kind] = [json.loads(line) for line in b"".join(store.read(manifest)).splitlines()]
+    return served
+
+
+def _line(batch_id: str, line: int, owner: str) -> LineResult:
+    kind = ERRORS if line % 13 == 0 else OUTPUT
+    return LineResult(
+        kind, (json.dumps({"custom_id": f"{batch_id}-{line}", "replica": owner}) + "\n").encode()
+    )
+
+
+async def _wait_finished(ledger: PostgresShardLedger, batch_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (work := await ledger.batch(batch_id)) is None or work.status != "finished":
+        assert time.monotonic() < deadline, work
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_two_runners_split_a_batch_and_commit_every_line_once(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    store = SegmentFiles(tmp_path)
+    async with PostgresShardLedger(postgres_url) as ledger:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_split", 400, shard_lines=20)
+        runners = []
+        for owner in ("replica-a", "replica-b"):
+
+            async def run_line(batch_id: str, line: int, owner: str = owner) -> LineResult:
+                await asyncio.sleep(random.uniform(0, 0.01))
+                return _line(batch_id, line, owner)
+
+            runners.append(
+                ShardRunner(ledger, store, run_line, replica_id=owner, max_shards=2, commit_interval_s=0.05)
+            )
+        tasks = [asyncio.create_task(runner.run()) for runner in runners]
+        await _wait_finished(ledger, "batch_split", 60)
+        for runner in runners:
+            runner.stop()
+        await asyncio.gather(*tasks)
+        served = await _served(ledger, store, "batch_split")
+        work = await ledger.batch("batch_split")
+    ids = Counter(line["custom_id"] for lines in served.values() for line in lines)
+    assert ids == Counter(f"batch_split-{n}" for n in range(400))
+    assert work is not None
+    assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS])) == (369, 31)
+    assert {line["replica"] for lines in served.values() for line in lines} == {"replica-a", "replica-b"}
+    assert sum(runner.lines_committed for runner in runners) == 400
+
+
+@pytest.mark.anyio
+async def test_a_small_batch_behind_a_large_one_finishes_first(postgres_url: str, tmp_path: Path) -> None:
+    store = SegmentFiles(tmp_path)
+    async with PostgresShardLedger(postgres_url) as ledger:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_large", 2000, shard_lines=20)
+        await ledger.add_batch("batch_small", 60, shard_lines=20)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            await asyncio.sleep(0.005)
+            return _line(batch_id, line, "replica-a")
+
+        runner = ShardRunner(
+            ledger, store, run_line, replica_id="replica-a", max_shards=2, commit_interval_s=0.05
+        )
+        task = asyncio.create_task(runner.run())
+        await _wait_finished(ledger, "batch_small", 60)
+        large = await ledger.batch("batch_large")
+        runner.stop()
+        await task
+    assert large is not None
+    assert large.status == "running"
+    assert large.completed + large.failed < 2000 / 2
+
+
+@pytest.mark.anyio
+async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
+    postgres_server: PostgresServer, postgres_url: str, tmp_path: Path
+) -> None:
+    store = SegmentFiles(tmp_path)
+    async with PostgresShardLedger(postgres_url) as ledger:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_restart", 1500, shard_lines=25)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            await asyncio.sleep(0.05)
+            return _line(batch_id, line, "replica")
+
+        runners = [
+            ShardRunner(
+                ledger,
+                store,
+                run_line,
+                replica_id=name,
+                max_shards=2,
+                concurrency=4,
+                ttl_s=3.0,
+                commit_interval_s=0.05,
+            )
+            for name in ("replica-a", "replica-b")
+        ]
+        tasks = [asyncio.create_task(runner.run()) for runner in runners]
+        deadline = time.monotonic() + 60
+        while (
+            work := await ledger.batch("batch_restart")
+        ) is not None and work.completed + work.failed < 300:
+            assert time.monotonic() < deadline, work
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(postgres_server.restart)  # -m immediate: every connection breaks
+        during = await ledger.batch("batch_restart")
+        assert during is not None
+        assert during.status == "running"  # the restart came mid-batch
+        await _wait_finished(ledger, "batch_restart", 120)
+        for runner in runners:
+            runner.stop()
+        await asyncio.gather(*tasks)
+        served = await _served(ledger, store, "batch_restart")
+        work = await ledger.batch("batch_restart")
+    ids = Counter(line["custom_id"] for lines in served.values() for line in lines)
+    assert ids == Counter(f"batch_restart-{n}" for n in range(1500))
+    assert work is not None
+    assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS]))
+
+
+class _Replicas:
+    """``tests.work_replica`` processes, started and signalled by name."""
+
+    def __init__(self, url: str, folder: Path, logs: Path, ttl_s: float) -> None:
+        self.url, self.folder, self.logs, self.ttl_s = url, folder, logs, ttl_s
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.starts = Counter[str]()
+        #: Each replica's ledger owner id in its current run.
+        self.owner_ids: dict[str, str] = {}
+
+    def start(self, owner: str) -> None:
+        self.starts[owner] += 1
+        log = (self.logs / f"{owner}-{self.starts[owner]}.log").open("wb")
+        command = [
+            *(sys.executable, "-m", "tests.work_replica", self.url, str(self.folder), owner),
+            *("--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"),
+        ]
+        self.processes[owner] = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        path = self.logs / f"{owner}-{self.starts[owner]}.log"
+        deadline = time.monotonic() + 60
+        while not path.read_text().startswith("ready "):
+            assert self.processes[owner].poll() is None, path.read_text()
+            assert time.monotonic() < deadline, f"{owner} did not start"
+            time.sleep(0.05)
+        self.owner_ids[owner] = path.read_text().split()[1]
+
+    def signal(self, owner: str, number: int) -> None:
+        self.processes[owner].send_signal(number)
+
+    def stop(self, owner: str) -> dict[str, int]:
+        """SIGTERM, and the replica's last words: its leases lost and commits refused."""
+        process = self.processes[owner]
+        process.terminate()
+        process.wait(timeout=30)
+        log = self.logs / f"{owner}-{self.starts[owner]}.log"
+        stats: dict[str, int] = json.loads(log.read_text().splitlines()[-1])
+        return stats
+
+    def kill(self, owner: str) -> None:
+        process = self.processes[owner]
+        process.kill()
+        process.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def replicas(postgres_url: str, tmp_path: Path) -> Iterator[_Replicas]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    group = _Replicas(postgres_url, tmp_path / "shared", logs, ttl_s=2.0)
+    yield group
+    group.stop_all()
+
+
+async def _busiest(
+    ledger: PostgresShardLedger, replicas: _Replicas, batch_id: str, timeout_s: float = 60
+) -> str:
+    """The running replica holding the most live shards of the batch (a dead run's leases, which
+    live on until they run out, do not count)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holders = await ledger.holders(batch_id)
+        running = {name: holders.get(owner, 0) for name, owner in replicas.owner_ids.items()}
+        if any(running.values()):
+            return max(running, key=lambda name: running[name])
+        assert time.monotonic() < deadline, "no running replica holds a shard"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_replicas_killed_and_paused_still_give_every_line_exactly_once(
+    replicas: _Replicas, postgres_url: str
+) -> None:
+    lines = 9000
+    rng = random.Random()
+    async with PostgresShardLedger(postgres_url) as ledger:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_faults", lines, shard_lines=50)
+        for owner in ("replica-a", "replica-b", "replica-c"):
+            replicas.start(owner)
+        for _ in range(3):  # kill -9 the busiest replica at a random moment, then restart it
+            await asyncio.sleep(rng.uniform(0.5, 2.5))
+            victim = await _busiest(ledger, replicas, "batch_faults")
+            replicas.kill(victim)
+            replicas.start(victim)
+        # a zombie: paused past twice its lease while the others take its shards over, then woken
+        zombie = await _busiest(ledger, replicas, "batch_faults")
+        replicas.signal(zombie, signal.SIGSTOP)
+        await asyncio.sleep(2 * replicas.ttl_s + 1)
+        assert replicas.owner_ids[zombie] not in await ledger.holders("batch_faults")
+        replicas.signal(zombie, signal.SIGCONT)
+        await _wait_finished(ledger, "batch_faults", 300)
+        stats = replicas.stop(zombie)
+        work = await ledger.batch("batch_faults")
+        served = await _served(ledger, SegmentFiles(replicas.folder), "batch_faults")
+    ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
+    assert ids == Counter(f"batch_faults-{n}" for n in range(lines))  # exactly once each
+    assert work is not None
+    assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS]))
+    assert work.failed == len(range(0, lines, 17))
+    # the zombie woke up holding leases the others had taken: it lost them (at its first renewal,
+    # or when its first commit was refused), and none of what it finished after its pause counts
+    assert stats["leases_lost"] + stats["commits_refused"] >= 1, stats

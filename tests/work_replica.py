@@ -1,0 +1,72 @@
+"""A replica of the shard runner as a process of its own, for the tests that kill and pause one.
+
+``python -m tests.work_replica URL FOLDER REPLICA`` prints ``ready OWNER_ID`` and runs a ``ShardRunner`` over the ledger at URL
+and the segments under FOLDER until SIGTERM, then prints its leases lost and commits refused as
+a JSON line. Each line takes ``--line-s`` seconds and produces
+``{"custom_id": "<batch>-<line>", "replica": REPLICA}``, or an error line for every line number
+divisible by ``--error-every``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+
+from batchgen.core.work.postgres_ledger import PostgresShardLedger
+from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.shard_runner import LineResult, ShardRunner
+from batchgen.core.work.shards import ERRORS, OUTPUT
+
+
+def custom_id(batch_id: str, line: int) -> str:
+    return f"{batch_id}-{line}"
+
+
+async def _main(arguments: argparse.Namespace) -> None:
+    async def run_line(batch_id: str, line: int) -> LineResult:
+        await asyncio.sleep(arguments.line_s)
+        kind = ERRORS if arguments.error_every and line % arguments.error_every == 0 else OUTPUT
+        data = json.dumps({"custom_id": custom_id(batch_id, line), "replica": arguments.owner}) + "\n"
+        return LineResult(kind, data.encode())
+
+    async with PostgresShardLedger(arguments.url) as ledger:
+        await ledger.create_schema()
+        runner = ShardRunner(
+            ledger,
+            SegmentFiles(Path(arguments.folder)),
+            run_line,
+            replica_id=arguments.owner,
+            max_shards=arguments.max_shards,
+            concurrency=arguments.concurrency,
+            ttl_s=arguments.ttl_s,
+            commit_interval_s=arguments.commit_interval_s,
+            poll_s=0.1,
+        )
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, runner.stop)
+        print(f"ready {runner.owner_id}", flush=True)
+        await runner.run()
+        stats = {"leases_lost": runner.leases_lost, "commits_refused": runner.commits_refused}
+        print(json.dumps(stats), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("url")
+    parser.add_argument("folder")
+    parser.add_argument("owner")
+    parser.add_argument("--line-s", type=float, default=0.02)
+    parser.add_argument("--error-every", type=int, default=17)
+    parser.add_argument("--max-shards", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--ttl-s", type=float, default=2.0)
+    parser.add_argument("--commit-interval-s", type=float, default=0.2)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
