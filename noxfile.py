@@ -276,13 +276,14 @@ BENCHMARKS = (
     "polling",
     "responsiveness",
     "output_order",
+    "takeover",
 )  # gpu.py: by name, on a GPU machine
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run every benchmark, or one with its arguments: nox -s bench -- control_plane --requests 1000000."""
-    _install_packages(session)
+    _install_packages(session, "psycopg[binary]", "psycopg-pool")  # takeover.py's shard ledger
     _install_model(session)
     if session.posargs:
         name, *arguments = session.posargs

@@ -36,9 +36,13 @@ from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shards import SEGMENT_KINDS, Lease, SegmentPart
 
-__all__ = ["LineResult", "ShardRunner"]
+__all__ = ["DEFAULT_LEASE_S", "LineResult", "ShardRunner"]
 
 logger = logging.getLogger(__name__)
+
+#: How long a lease lasts unless renewed, by default: what a dead replica's shards wait before
+#: another replica takes them (renewed every third of it).
+DEFAULT_LEASE_S = 10.0
 
 
 @attrs.frozen
@@ -76,7 +80,7 @@ class ShardRunner:
         replica_id: str,
         max_shards: int = 4,
         concurrency: int = 16,
-        ttl_s: float = 10.0,
+        ttl_s: float = DEFAULT_LEASE_S,
         commit_lines: int = 256,
         commit_interval_s: float = 1.0,
         poll_s: float = 0.5,
