@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.core.work.postgres_ledger import PostgresShardLedger
+from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
@@ -64,6 +64,29 @@ async def _wait_finished(ledger: PostgresShardLedger, batch_id: str, timeout_s: 
         await asyncio.sleep(0.05)
 
 
+async def _every_line_once(
+    ledger: PostgresShardLedger,
+    store: SegmentFiles,
+    runners: list[ShardRunner],
+    tasks: list[asyncio.Task[None]],
+    batch_id: str,
+    lines: int,
+) -> tuple[dict[str, list[dict[str, str]]], BatchWork]:
+    """Wait for the batch to finish, stop the runners, and check that each of its lines has
+    exactly one committed output or error line and that the counters equal them."""
+    await _wait_finished(ledger, batch_id, 120)
+    for runner in runners:
+        runner.stop()
+    await asyncio.gather(*tasks)
+    served = await _served(ledger, store, batch_id)
+    work = await ledger.batch(batch_id)
+    ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
+    assert ids == Counter(f"{batch_id}-{n}" for n in range(lines))
+    assert work is not None
+    assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS]))
+    return served, work
+
+
 @pytest.mark.anyio
 async def test_two_runners_split_a_batch_and_commit_every_line_once(
     postgres_url: str, tmp_path: Path
@@ -83,16 +106,8 @@ async def test_two_runners_split_a_batch_and_commit_every_line_once(
                 ShardRunner(ledger, store, run_line, replica_id=owner, max_shards=2, commit_interval_s=0.05)
             )
         tasks = [asyncio.create_task(runner.run()) for runner in runners]
-        await _wait_finished(ledger, "batch_split", 60)
-        for runner in runners:
-            runner.stop()
-        await asyncio.gather(*tasks)
-        served = await _served(ledger, store, "batch_split")
-        work = await ledger.batch("batch_split")
-    ids = Counter(line["custom_id"] for lines in served.values() for line in lines)
-    assert ids == Counter(f"batch_split-{n}" for n in range(400))
-    assert work is not None
-    assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS])) == (369, 31)
+        served, work = await _every_line_once(ledger, store, runners, tasks, "batch_split", 400)
+    assert (work.completed, work.failed) == (369, 31)
     assert {line["replica"] for lines in served.values() for line in lines} == {"replica-a", "replica-b"}
     assert sum(runner.lines_committed for runner in runners) == 400
 
@@ -159,16 +174,7 @@ async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
         during = await ledger.batch("batch_restart")
         assert during is not None
         assert during.status == "running"  # the restart came mid-batch
-        await _wait_finished(ledger, "batch_restart", 120)
-        for runner in runners:
-            runner.stop()
-        await asyncio.gather(*tasks)
-        served = await _served(ledger, store, "batch_restart")
-        work = await ledger.batch("batch_restart")
-    ids = Counter(line["custom_id"] for lines in served.values() for line in lines)
-    assert ids == Counter(f"batch_restart-{n}" for n in range(1500))
-    assert work is not None
-    assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS]))
+        await _every_line_once(ledger, store, runners, tasks, "batch_restart", 1500)
 
 
 class _Replicas:

@@ -36,6 +36,7 @@ import attrs
 import msgspec
 
 from batchgen.core.errors import InvalidRequest
+from batchgen.core.storage.durable_folders import sync_folder
 
 COMPLETION = "completion"
 INPUT = "input"
@@ -125,7 +126,7 @@ def rewrite_in_input_order(input_path: str | os.PathLike[str], result_path: Path
     finally:
         os.close(source)
     os.replace(temporary, result_path)
-    _sync_folder(result_path.parent)
+    sync_folder(result_path.parent)
     return Rewrite(sum(1 for length in lengths if length >= 0), written)
 
 
@@ -199,15 +200,6 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
     if len(data) != length:  # the file shrank under us: nothing else writes it while it is ordered
         raise OSError(f"short read at {offset} of a result file")
     return data
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove_leftovers(folder: Path) -> None:

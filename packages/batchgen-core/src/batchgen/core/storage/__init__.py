@@ -2,7 +2,8 @@
 
 - ``SQLiteMetadataStore``: files, batches and idempotency keys in SQLite;
 - ``LocalBlobStore``: file contents under the storage path;
-- ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back.
+- ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back;
+- ``durable_folders.sync_folder``: fsync a folder, so a file created or renamed in it survives a crash.
 """
 
 from batchgen.core.storage.interfaces import BlobStore, IdempotencyRecord, MetadataStore, ResultWriter

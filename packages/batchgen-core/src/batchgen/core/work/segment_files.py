@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from batchgen.core.storage.durable_folders import sync_folder
 from batchgen.core.work.shards import SEGMENT_KINDS, Segment
 
 __all__ = ["SegmentFiles", "SegmentMissing"]
@@ -71,7 +72,7 @@ class SegmentFiles:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        _fsync_folder(path.parent)
+        sync_folder(path.parent)
         return len(data)
 
     # --- reading --------------------------------------------------------------------------
@@ -145,11 +146,3 @@ class SegmentFiles:
         if not path.is_relative_to(self.segments_dir.resolve()):
             raise ValueError(f"segment key {key!r} is outside the segments folder")
         return path
-
-
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
