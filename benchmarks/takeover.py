@@ -44,7 +44,7 @@ def _start(
 ) -> tuple[subprocess.Popen[bytes], str]:
     log_path = logs / f"{name}-{time.monotonic_ns()}.log"
     command = [
-        *(sys.executable, "-m", "tests.work_replica", url, str(folder), name),
+        *(sys.executable, "-m", "tests.work_replica", url, folder.as_uri(), name),
         *("--ttl-s", str(lease_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"),
     ]
     with log_path.open("wb") as log:

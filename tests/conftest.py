@@ -34,6 +34,7 @@ from batchgen.server.app import create_app
 from batchgen.server.cli import settings_from_args
 from tests.live import LiveServer, start_server
 from tests.postgres import PostgresServer
+from tests.seaweedfs import SeaweedServer
 from tests.tiny_model import VLLM_HEAD_DIM, build_tiny_model
 
 # Hypothesis judges what a test asserts, never how long one example takes: on two shared cores
@@ -45,8 +46,11 @@ settings.register_profile(
 settings.load_profile("batchgen")
 
 #: Fixtures that start ``batchgen-server`` processes: a test using one is ``live``.
-#: ``postgres_server`` and ``postgres_url`` start a real PostgreSQL (``tests.postgres``).
-LIVE_FIXTURES = frozenset({"live_server", "server_factory", "echo_site", "postgres_server", "postgres_url"})
+#: ``postgres_server`` and ``postgres_url`` start a real PostgreSQL (``tests.postgres``),
+#: ``seaweed_server`` a real S3 server (``tests.seaweedfs``).
+LIVE_FIXTURES = frozenset(
+    {"live_server", "server_factory", "echo_site", "postgres_server", "postgres_url", "seaweed_server"}
+)
 #: Fixtures that need torch and transformers: a test using one is ``model``.
 MODEL_FIXTURES = frozenset({"tiny_model"})
 #: Modules (not edited here) whose every test starts a process of its own.
@@ -193,6 +197,15 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
 def postgres_server() -> Iterator[PostgresServer]:
     """One real PostgreSQL server for the whole run, started on first use."""
     server = PostgresServer.start()
+    yield server
+    server.stop()
+    server.remove()
+
+
+@pytest.fixture(scope="session")
+def seaweed_server() -> Iterator[SeaweedServer]:
+    """One real S3-compatible server (SeaweedFS) for the whole run, started on first use."""
+    server = SeaweedServer.start()
     yield server
     server.stop()
     server.remove()

@@ -1,7 +1,8 @@
 """A replica of the shard runner as a process of its own, for the tests that kill and pause one.
 
-``python -m tests.work_replica URL FOLDER REPLICA`` prints ``ready OWNER_ID`` and runs a ``ShardRunner`` over the ledger at URL
-and the segments under FOLDER until SIGTERM, then prints its leases lost and commits refused as
+``python -m tests.work_replica URL BLOB_URL REPLICA`` prints ``ready OWNER_ID`` and runs a ``ShardRunner`` over the ledger at URL
+and the segment store at BLOB_URL (``file:///...`` or ``s3://...``, credentials from the
+environment) until SIGTERM, then prints its leases lost and commits refused as
 a JSON line. Each line takes ``--line-s`` seconds and produces
 ``{"custom_id": "<batch>-<line>", "replica": REPLICA}``, or an error line for every line number
 divisible by ``--error-every``.
@@ -14,10 +15,9 @@ import asyncio
 import json
 import logging
 import signal
-from pathlib import Path
 
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
-from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.segment_store import open_segment_store
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
 
@@ -37,7 +37,7 @@ async def _main(arguments: argparse.Namespace) -> None:
         await ledger.create_schema()
         runner = ShardRunner(
             ledger,
-            SegmentFiles(Path(arguments.folder)),
+            open_segment_store(arguments.blob_url),
             run_line,
             replica_id=arguments.owner,
             max_shards=arguments.max_shards,
@@ -56,7 +56,7 @@ async def _main(arguments: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("url")
-    parser.add_argument("folder")
+    parser.add_argument("blob_url")
     parser.add_argument("owner")
     parser.add_argument("--line-s", type=float, default=0.02)
     parser.add_argument("--error-every", type=int, default=17)

@@ -1,55 +1,73 @@
-"""Segment files: written once each, read back only as far as committed, orphans found and collected.
+"""Segment stores: written once each, read back only as far as committed, orphans found and collected.
 
-In-process, on real files: any ``start``..``end`` range of the committed segments laid end to end
-is exactly that slice of their bytes (an HTTP ``Range`` request maps onto it), a torn tail past a
-segment's committed size is never read, a key cannot be written twice nor point outside the
-segments folder, and only files the manifest does not list and older than the grace period are
-orphans.
+Each test runs over both stores: ``SegmentFiles`` on real files (in-process) and ``S3Segments`` on a
+real SeaweedFS (``live``). Any ``start``..``end`` range of the committed segments laid end to end
+is exactly that slice of their bytes (an HTTP ``Range`` request maps onto it); a committed size
+shorter than the object is all that is read; a key cannot be written twice nor point outside the
+segments; a committed segment that is missing or short is an error, never a short answer; and
+only objects the manifest does not list and older than the grace period are orphans.
 """
 
 from __future__ import annotations
 
-import os
+import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.work.segment_files import SegmentFiles, SegmentMissing
+from batchgen.core.work.s3_segments import S3Segments
+from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.segment_store import SegmentMissing, SegmentStore, open_segment_store, segment_key
 from batchgen.core.work.shards import ERRORS, OUTPUT, Segment
+from tests.seaweedfs import SeaweedServer
 
 payloads = st.lists(st.binary(min_size=0, max_size=40), min_size=0, max_size=6)
+_fresh = itertools.count()
+StoreFactory = Callable[[], SegmentStore]
 
 
-def _committed(store: SegmentFiles, contents: list[bytes], torn: bytes = b"") -> list[Segment]:
-    """Write each payload as a segment (plus a torn tail that was never committed)."""
+@pytest.fixture(params=["files", pytest.param("s3", marks=pytest.mark.live)])
+def new_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> StoreFactory:
+    """Makes empty stores of one kind: a folder, or a prefix of a SeaweedFS bucket."""
+    if request.param == "files":
+        return lambda: SegmentFiles(tmp_path_factory.mktemp("segments"))
+    server: SeaweedServer = request.getfixturevalue("seaweed_server")
+    return lambda: S3Segments.from_url(server.url(f"test-{time.time_ns()}-{next(_fresh)}"), server.environ)
+
+
+def _committed(store: SegmentStore, contents: list[bytes], torn: bytes = b"") -> list[Segment]:
+    """Write each payload as a segment (plus bytes past its committed size)."""
     manifest: list[Segment] = []
     for number, data in enumerate(contents):
-        key = SegmentFiles.key("batch_x", OUTPUT, 0, 1, number + len(list(store.keys())))
+        key = segment_key("batch_x", OUTPUT, 0, 1, number)
         store.write(key, data + torn)
-        manifest.append(Segment("batch_x", OUTPUT, 0, len(manifest), 1, key, len(data), ()))
+        manifest.append(Segment("batch_x", OUTPUT, 0, number, 1, key, len(data), ()))
     return manifest
 
 
+# each example makes its own store through the factory: nothing is shared between examples
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=60)
 @given(contents=payloads, torn=st.binary(max_size=8), data=st.data())
 def test_any_range_of_the_committed_bytes_is_that_slice(
-    tmp_path_factory: pytest.TempPathFactory, contents: list[bytes], torn: bytes, data: st.DataObject
+    new_store: StoreFactory, contents: list[bytes], torn: bytes, data: st.DataObject
 ) -> None:
-    store = SegmentFiles(tmp_path_factory.mktemp("segments"))
+    store = new_store()
     manifest = _committed(store, contents, torn)
     whole = b"".join(contents)
     assert store.size(manifest) == len(whole)
-    assert b"".join(store.read(manifest)) == whole  # the torn tails are never read
+    assert b"".join(store.read(manifest)) == whole  # what lies past a committed size is never read
     start = data.draw(st.integers(0, len(whole)))
     end = data.draw(st.integers(start, len(whole)))
     assert b"".join(store.read(manifest, start, end)) == whole[start:end]
 
 
-def test_a_key_is_written_once(tmp_path: Path) -> None:
-    store = SegmentFiles(tmp_path)
-    key = SegmentFiles.key("batch_1", ERRORS, 3, 2, 0)
+def test_a_key_is_written_once(new_store: StoreFactory) -> None:
+    store = new_store()
+    key = segment_key("batch_1", ERRORS, 3, 2, 0)
     assert key == "segments/batch_1/errors/3/2-0.jsonl"
     assert store.write(key, b"first\n") == 6
     with pytest.raises(FileExistsError):
@@ -69,43 +87,72 @@ def test_a_key_is_written_once(tmp_path: Path) -> None:
         ("batch_1", OUTPUT, (0, -1, 0)),
     ],
 )
-def test_keys_only_name_files_in_the_segments_folder(
-    batch_id: str, kind: str, numbers: tuple[int, int, int]
-) -> None:
+def test_keys_only_name_segments(batch_id: str, kind: str, numbers: tuple[int, int, int]) -> None:
     with pytest.raises(ValueError):
-        SegmentFiles.key(batch_id, kind, *numbers)
+        segment_key(batch_id, kind, *numbers)
 
 
-def test_a_manifest_key_outside_the_folder_is_refused(tmp_path: Path) -> None:
-    store = SegmentFiles(tmp_path / "store")
+def test_a_manifest_key_outside_the_segments_is_refused(new_store: StoreFactory, tmp_path: Path) -> None:
+    store = new_store()
     (tmp_path / "secret").write_bytes(b"not a segment")
-    outside = Segment("batch_1", OUTPUT, 0, 0, 1, "../secret", 13, ())
-    with pytest.raises(ValueError):
-        b"".join(store.read([outside]))
-    with pytest.raises(ValueError):
-        store.write("segments/../../secret2", b"x")
+    for key in ("../secret", "segments/../../secret", "files/file-1.jsonl"):
+        with pytest.raises(ValueError):
+            b"".join(store.read([Segment("batch_1", OUTPUT, 0, 0, 1, key, 13, ())]))
+        with pytest.raises(ValueError):
+            store.write(key, b"x")
 
 
-def test_a_missing_or_short_committed_segment_is_an_error_not_a_short_answer(tmp_path: Path) -> None:
-    store = SegmentFiles(tmp_path)
-    key = SegmentFiles.key("batch_1", OUTPUT, 0, 1, 0)
+def test_a_missing_or_short_committed_segment_is_an_error_not_a_short_answer(new_store: StoreFactory) -> None:
+    store = new_store()
+    key = segment_key("batch_1", OUTPUT, 0, 1, 0)
     store.write(key, b"abc")
     with pytest.raises(SegmentMissing):
         b"".join(store.read([Segment("batch_1", OUTPUT, 0, 0, 1, key, 10, ())]))
+    absent = segment_key("batch_1", OUTPUT, 0, 1, 9)
     with pytest.raises(SegmentMissing):
-        b"".join(store.read([Segment("batch_1", OUTPUT, 0, 0, 1, key.replace("1-0", "1-9"), 1, ())]))
+        b"".join(store.read([Segment("batch_1", OUTPUT, 0, 0, 1, absent, 1, ())]))
 
 
-def test_orphans_are_the_unlisted_files_older_than_the_grace(tmp_path: Path) -> None:
-    store = SegmentFiles(tmp_path)
-    keys = [SegmentFiles.key("batch_1", OUTPUT, 0, epoch, 0) for epoch in (1, 2, 3)]
+def test_orphans_are_the_unlisted_segments_older_than_the_grace(new_store: StoreFactory) -> None:
+    store = new_store()
+    keys = [segment_key("batch_1", OUTPUT, 0, epoch, 0) for epoch in (1, 2, 3)]
+    written_at = time.time()
     for key in keys:
         store.write(key, b"line\n")
-    old = time.time() - 600
-    for key in keys[:2]:
-        os.utime(tmp_path / key, (old, old))
     committed = {keys[0]}
-    # keys[1]: unlisted and old, an orphan; keys[2]: unlisted but fresh (a writer about to commit)
-    assert store.orphans(committed, grace_s=60) == [keys[1]]
-    assert store.collect(store.orphans(committed, grace_s=60)) == 1
+    # just written: a writer about to commit them, so none is an orphan yet
+    assert store.orphans(committed, grace_s=60, now=written_at + 30) == []
+    # past the grace: the unlisted ones are
+    assert store.orphans(committed, grace_s=60, now=written_at + 120) == keys[1:]
+    assert store.collect(keys[1:2]) == 1
     assert sorted(store.keys()) == [keys[0], keys[2]]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3:///no-bucket",
+        "s3://user:secret@bucket/prefix",
+        "s3://bucket/prefix?endpoint=ftp://127.0.0.1:21",
+        "s3://bucket/prefix?acl=public-read",
+        "s3://bucket/" + "p" * 3000,
+        "file://otherhost/shared",
+        "file:relative/folder",
+        "http://127.0.0.1:8333/bucket",
+        "",
+    ],
+)
+def test_a_bad_blob_url_is_refused_with_the_reason(url: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        open_segment_store(url, environ={})
+    assert str(refused.value)
+
+
+def test_blob_urls_open_their_store(tmp_path: Path) -> None:
+    folder = tmp_path / "shared folder"
+    files = open_segment_store(folder.as_uri())
+    assert isinstance(files, SegmentFiles)
+    assert files.root == folder
+    s3 = open_segment_store("s3://bucket/some/prefix?endpoint=http://127.0.0.1:9&region=eu-west-1", environ={})
+    assert isinstance(s3, S3Segments)
+    assert repr(s3) == "S3Segments('s3://bucket/some/prefix')"

@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 
 from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice, PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.segment_store import segment_key
 from batchgen.core.work.shards import ERRORS, OUTPUT, Lease, SegmentPart, plan_shards
 from tests.postgres import PostgresServer
 
@@ -241,7 +242,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for kind, chosen in ((OUTPUT, [x for x in lines if x not in failed]), (ERRORS, sorted(failed))):
             if chosen:
                 self.written += 1
-                object_key = SegmentFiles.key(
+                object_key = segment_key(
                     lease.batch_id, kind, lease.shard.shard_no, lease.epoch, self.written
                 )
                 payload = b"".join(_line_bytes(lease.batch_id, line) for line in chosen)
@@ -402,11 +403,11 @@ async def test_a_lease_runs_out_on_the_database_clock_and_fences_its_old_owner(
         assert await ledger.renew("replica-a", HOUR_S) == {}  # ran out: not renewed
         [new] = await ledger.claim("replica-b", 1, HOUR_S)
         assert (new.key, new.epoch) == (old.key, old.epoch + 1)
-        key = SegmentFiles.key("batch_one", OUTPUT, 0, old.epoch, 0)
+        key = segment_key("batch_one", OUTPUT, 0, old.epoch, 0)
         zombie = SegmentPart(OUTPUT, key, segments.write(key, _line_bytes("batch_one", 0)), (0,))
         with pytest.raises(CommitRefused):
             await ledger.commit(old, [zombie])
-        key = SegmentFiles.key("batch_one", OUTPUT, 0, new.epoch, 0)
+        key = segment_key("batch_one", OUTPUT, 0, new.epoch, 0)
         part = SegmentPart(OUTPUT, key, segments.write(key, _line_bytes("batch_one", 0)), (0, 1, 2, 3)[:1])
         await ledger.commit(new, [part])
         manifest = await ledger.segments("batch_one")
@@ -429,7 +430,7 @@ async def test_a_replica_that_took_its_own_shard_back_cannot_commit_under_the_ol
         await asyncio.sleep(0.5)
         [new] = await ledger.claim("replica-a", 1, HOUR_S)
         assert (new.key, new.owner_id, new.epoch) == (old.key, old.owner_id, old.epoch + 1)
-        key = SegmentFiles.key("batch_self", OUTPUT, 0, old.epoch, 0)
+        key = segment_key("batch_self", OUTPUT, 0, old.epoch, 0)
         with pytest.raises(CommitRefused):
             await ledger.commit(old, [SegmentPart(OUTPUT, key, segments.write(key, b"x\n"), (0,))])
         assert await ledger.segments("batch_self") == []
@@ -449,7 +450,7 @@ async def test_cancel_stops_commits_and_renewals_of_every_holder(postgres_url: s
         assert not await ledger.cancel("batch_c")
         assert await ledger.renew("replica-a", HOUR_S) == {} == await ledger.renew("replica-b", HOUR_S)
         for lease in (a, b):
-            key = SegmentFiles.key("batch_c", OUTPUT, lease.shard.shard_no, lease.epoch, 0)
+            key = segment_key("batch_c", OUTPUT, lease.shard.shard_no, lease.epoch, 0)
             part = SegmentPart(OUTPUT, key, segments.write(key, b"x\n"), (lease.shard.first_line,))
             with pytest.raises(CommitRefused):
                 await ledger.commit(lease, [part])

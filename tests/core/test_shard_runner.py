@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -25,9 +26,11 @@ import pytest
 
 from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.segment_store import SegmentStore, open_segment_store
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
 from tests.postgres import PostgresServer
+from tests.seaweedfs import SeaweedServer
 
 pytestmark = pytest.mark.live
 
@@ -40,7 +43,7 @@ def anyio_backend() -> str:
 
 
 async def _served(
-    ledger: PostgresShardLedger, store: SegmentFiles, batch_id: str
+    ledger: PostgresShardLedger, store: SegmentStore, batch_id: str
 ) -> dict[str, list[dict[str, str]]]:
     """The committed lines of a batch, by kind, as a reader sees them."""
     served = {}
@@ -66,7 +69,7 @@ async def _wait_finished(ledger: PostgresShardLedger, batch_id: str, timeout_s: 
 
 async def _every_line_once(
     ledger: PostgresShardLedger,
-    store: SegmentFiles,
+    store: SegmentStore,
     runners: list[ShardRunner],
     tasks: list[asyncio.Task[None]],
     batch_id: str,
@@ -180,8 +183,8 @@ async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
 class _Replicas:
     """``tests.work_replica`` processes, started and signalled by name."""
 
-    def __init__(self, url: str, folder: Path, logs: Path, ttl_s: float) -> None:
-        self.url, self.folder, self.logs, self.ttl_s = url, folder, logs, ttl_s
+    def __init__(self, url: str, blob_url: str, environ: dict[str, str], logs: Path, ttl_s: float) -> None:
+        self.url, self.blob_url, self.environ, self.logs, self.ttl_s = url, blob_url, environ, logs, ttl_s
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.starts = Counter[str]()
         #: Each replica's ledger owner id in its current run.
@@ -191,10 +194,12 @@ class _Replicas:
         self.starts[owner] += 1
         log = (self.logs / f"{owner}-{self.starts[owner]}.log").open("wb")
         command = [
-            *(sys.executable, "-m", "tests.work_replica", self.url, str(self.folder), owner),
+            *(sys.executable, "-m", "tests.work_replica", self.url, self.blob_url, owner),
             *("--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"),
         ]
-        self.processes[owner] = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.processes[owner] = subprocess.Popen(
+            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.environ}
+        )
         path = self.logs / f"{owner}-{self.starts[owner]}.log"
         deadline = time.monotonic() + 60
         while not path.read_text().startswith("ready "):
@@ -233,11 +238,17 @@ class _Replicas:
                 process.wait()
 
 
-@pytest.fixture
-def replicas(postgres_url: str, tmp_path: Path) -> Iterator[_Replicas]:
+@pytest.fixture(params=["files", "s3"])
+def replicas(request: pytest.FixtureRequest, postgres_url: str, tmp_path: Path) -> Iterator[_Replicas]:
+    """Three replica processes' launcher, over a shared folder or a SeaweedFS bucket."""
     logs = tmp_path / "logs"
     logs.mkdir()
-    group = _Replicas(postgres_url, tmp_path / "shared", logs, ttl_s=2.0)
+    if request.param == "files":
+        blob_url, environ = (tmp_path / "shared").as_uri(), {}
+    else:
+        server: SeaweedServer = request.getfixturevalue("seaweed_server")
+        blob_url, environ = server.url(f"runner-{time.time_ns()}"), server.environ
+    group = _Replicas(postgres_url, blob_url, environ, logs, ttl_s=2.0)
     yield group
     group.stop_all()
 
@@ -282,7 +293,9 @@ async def test_replicas_killed_and_paused_still_give_every_line_exactly_once(
         await _wait_finished(ledger, "batch_faults", 300)
         stats = replicas.stop(zombie)
         work = await ledger.batch("batch_faults")
-        served = await _served(ledger, SegmentFiles(replicas.folder), "batch_faults")
+        served = await _served(
+            ledger, open_segment_store(replicas.blob_url, replicas.environ), "batch_faults"
+        )
     ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
     assert ids == Counter(f"batch_faults-{n}" for n in range(lines))  # exactly once each
     assert work is not None

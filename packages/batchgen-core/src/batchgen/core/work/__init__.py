@@ -7,8 +7,10 @@ folder's lock. Several replicas instead share a ledger in Postgres:
                       ledger hands out (a ``Lease`` carries the epoch that fences its commits).
 ``postgres_ledger``   ``PostgresShardLedger``: the shards, their leases on the database's clock,
                       and the manifest of committed output segments, in Postgres (psycopg 3).
-``segment_files``     ``SegmentFiles``: output segments as files on a filesystem every replica
-                      mounts; written once each, visible only through a committed manifest row.
+``segment_store``     what every segment store shares: the keys (written once each), reading
+                      committed bytes by range, orphans; ``open_segment_store(url)``.
+``segment_files``     ``SegmentFiles``: segments as files on a filesystem every replica mounts.
+``s3_segments``       ``S3Segments``: segments as objects in an S3-compatible store (obstore).
 ``shard_runner``      ``ShardRunner``: one replica's loop: claim, run lines, commit segments,
                       renew, drop lost shards, release at stop.
 """

@@ -1,6 +1,7 @@
 """ShardRunner: one replica's share of the work: claim shards, run their lines, commit, renew, let go.
 
-The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a ``SegmentFiles``:
+The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a segment store
+(``SegmentFiles`` or ``S3Segments``):
 
 - **claim** up to ``max_shards`` shards whenever it holds fewer (polling every ``poll_s`` while
   there is nothing to claim);
@@ -33,7 +34,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 
 from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice, PostgresShardLedger
-from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.segment_store import SegmentStore, segment_key
 from batchgen.core.work.shards import SEGMENT_KINDS, Lease, SegmentPart
 
 __all__ = ["DEFAULT_LEASE_S", "LineResult", "ShardRunner"]
@@ -74,7 +75,7 @@ class ShardRunner:
     def __init__(
         self,
         ledger: PostgresShardLedger,
-        segments: SegmentFiles,
+        segments: SegmentStore,
         run_line: LineFunction,
         *,
         replica_id: str,
@@ -233,7 +234,7 @@ class ShardRunner:
                 if not lines:
                     continue
                 # a new key for every try: a failed try's file is an orphan, never rewritten
-                key = SegmentFiles.key(
+                key = segment_key(
                     lease.batch_id, kind, lease.shard.shard_no, lease.epoch, shard.segments_written
                 )
                 shard.segments_written += 1
