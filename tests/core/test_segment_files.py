@@ -153,6 +153,8 @@ def test_blob_urls_open_their_store(tmp_path: Path) -> None:
     files = open_segment_store(folder.as_uri())
     assert isinstance(files, SegmentFiles)
     assert files.root == folder
-    s3 = open_segment_store("s3://bucket/some/prefix?endpoint=http://127.0.0.1:9&region=eu-west-1", environ={})
+    s3 = open_segment_store(
+        "s3://bucket/some/prefix?endpoint=http://127.0.0.1:9&region=eu-west-1", environ={}
+    )
     assert isinstance(s3, S3Segments)
     assert repr(s3) == "S3Segments('s3://bucket/some/prefix')"

@@ -1,11 +1,13 @@
-"""Shard runners sharing batches on a real PostgreSQL and a shared folder: every line exactly once.
+"""Shard runners sharing batches on a real PostgreSQL and a shared store: every line exactly once.
 
-In one process: two runners split a batch and commit every line once, and a small batch created
-behind a large one finishes first. As processes (``tests.work_replica``): three replicas, the one
+In one process: two runners split a batch and commit every line once; a small batch created
+behind a large one finishes first; a ``pg_ctl restart -m immediate`` mid-batch; and the S3 store
+(SeaweedFS) stopped for 10 s mid-batch, during which a runner reports itself unhealthy. As
+processes (``tests.work_replica``), over a shared folder and over S3: three replicas, the one
 holding the most shards killed with SIGKILL at random moments and restarted, and one paused with
-SIGSTOP for twice its lease and then continued (a zombie whose commits are refused): at the end
-every line of the batch has exactly one output or error line in the committed segments, the
-counters equal those lines, and nothing a dead or fenced-out replica wrote is served.
+SIGSTOP for twice its lease and then continued (a zombie: it loses its leases and nothing it
+finished counts). Each ends with every line of the batch in exactly one committed output or
+error line, and the counters equal to those lines.
 """
 
 from __future__ import annotations
@@ -178,6 +180,54 @@ async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
         assert during is not None
         assert during.status == "running"  # the restart came mid-batch
         await _every_line_once(ledger, store, runners, tasks, "batch_restart", 1500)
+
+
+@pytest.mark.anyio
+async def test_runners_wait_out_the_object_store_down_for_10_s_and_commit_every_line_once(
+    seaweed_server: SeaweedServer, postgres_url: str
+) -> None:
+    store = open_segment_store(seaweed_server.url(f"outage-{time.time_ns()}"), seaweed_server.environ)
+    async with PostgresShardLedger(postgres_url) as ledger:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_outage", 1200, shard_lines=25)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            await asyncio.sleep(0.05)
+            return _line(batch_id, line, "replica")
+
+        runners = [
+            ShardRunner(
+                ledger,
+                store,
+                run_line,
+                replica_id=name,
+                max_shards=2,
+                concurrency=4,
+                ttl_s=30.0,
+                commit_interval_s=0.05,
+            )
+            for name in ("replica-a", "replica-b")
+        ]
+        tasks = [asyncio.create_task(runner.run()) for runner in runners]
+        deadline = time.monotonic() + 60
+        while (work := await ledger.batch("batch_outage")) is not None and work.completed + work.failed < 200:
+            assert time.monotonic() < deadline, work
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(seaweed_server.stop)
+        try:
+            down_until = time.monotonic() + 10
+            unhealthy = False
+            while time.monotonic() < down_until:
+                unhealthy = unhealthy or any(not runner.healthy for runner in runners)
+                await asyncio.sleep(0.1)
+            during = await ledger.batch("batch_outage")
+        finally:
+            await asyncio.to_thread(seaweed_server.run)
+        assert during is not None
+        assert during.status == "running"  # the outage came mid-batch
+        assert unhealthy, "no runner noticed the store was down"
+        await _every_line_once(ledger, store, runners, tasks, "batch_outage", 1200)
+    assert all(runner.healthy for runner in runners), [runner.problems for runner in runners]
 
 
 class _Replicas:

@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = ["S3Segments"]
 
-#: A failed request is retried for at most this long before the call fails: long enough for a
-#: store restarting, short enough that a shard's owner notices within its lease.
-RETRY_TIMEOUT = timedelta(seconds=10)
+#: A failed request is retried for at most this long before the call fails (and the shard runner
+#: reports itself unhealthy, keeps the lines and tries again): long enough to ride out a blip,
+#: short enough that an outage shows at once and a shard's owner keeps well within its lease.
+RETRY_TIMEOUT = timedelta(seconds=3)
 _QUERY_KEYS = frozenset({"endpoint", "region"})
 _MAX_URL = 2048
 
@@ -94,7 +95,7 @@ class S3Segments(SegmentStore):
             parts.hostname,
             prefix=prefix,
             config=config,
-            retry_config={"max_retries": 5, "retry_timeout": RETRY_TIMEOUT},
+            retry_config={"max_retries": 3, "retry_timeout": RETRY_TIMEOUT},
             client_options={
                 "allow_http": allow_http,
                 "timeout": timedelta(seconds=30),

@@ -17,6 +17,8 @@ The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a seg
 - ``stop`` cancels the work and releases the unfinished leases, so others take them at once.
 
 Each start of a runner is a new owner in the ledger (``owner_id``: the replica id and a token).
+``healthy`` is false while the ledger or the segment store fails (``problems`` says how), and
+true again once the failing part has worked.
 
 A replica that cannot renew (paused, cut off from the database) keeps running until its leases
 would have run out, but every commit it tries after that is refused: output stays exactly once.
@@ -107,6 +109,21 @@ class ShardRunner:
         self.leases_lost = 0
         self.commits_refused = 0
         self.lines_committed = 0
+        #: What failed last and has not worked since, by part ("ledger": claims and renewals;
+        #: "commit": writing segments and committing them); empty while all is well.
+        self._problems: dict[str, str] = {}
+
+    @property
+    def healthy(self) -> bool:
+        return not self._problems
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the runner is not healthy (the database or the store failing), or nothing."""
+        return [f"{part}: {problem}" for part, problem in sorted(self._problems.items())]
+
+    def _failed(self, part: str, error: Exception) -> None:
+        self._problems[part] = f"{type(error).__name__}: {error}"[:300]
 
     @property
     def held(self) -> list[Lease]:
@@ -120,9 +137,13 @@ class ShardRunner:
                 room = self.max_shards - len(self._held)
                 try:
                     leases = await self.ledger.claim(self.owner_id, room, self.ttl_s) if room > 0 else []
-                except Exception:  # the database is away: try again after a poll interval
+                except Exception as error:  # the database is away: try again after a poll interval
                     logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
+                    self._failed("ledger", error)
                     leases = []
+                else:
+                    if room > 0:
+                        self._problems.pop("ledger", None)
                 for lease in leases:
                     shard = _HeldShard(lease)
                     self._held[lease.key] = shard
@@ -154,9 +175,11 @@ class ShardRunner:
             await asyncio.sleep(self.ttl_s / 3)
             try:
                 kept = await self.ledger.renew(self.owner_id, self.ttl_s)
-            except Exception:  # the database is away: commits will be refused once the leases end
+            except Exception as error:  # the database is away: commits are refused once the leases end
                 logger.warning("%s could not renew its leases", self.owner_id, exc_info=True)
+                self._failed("ledger", error)
                 continue
+            self._problems.pop("ledger", None)
             for key, shard in list(self._held.items()):
                 if kept.get(key) != shard.lease.epoch:
                     logger.info("%s lost shard %s of %s", self.owner_id, key[1], key[0])
@@ -248,7 +271,8 @@ class ShardRunner:
             if not retrying:
                 raise
             # the earlier try of these very lines did commit
-        except Exception:
+        except Exception as error:
+            self._failed("commit", error)
             logger.warning(
                 "%s could not commit shard %s of %s",
                 self.owner_id,
@@ -258,5 +282,6 @@ class ShardRunner:
             )
             shard.unsure = finished
             return False
+        self._problems.pop("commit", None)
         self.lines_committed += len(finished)
         return True
