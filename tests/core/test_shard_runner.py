@@ -142,6 +142,39 @@ async def test_a_small_batch_behind_a_large_one_finishes_first(postgres_url: str
     assert large.completed + large.failed < 2000 / 2
 
 
+def _slow_runners(
+    ledger: PostgresShardLedger, store: SegmentStore, ttl_s: float
+) -> tuple[list[ShardRunner], list[asyncio.Task[None]]]:
+    """Two running runners whose lines take 50 ms, four at a time each: a batch of a thousand
+    lines or so lasts several seconds, time for a fault in the middle."""
+
+    async def run_line(batch_id: str, line: int) -> LineResult:
+        await asyncio.sleep(0.05)
+        return _line(batch_id, line, "replica")
+
+    runners = [
+        ShardRunner(
+            ledger,
+            store,
+            run_line,
+            replica_id=name,
+            max_shards=2,
+            concurrency=4,
+            ttl_s=ttl_s,
+            commit_interval_s=0.05,
+        )
+        for name in ("replica-a", "replica-b")
+    ]
+    return runners, [asyncio.create_task(runner.run()) for runner in runners]
+
+
+async def _wait_for_lines(ledger: PostgresShardLedger, batch_id: str, lines: int) -> None:
+    deadline = time.monotonic() + 60
+    while (work := await ledger.batch(batch_id)) is not None and work.completed + work.failed < lines:
+        assert time.monotonic() < deadline, work
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.anyio
 async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
     postgres_server: PostgresServer, postgres_url: str, tmp_path: Path
@@ -151,30 +184,8 @@ async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
         await ledger.create_schema()
         await ledger.add_batch("batch_restart", 1500, shard_lines=25)
 
-        async def run_line(batch_id: str, line: int) -> LineResult:
-            await asyncio.sleep(0.05)
-            return _line(batch_id, line, "replica")
-
-        runners = [
-            ShardRunner(
-                ledger,
-                store,
-                run_line,
-                replica_id=name,
-                max_shards=2,
-                concurrency=4,
-                ttl_s=3.0,
-                commit_interval_s=0.05,
-            )
-            for name in ("replica-a", "replica-b")
-        ]
-        tasks = [asyncio.create_task(runner.run()) for runner in runners]
-        deadline = time.monotonic() + 60
-        while (
-            work := await ledger.batch("batch_restart")
-        ) is not None and work.completed + work.failed < 300:
-            assert time.monotonic() < deadline, work
-            await asyncio.sleep(0.05)
+        runners, tasks = _slow_runners(ledger, store, ttl_s=3.0)
+        await _wait_for_lines(ledger, "batch_restart", 300)
         await asyncio.to_thread(postgres_server.restart)  # -m immediate: every connection breaks
         during = await ledger.batch("batch_restart")
         assert during is not None
@@ -191,28 +202,8 @@ async def test_runners_wait_out_the_object_store_down_for_10_s_and_commit_every_
         await ledger.create_schema()
         await ledger.add_batch("batch_outage", 1200, shard_lines=25)
 
-        async def run_line(batch_id: str, line: int) -> LineResult:
-            await asyncio.sleep(0.05)
-            return _line(batch_id, line, "replica")
-
-        runners = [
-            ShardRunner(
-                ledger,
-                store,
-                run_line,
-                replica_id=name,
-                max_shards=2,
-                concurrency=4,
-                ttl_s=30.0,
-                commit_interval_s=0.05,
-            )
-            for name in ("replica-a", "replica-b")
-        ]
-        tasks = [asyncio.create_task(runner.run()) for runner in runners]
-        deadline = time.monotonic() + 60
-        while (work := await ledger.batch("batch_outage")) is not None and work.completed + work.failed < 200:
-            assert time.monotonic() < deadline, work
-            await asyncio.sleep(0.05)
+        runners, tasks = _slow_runners(ledger, store, ttl_s=30.0)
+        await _wait_for_lines(ledger, "batch_outage", 200)
         await asyncio.to_thread(seaweed_server.stop)
         try:
             down_until = time.monotonic() + 10
