@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice, PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import segment_key
+from batchgen.core.work.shard_runner import collect_orphans
 from batchgen.core.work.shards import ERRORS, OUTPUT, Lease, SegmentPart, plan_shards
 from tests.postgres import PostgresServer
 
@@ -413,6 +414,10 @@ async def test_a_lease_runs_out_on_the_database_clock_and_fences_its_old_owner(
         manifest = await ledger.segments("batch_one")
         assert [segment.epoch for segment in manifest] == [new.epoch]
         assert segments.orphans(await ledger.committed_keys(), grace_s=-60) == [zombie.object_key]
+        assert await collect_orphans(ledger, segments, grace_s=3600) == 0  # too young to go yet
+        assert await collect_orphans(ledger, segments, grace_s=-60) == 1
+        assert list(segments.keys()) == [part.object_key]
+        assert b"".join(segments.read(manifest)) == _line_bytes("batch_one", 0)
     finally:
         await ledger.close()
 

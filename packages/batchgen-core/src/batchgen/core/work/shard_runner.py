@@ -39,13 +39,16 @@ from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice
 from batchgen.core.work.segment_store import SegmentStore, segment_key
 from batchgen.core.work.shards import SEGMENT_KINDS, Lease, SegmentPart
 
-__all__ = ["DEFAULT_LEASE_S", "LineResult", "ShardRunner"]
+__all__ = ["DEFAULT_LEASE_S", "ORPHAN_GRACE_S", "LineResult", "ShardRunner", "collect_orphans"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a lease lasts unless renewed, by default: what a dead replica's shards wait before
 #: another replica takes them (renewed every third of it).
 DEFAULT_LEASE_S = 10.0
+#: How old an uncommitted segment must be before ``collect_orphans`` deletes it: far longer than a
+#: write takes to be committed, so only the segments of writers that died or were fenced out go.
+ORPHAN_GRACE_S = 3600.0
 
 
 @attrs.frozen
@@ -285,3 +288,14 @@ class ShardRunner:
         self._problems.pop("commit", None)
         self.lines_committed += len(finished)
         return True
+
+
+async def collect_orphans(
+    ledger: PostgresShardLedger, segments: SegmentStore, grace_s: float = ORPHAN_GRACE_S
+) -> int:
+    """Delete the segments no commit lists that are older than ``grace_s`` (written by replicas
+    that died or were fenced out before committing); how many were deleted. Any replica may run
+    it: what it deletes was never served and never will be."""
+    committed = await ledger.committed_keys()
+    orphans = await asyncio.to_thread(segments.orphans, committed, grace_s)
+    return await asyncio.to_thread(segments.collect, orphans)
