@@ -468,6 +468,21 @@ async def test_cancel_stops_commits_and_renewals_of_every_holder(postgres_url: s
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("ttl_s", [0.0, -1.0, float("nan"), float("inf"), 86_401.0])
+async def test_a_lease_length_out_of_bounds_is_refused(postgres_url: str, ttl_s: float) -> None:
+    ledger = await _ledger(postgres_url)
+    try:
+        await ledger.add_batch("batch_t", 2)
+        with pytest.raises(ValueError):
+            await ledger.claim("replica-a", 1, ttl_s)
+        with pytest.raises(ValueError):
+            await ledger.renew("replica-a", ttl_s)
+        assert await ledger.holders("batch_t") == {}
+    finally:
+        await ledger.close()
+
+
+@pytest.mark.anyio
 async def test_a_postgres_restart_fails_calls_meanwhile_then_serves_again(
     postgres_server: PostgresServer, postgres_url: str
 ) -> None:

@@ -55,6 +55,9 @@ from batchgen.core.work.shards import (
 __all__ = ["BatchWork", "CommitRefused", "LineCommittedTwice", "PostgresShardLedger"]
 
 RUNNING, CANCELLED, FINISHED = "running", "cancelled", "finished"
+#: The longest lease the ledger hands out (a day): a longer one would keep a dead replica's
+#: shards from everyone else for longer than any batch's window.
+MAX_LEASE_S = 86_400.0
 
 #: Serialises concurrent ``create_schema`` calls of replicas starting together.
 _SCHEMA_LOCK = 0x6261_7463_6867_656E  # "batchgen"
@@ -266,6 +269,7 @@ class PostgresShardLedger:
 
     async def claim(self, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
         """Lease up to ``limit`` shards to ``owner_id`` for ``ttl_s`` seconds of the database's clock."""
+        _check_ttl(ttl_s)
         if limit < 1:
             return []
         rows = await self._rows(_CLAIM, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
@@ -280,6 +284,7 @@ class PostgresShardLedger:
     async def renew(self, owner_id: str, ttl_s: float) -> dict[tuple[str, int], int]:
         """Extend every live lease of ``owner_id`` on a running batch by ``ttl_s`` seconds; the
         leases it still holds, as (batch id, shard number) -> epoch."""
+        _check_ttl(ttl_s)
         rows = await self._rows(_RENEW, {"owner": owner_id, "ttl": ttl_s})
         return {(batch, shard): epoch for batch, shard, epoch in rows}
 
@@ -384,6 +389,11 @@ class PostgresShardLedger:
             {"batch": batch_id},
         )
         return dict(rows)
+
+
+def _check_ttl(ttl_s: float) -> None:
+    if not (0 < ttl_s <= MAX_LEASE_S):
+        raise ValueError(f"a lease lasts more than 0 and at most {MAX_LEASE_S:g} seconds, not {ttl_s!r}")
 
 
 def _lease_params(lease: Lease) -> dict[str, Any]:

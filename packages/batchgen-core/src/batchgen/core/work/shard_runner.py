@@ -35,7 +35,12 @@ from collections.abc import Awaitable, Callable
 
 import attrs
 
-from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice, PostgresShardLedger
+from batchgen.core.work.postgres_ledger import (
+    MAX_LEASE_S,
+    CommitRefused,
+    LineCommittedTwice,
+    PostgresShardLedger,
+)
 from batchgen.core.work.segment_store import SegmentStore, segment_key
 from batchgen.core.work.shards import SEGMENT_KINDS, Lease, SegmentPart
 
@@ -91,8 +96,10 @@ class ShardRunner:
         commit_interval_s: float = 1.0,
         poll_s: float = 0.5,
     ) -> None:
-        if ttl_s <= 0 or max_shards < 1 or concurrency < 1 or commit_lines < 1:
-            raise ValueError("ttl_s, max_shards, concurrency and commit_lines must be positive")
+        if not 0 < ttl_s <= MAX_LEASE_S:
+            raise ValueError(f"a lease lasts more than 0 and at most {MAX_LEASE_S:g} seconds, not {ttl_s!r}")
+        if max_shards < 1 or concurrency < 1 or commit_lines < 1:
+            raise ValueError("max_shards, concurrency and commit_lines must be positive")
         self.ledger = ledger
         self.segments = segments
         self.run_line = run_line
