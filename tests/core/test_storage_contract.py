@@ -1,7 +1,8 @@
 """The storage contract: what every MetadataStore, BlobStore and ResultWriter must do.
 
-Each test takes a ``storage`` fixture parametrised over the implementations; today that is SQLite
-with the local filesystem. A new implementation (Postgres and object storage, say) is added to
+Each test takes a ``storage`` fixture parametrised over the implementations: SQLite with the
+local filesystem, and a real PostgreSQL (a database of its own per test, ``postgres_url``) with
+the local filesystem, the metadata several servers share. A new implementation is added to
 ``IMPLEMENTATIONS`` and is done when this module passes for it unchanged.
 """
 
@@ -35,7 +36,7 @@ from batchgen.core.storage import (
 )
 from batchgen.core.storage_faults import storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
-from tests.database_lock import locked_elsewhere
+from tests.database_lock import locked_elsewhere, postgres_locked_elsewhere
 
 
 @attrs.define
@@ -48,7 +49,7 @@ class Storage:
     lock_elsewhere: Callable[[], AbstractContextManager[object]]
 
 
-def _sqlite_local(root: Path) -> Storage:
+def _sqlite_local(request: pytest.FixtureRequest, root: Path) -> Storage:
     return Storage(
         open_metadata=lambda: SQLiteMetadataStore(root / "metadata.sqlite3"),
         open_blobs=lambda: LocalBlobStore(root),
@@ -56,12 +57,33 @@ def _sqlite_local(root: Path) -> Storage:
     )
 
 
-IMPLEMENTATIONS: dict[str, Callable[[Path], Storage]] = {"sqlite+local": _sqlite_local}
+def _postgres_local(request: pytest.FixtureRequest, root: Path) -> Storage:
+    from batchgen.core.storage.postgres_metadata import PostgresMetadataStore
+
+    url: str = request.getfixturevalue("postgres_url")
+    return Storage(
+        open_metadata=lambda: PostgresMetadataStore(url),
+        open_blobs=lambda: LocalBlobStore(root),
+        lock_elsewhere=lambda: postgres_locked_elsewhere(url),
+    )
 
 
-@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+IMPLEMENTATIONS: dict[str, Callable[[pytest.FixtureRequest, Path], Storage]] = {
+    "sqlite+local": _sqlite_local,
+    "postgres+local": _postgres_local,
+}
+#: Implementations that start a server of their own (so their tests are ``live``).
+_LIVE = frozenset({"postgres+local"})
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(name, marks=[pytest.mark.live] if name in _LIVE else [])
+        for name in sorted(IMPLEMENTATIONS)
+    ]
+)
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
-    return IMPLEMENTATIONS[request.param](tmp_path)
+    return IMPLEMENTATIONS[request.param](request, tmp_path)
 
 
 @pytest.fixture

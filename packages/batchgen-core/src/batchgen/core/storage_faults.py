@@ -3,8 +3,10 @@ another connection holds locked) from a bug.
 
 ``storage_fault`` turns an ``OSError`` with such an errno, or an SQLite error that reports one
 (``SQLITE_BUSY`` and ``SQLITE_LOCKED`` included: another process holding a write lock past the
-store's short busy timeout), into a ``StorageUnavailable`` with the reason and a ``Retry-After``;
-anything else is not a storage fault and stays as it is. ``storage_faults_as_errors`` does that for a block of code: the service's calls raise
+store's short busy timeout), or a PostgreSQL error of the same kinds (a lock not granted within
+the store's lock timeout, a statement timed out, the server unreachable, restarting or out of
+disk; told by SQLSTATE, and only when psycopg is loaded at all), into a ``StorageUnavailable``
+with the reason and a ``Retry-After``; anything else is not a storage fault and stays as it is. ``storage_faults_as_errors`` does that for a block of code: the service's calls raise
 ``StorageUnavailable`` instead of a raw ``OSError`` or ``sqlite3.OperationalError``.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import sqlite3
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -52,6 +55,35 @@ _SQLITE_MESSAGES = {
 }
 
 
+# PostgreSQL's SQLSTATEs that pass by themselves (another transaction holds a lock, or a statement
+# ran past its timeout), and the classes and codes that mean the server cannot serve now.
+_PG_BUSY_STATES = frozenset({"55P03", "40001", "40P01", "57014"})
+_PG_DOWN_CLASSES = frozenset({"08", "53", "58"})
+_PG_DOWN_STATES = frozenset({"57P01", "57P02", "57P03"})
+_PG_DISK_FULL = "53100"
+
+
+def _postgres_fault(exc: BaseException) -> tuple[str, bool, bool] | None:
+    """(reason, busy, disk_full) when ``exc`` is a psycopg error that is a storage fault."""
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is None:  # never loaded: nothing raised can be its error
+        return None
+    pool = sys.modules.get("psycopg_pool")
+    if pool is not None and isinstance(exc, pool.PoolTimeout):
+        return "no connection to the database could be had in time", False, False
+    if not isinstance(exc, psycopg.Error):
+        return None
+    state = exc.sqlstate or ""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if state in _PG_BUSY_STATES:
+        return f"the database is busy ({first_line})", True, False
+    if state[:2] in _PG_DOWN_CLASSES or state in _PG_DOWN_STATES:
+        return f"the database cannot serve now ({first_line})", False, state == _PG_DISK_FULL
+    if not state and isinstance(exc, psycopg.OperationalError):  # no answer: unreachable, or gone
+        return f"the database cannot be reached ({first_line})", False, False
+    return None
+
+
 def _sqlite_code(exc: sqlite3.Error) -> int | None:
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(code, int) and code & 0xFF in _SQLITE_REASONS:
@@ -77,6 +109,14 @@ def storage_fault(exc: BaseException, action: str = "use the storage") -> Storag
                 disk_full=False,
                 retry_after_s=LOCKED_RETRY_AFTER_S,
             )
+    elif (postgres := _postgres_fault(exc)) is not None:
+        reason, busy, disk_full = postgres
+        if busy:
+            return StorageUnavailable(
+                f"The server could not {action}: {reason}. Retry in a moment.",
+                disk_full=False,
+                retry_after_s=LOCKED_RETRY_AFTER_S,
+            )
     else:
         return None
     retry = "Free some disk space and retry." if disk_full else "Retry once the storage works again."
@@ -95,6 +135,8 @@ def is_database_locked(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, sqlite3.Error) and _sqlite_code(seen) in _SQLITE_LOCK_CODES:
             return True
+        if (postgres := _postgres_fault(seen)) is not None and postgres[1]:
+            return True
         seen = seen.__cause__
     return False
 
@@ -104,7 +146,7 @@ def storage_faults_as_errors(action: str) -> Iterator[None]:
     """Raise a storage fault inside the block as ``StorageUnavailable`` (naming ``action``)."""
     try:
         yield
-    except (OSError, sqlite3.Error) as exc:
+    except Exception as exc:  # only storage faults are turned; anything else goes on as it was
         fault = storage_fault(exc, action)
         if fault is None or fault is exc:
             raise

@@ -3,6 +3,9 @@
 - ``SQLiteMetadataStore``: files, batches and idempotency keys in SQLite;
 - ``LocalBlobStore``: file contents under the storage path;
 - ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back;
+- ``postgres_metadata.PostgresMetadataStore``: the same metadata in PostgreSQL (the ``postgres``
+  extra; imported from its module, so the package loads without psycopg);
+- ``metadata_rows``: the rows both metadata stores keep, and their mapping to the models;
 - ``durable_folders.sync_folder``: fsync a folder, so a file created or renamed in it survives a crash.
 """
 

@@ -1,9 +1,9 @@
 """What a storage implementation must provide: the metadata store, the blob store, the result writer.
 
-The service talks to storage only through these three protocols. Today's implementation is
+The service talks to storage only through these three protocols. The server's implementation is
 SQLite (``SQLiteMetadataStore``) and the local filesystem (``LocalBlobStore``, ``OutputWriter``);
-a second one (Postgres metadata and object storage, for several servers sharing the work) passes
-the same contract tests, ``tests/core/test_storage_contract.py``, and needs no change elsewhere.
+``PostgresMetadataStore`` (for several servers sharing one database) passes the same contract
+tests, ``tests/core/test_storage_contract.py``.
 
 Calls are synchronous and short: the service makes them on its event loop, so an implementation
 over a network keeps its own connection pool and answers quickly, or the service must move the

@@ -21,7 +21,6 @@ Reads do not wait (WAL: readers never wait for a writer).
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -31,197 +30,25 @@ import attrs
 import sqlite_utils
 
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.models import (
-    DEFAULT_TENANT,
-    Batch,
-    BatchErrorInfo,
-    BatchParameters,
-    BatchStatus,
-    FileObject,
-    RequestCounts,
-    Usage,
-)
+from batchgen.core.models import DEFAULT_TENANT, Batch, FileObject
 from batchgen.core.storage.interfaces import IdempotencyRecord
+from batchgen.core.storage.metadata_rows import (
+    ACTIVE_STATUSES,
+    BATCH_COLUMNS,
+    FILE_COLUMNS,
+    OUTBOX_COLUMNS,
+    batch_from_row,
+    batch_to_row,
+    file_from_row,
+    file_to_row,
+)
 from batchgen.core.tenancy import TenantUsage
 from batchgen.core.webhook_outbox import OutboxMessage
-
-_FILE_COLUMNS = {
-    "seq": int,
-    "id": str,
-    "bytes": int,
-    "created_at": int,
-    "filename": str,
-    "purpose": str,
-    "path": str,
-    "line_count": int,
-    "url": str,
-    "expires_at": int,
-    "owner": str,
-}
-
-_BATCH_COLUMNS = {
-    "seq": int,
-    "id": str,
-    "endpoint": str,
-    "input_file_id": str,
-    "completion_window": str,
-    "status": str,
-    "created_at": int,
-    "expires_at": int,
-    "model": str,
-    "max_decoding_length": int,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "metadata": str,
-    "output_expires_after_s": int,
-    "output_file_id": str,
-    "error_file_id": str,
-    "total": int,
-    "completed": int,
-    "failed": int,
-    "prompt_tokens": int,
-    "completion_tokens": int,
-    "cached_requests": int,
-    "cached_prompt_tokens": int,
-    "cached_completion_tokens": int,
-    "prefix_cached_tokens": int,
-    "error_code": str,
-    "error_message": str,
-    "in_progress_at": int,
-    "finalizing_at": int,
-    "completed_at": int,
-    "failed_at": int,
-    "expired_at": int,
-    "cancelling_at": int,
-    "cancelled_at": int,
-    "owner": str,
-    "retry_of": str,
-    "at_risk_at": int,
-    "output_order": str,
-}
-
-_OUTBOX_COLUMNS = {
-    "event_id": str,
-    "target": str,
-    "body": bytes,
-    "created_at": int,
-    "attempts": int,
-    "next_attempt_at": float,
-    "last_error": str,
-}
 
 #: How long the schema set-up at start waits for another connection's lock.
 OPEN_BUSY_TIMEOUT_S = 5.0
 #: How long any later call waits for another connection's lock before failing as "database is locked".
 BUSY_TIMEOUT_S = 0.1
-
-ACTIVE_STATUSES = tuple(status.value for status in BatchStatus if status.is_active)
-
-
-def _batch_to_row(batch: Batch) -> dict[str, Any]:
-    return {
-        "id": batch.id,
-        "endpoint": batch.endpoint,
-        "input_file_id": batch.input_file_id,
-        "completion_window": batch.completion_window,
-        "status": batch.status.value,
-        "created_at": batch.created_at,
-        "expires_at": batch.expires_at,
-        "model": batch.model,
-        "max_decoding_length": batch.parameters.max_decoding_length,
-        "temperature": batch.parameters.temperature,
-        "top_p": batch.parameters.top_p,
-        "top_k": batch.parameters.top_k,
-        "metadata": None if batch.metadata is None else json.dumps(batch.metadata),
-        "output_expires_after_s": batch.output_expires_after_s,
-        "output_file_id": batch.output_file_id,
-        "error_file_id": batch.error_file_id,
-        "total": batch.request_counts.total,
-        "completed": batch.request_counts.completed,
-        "failed": batch.request_counts.failed,
-        "prompt_tokens": batch.usage.prompt_tokens,
-        "completion_tokens": batch.usage.completion_tokens,
-        "cached_requests": batch.usage.cached_requests,
-        "cached_prompt_tokens": batch.usage.cached_prompt_tokens,
-        "cached_completion_tokens": batch.usage.cached_completion_tokens,
-        "prefix_cached_tokens": batch.usage.prefix_cached_tokens,
-        "error_code": None if batch.error is None else batch.error.code,
-        "error_message": None if batch.error is None else batch.error.message,
-        "in_progress_at": batch.in_progress_at,
-        "finalizing_at": batch.finalizing_at,
-        "completed_at": batch.completed_at,
-        "failed_at": batch.failed_at,
-        "expired_at": batch.expired_at,
-        "cancelling_at": batch.cancelling_at,
-        "cancelled_at": batch.cancelled_at,
-        "owner": batch.owner,
-        "retry_of": batch.retry_of,
-        "at_risk_at": batch.at_risk_at,
-        "output_order": batch.output_order,
-    }
-
-
-def _batch_from_row(row: dict[str, Any]) -> Batch:
-    error = None
-    if row["error_code"] is not None:
-        error = BatchErrorInfo(row["error_code"], row["error_message"] or "")
-    return Batch(
-        id=row["id"],
-        endpoint=row["endpoint"],
-        input_file_id=row["input_file_id"],
-        completion_window=row["completion_window"],
-        status=BatchStatus(row["status"]),
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-        model=row["model"],
-        parameters=BatchParameters(
-            max_decoding_length=row["max_decoding_length"],
-            temperature=row["temperature"],
-            top_p=row["top_p"],
-            top_k=row["top_k"],
-        ),
-        metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
-        output_expires_after_s=row.get("output_expires_after_s"),
-        output_file_id=row["output_file_id"],
-        error_file_id=row["error_file_id"],
-        request_counts=RequestCounts(row["total"], row["completed"], row["failed"]),
-        usage=Usage(
-            row["prompt_tokens"],
-            row["completion_tokens"],
-            row.get("cached_requests") or 0,
-            row.get("cached_prompt_tokens") or 0,
-            row.get("cached_completion_tokens") or 0,
-            row.get("prefix_cached_tokens") or 0,
-        ),
-        error=error,
-        in_progress_at=row["in_progress_at"],
-        finalizing_at=row["finalizing_at"],
-        completed_at=row["completed_at"],
-        failed_at=row["failed_at"],
-        expired_at=row["expired_at"],
-        cancelling_at=row["cancelling_at"],
-        cancelled_at=row["cancelled_at"],
-        owner=row.get("owner") or DEFAULT_TENANT,
-        retry_of=row.get("retry_of"),
-        at_risk_at=row.get("at_risk_at"),
-        output_order=row.get("output_order") or "completion",
-    )
-
-
-def _file_from_row(row: dict[str, Any]) -> FileObject:
-    return FileObject(
-        id=row["id"],
-        bytes=row["bytes"],
-        created_at=row["created_at"],
-        filename=row["filename"],
-        purpose=row["purpose"],
-        path=row["path"],
-        line_count=row["line_count"] or 0,
-        url=row["url"],
-        expires_at=row["expires_at"],
-        owner=row.get("owner") or DEFAULT_TENANT,
-    )
 
 
 class SQLiteMetadataStore:
@@ -237,7 +64,7 @@ class SQLiteMetadataStore:
         self._files = self._db.table("files")
         self._batches = self._db.table("batches")
         if not self._files.exists():
-            self._files.create(_FILE_COLUMNS, pk="id", not_null={"seq"})
+            self._files.create(FILE_COLUMNS, pk="id", not_null={"seq"})
             self._files.create_index(["seq"], unique=True)
         self._deleted_files = self._db.table("deleted_files")
         if not self._deleted_files.exists():
@@ -248,17 +75,17 @@ class SQLiteMetadataStore:
                 {"key": str, "scope": str, "fingerprint": str, "object_id": str, "created_at": int}, pk="key"
             )
         if not self._batches.exists():
-            self._batches.create(_BATCH_COLUMNS, pk="id", not_null={"seq"})
+            self._batches.create(BATCH_COLUMNS, pk="id", not_null={"seq"})
             self._batches.create_index(["seq"], unique=True)
             self._batches.create_index(["status"])
             self._batches.create_index(["input_file_id"])
         self._outbox = self._db.table("webhook_outbox")
         if not self._outbox.exists():
-            self._outbox.create(_OUTBOX_COLUMNS, pk=("event_id", "target"))
+            self._outbox.create(OUTBOX_COLUMNS, pk=("event_id", "target"))
             self._outbox.create_index(["next_attempt_at"])
-        missing = set(_BATCH_COLUMNS) - set(self._batches.columns_dict)
+        missing = set(BATCH_COLUMNS) - set(self._batches.columns_dict)
         for column in sorted(missing):  # a database made by an older version
-            self._batches.add_column(column, _BATCH_COLUMNS[column])
+            self._batches.add_column(column, BATCH_COLUMNS[column])
         for table in (self._files, self._deleted_files):  # owners, added with tenants
             if "owner" not in table.columns_dict:
                 table.add_column("owner", str)
@@ -297,19 +124,7 @@ class SQLiteMetadataStore:
 
     # --- files -----------------------------------------------------------------------------
     def insert_file(self, file: FileObject, *, idempotency: IdempotencyRecord | None = None) -> None:
-        row = {
-            "seq": self._next_seq("files"),
-            "id": file.id,
-            "bytes": file.bytes,
-            "created_at": file.created_at,
-            "filename": file.filename,
-            "purpose": file.purpose,
-            "path": file.path,
-            "line_count": file.line_count,
-            "url": file.url,
-            "expires_at": file.expires_at,
-            "owner": file.owner,
-        }
+        row = {"seq": self._next_seq("files"), **file_to_row(file)}
         with self._db.atomic():
             self._deleted_files.delete_where("id = ?", [file.id])  # an id used again is live again
             self._files.insert(row)
@@ -317,11 +132,11 @@ class SQLiteMetadataStore:
 
     def get_file(self, file_id: str) -> FileObject | None:
         rows = list(self._files.rows_where("id = ?", [file_id], limit=1))
-        return _file_from_row(rows[0]) if rows else None
+        return file_from_row(rows[0]) if rows else None
 
     def expired_files(self, now: int) -> list[FileObject]:
         rows = self._files.rows_where("expires_at IS NOT NULL AND expires_at <= ?", [now], order_by="seq")
-        return [_file_from_row(row) for row in rows]
+        return [file_from_row(row) for row in rows]
 
     def delete_file(self, file_id: str) -> None:
         self._db.execute(
@@ -360,7 +175,7 @@ class SQLiteMetadataStore:
                 limit=limit + 1,
             )
         )
-        return [_file_from_row(row) for row in rows[:limit]], len(rows) > limit
+        return [file_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     # --- idempotency keys ------------------------------------------------------------------
     def get_idempotency_key(self, key: str) -> tuple[str, str, str] | None:
@@ -401,15 +216,15 @@ class SQLiteMetadataStore:
         with self._db.atomic():
             if input_file is not None:  # in the same transaction (a nested block is a savepoint)
                 self.insert_file(input_file)
-            self._batches.insert({"seq": self._next_seq("batches"), **_batch_to_row(batch)})
+            self._batches.insert({"seq": self._next_seq("batches"), **batch_to_row(batch)})
             self._put_key(idempotency, batch.id)
 
     def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
         if not outbox:
-            self._batches.update(batch.id, _batch_to_row(batch))
+            self._batches.update(batch.id, batch_to_row(batch))
             return
         with self._db.atomic():
-            self._batches.update(batch.id, _batch_to_row(batch))
+            self._batches.update(batch.id, batch_to_row(batch))
             self._outbox.insert_all([attrs.asdict(message) for message in outbox], ignore=True)
 
     # --- webhook outbox --------------------------------------------------------------------
@@ -443,7 +258,7 @@ class SQLiteMetadataStore:
 
     def get_batch(self, batch_id: str) -> Batch | None:
         rows = list(self._batches.rows_where("id = ?", [batch_id], limit=1))
-        return _batch_from_row(rows[0]) if rows else None
+        return batch_from_row(rows[0]) if rows else None
 
     def list_batches(
         self, *, after: str | None, limit: int, descending: bool = True, owner: str | None = None
@@ -461,19 +276,19 @@ class SQLiteMetadataStore:
         where = " AND ".join(clauses) or None
         order_by = f"seq {'DESC' if descending else 'ASC'}"
         rows = list(self._batches.rows_where(where, params, order_by=order_by, limit=limit + 1))
-        return [_batch_from_row(row) for row in rows[:limit]], len(rows) > limit
+        return [batch_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[Batch]:
         placeholders = ", ".join("?" for _ in ACTIVE_STATUSES)
         rows = self._batches.rows_where(f"status IN ({placeholders})", list(ACTIVE_STATUSES), order_by="seq")
-        return [_batch_from_row(row) for row in rows]
+        return [batch_from_row(row) for row in rows]
 
     def batches_using_file(self, file_id: str) -> list[Batch]:
         rows = self._batches.rows_where(
             "input_file_id = ? OR output_file_id = ? OR error_file_id = ?",
             [file_id, file_id, file_id],
         )
-        return [_batch_from_row(row) for row in rows]
+        return [batch_from_row(row) for row in rows]
 
     def retries_of(self, batch_ids: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """The ids of the batches made as retries of each of ``batch_ids`` (oldest first); a batch
