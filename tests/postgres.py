@@ -55,6 +55,8 @@ class PostgresServer:
     folder: Path
     port: int
     bin: Path
+    #: Addresses it listens on besides 127.0.0.1 (a network namespace's way in), trusting all.
+    also_listen: tuple[str, ...] = ()
     _databases: int = 0
 
     @property
@@ -66,22 +68,25 @@ class PostgresServer:
         return self.folder / "server.log"
 
     @classmethod
-    def start(cls) -> PostgresServer:
+    def start(cls, *, also_listen: tuple[str, ...] = ()) -> PostgresServer:
         folder = Path(tempfile.mkdtemp(prefix="batchgen-postgres-"))
-        server = cls(folder, free_port(), pg_bin())
+        server = cls(folder, free_port(), pg_bin(), also_listen)
         if os.geteuid() == 0:
             shutil.chown(folder, "postgres", "postgres")
         server._run(
             "initdb", "-D", str(server.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync"
         )
+        if also_listen:
+            with (server.data / "pg_hba.conf").open("a") as hba:
+                hba.write("host all all samenet trust\n")  # the subnets of those addresses
         server._pg_ctl("start")
         return server
 
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str = "postgres", *, host: str = "127.0.0.1") -> str:
+        return f"postgresql://postgres@{host}:{self.port}/{database}"
 
     def new_database(self) -> str:
-        """A fresh, empty database; its URL."""
+        """A fresh, empty database; its URL (on 127.0.0.1: ``url(name, host=...)`` for another)."""
         self._databases += 1
         name = f"test_{self._databases}"
         self.psql(f"CREATE DATABASE {name}")
@@ -138,7 +143,8 @@ class PostgresServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _pg_ctl(self, action: str, *flags: str) -> None:
-        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.folder} -c fsync=off -c max_connections=200"
+        listen = ",".join(("127.0.0.1", *self.also_listen))
+        options = f"-p {self.port} -c listen_addresses={listen} -k {self.folder} -c fsync=off -c max_connections=200"
         self._run(
             "pg_ctl",
             action,

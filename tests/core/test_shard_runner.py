@@ -6,7 +6,8 @@ behind a large one finishes first; a ``pg_ctl restart -m immediate`` mid-batch; 
 processes (``tests.work_replica``), over a shared folder and over S3: three replicas, the one
 holding the most shards killed with SIGKILL at random moments and restarted, and one paused with
 SIGSTOP for twice its lease and then continued (a zombie: it loses its leases and nothing it
-finished counts). Each ends with every line of the batch in exactly one committed output or
+finished counts); and one in a network namespace (``tests.netns``) cut off from PostgreSQL for
+twice its lease, then healed (a partition: its calls hang rather than fail). Each ends with every line of the batch in exactly one committed output or
 error line, and the counters equal to those lines.
 """
 
@@ -23,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +33,7 @@ from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import SegmentStore, open_segment_store
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
+from tests.netns import Namespace
 from tests.postgres import PostgresServer
 from tests.seaweedfs import SeaweedServer
 
@@ -142,6 +145,80 @@ async def test_a_small_batch_behind_a_large_one_finishes_first(postgres_url: str
     assert large.completed + large.failed < 2000 / 2
 
 
+class _HangingLedger:
+    """A real ledger whose every call hangs while ``cut`` is set (a partition as the runner sees
+    it: calls that never answer), and passes through otherwise."""
+
+    def __init__(self, ledger: PostgresShardLedger) -> None:
+        self.ledger = ledger
+        self.cut = False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.ledger, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.cut:
+                await asyncio.Event().wait()  # no answer, ever
+            return await method(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.anyio
+async def test_a_runner_whose_calls_hang_lets_its_shards_go_when_their_lease_runs_out(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """Self-fencing: with every renewal unanswered, the runner gives each call up after a third
+    of the lease, reports the ledger unhealthy, and once a whole lease has passed since the last
+    renewal it sent that was answered, drops its shards: no line of theirs starts after that.
+    Once calls answer again it takes the work up again and the batch ends with each line once."""
+    store = SegmentFiles(tmp_path)
+    ttl_s = 1.5
+    started: list[float] = []
+    async with PostgresShardLedger(postgres_url) as ledger:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_hang", 600, shard_lines=200)
+        hanging = _HangingLedger(ledger)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            started.append(time.monotonic())
+            await asyncio.sleep(0.05)
+            return _line(batch_id, line, "replica-a")
+
+        runner = ShardRunner(
+            hanging,  # type: ignore[arg-type]
+            store,
+            run_line,
+            replica_id="replica-a",
+            max_shards=2,
+            concurrency=4,
+            ttl_s=ttl_s,
+            commit_interval_s=0.05,
+        )
+        task = asyncio.create_task(runner.run())
+        while len(started) < 20:
+            await asyncio.sleep(0.01)
+        cut_at = time.monotonic()
+        hanging.cut = True
+        # the last answered renewal was sent at most a third of the lease before the cut; the
+        # drop comes at the first heartbeat after the lease from then has passed
+        await asyncio.sleep(ttl_s + 2 * ttl_s / 3 + 0.3)
+        assert runner.held == [] and runner.leases_lost >= 1
+        assert not runner.healthy and any(problem.startswith("ledger") for problem in runner.problems)
+        dropped_by = time.monotonic()
+        await asyncio.sleep(1.0)
+        assert [t for t in started if t > dropped_by] == []  # nothing of the dropped shards ran on
+        assert [t for t in started if t > cut_at + ttl_s + 2 * ttl_s / 3 + 0.2] == []
+        hanging.cut = False
+        await _wait_finished(ledger, "batch_hang", 120)
+        assert runner.healthy
+        runner.stop()
+        await task
+        served = await _served(ledger, store, "batch_hang")
+    ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
+    assert ids == Counter(f"batch_hang-{n}" for n in range(600))
+
+
 def _slow_runners(
     ledger: PostgresShardLedger, store: SegmentStore, ttl_s: float
 ) -> tuple[list[ShardRunner], list[asyncio.Task[None]]]:
@@ -231,13 +308,16 @@ class _Replicas:
         #: Each replica's ledger owner id in its current run.
         self.owner_ids: dict[str, str] = {}
 
-    def start(self, owner: str) -> None:
+    def start(self, owner: str, *, url: str | None = None, inside: Namespace | None = None) -> None:
+        """Start ``owner`` (over ``url`` instead of the group's, and ``inside`` a namespace if given)."""
         self.starts[owner] += 1
         log = (self.logs / f"{owner}-{self.starts[owner]}.log").open("wb")
         command = [
-            *(sys.executable, "-m", "tests.work_replica", self.url, self.blob_url, owner),
+            *(sys.executable, "-m", "tests.work_replica", url or self.url, self.blob_url, owner),
             *("--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"),
         ]
+        if inside is not None:
+            command = inside.command(*command)
         self.processes[owner] = subprocess.Popen(
             command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.environ}
         )
@@ -345,3 +425,55 @@ async def test_replicas_killed_and_paused_still_give_every_line_exactly_once(
     # the zombie woke up holding leases the others had taken: it lost them (at its first renewal,
     # or when its first commit was refused), and none of what it finished after its pause counts
     assert stats["leases_lost"] + stats["commits_refused"] >= 1, stats
+
+
+@pytest.mark.anyio
+async def test_a_replica_cut_off_from_postgres_past_its_lease_loses_its_shards_and_no_line_doubles(
+    tmp_path: Path,
+) -> None:
+    """Partition: one replica runs in a network namespace, reaching PostgreSQL over a veth pair
+    that is cut (packets dropped, connections hang) for twice its lease while it holds shards,
+    then healed. The others take its shards over; it counts them lost on its own clock, and the
+    batch ends with every line exactly once."""
+    namespace = await asyncio.to_thread(Namespace.create)
+    server = await asyncio.to_thread(PostgresServer.start, also_listen=(namespace.host_ip,))
+    group: _Replicas | None = None
+    try:
+        url = server.new_database()
+        (tmp_path / "logs").mkdir()
+        group = _Replicas(url, (tmp_path / "shared").as_uri(), {}, tmp_path / "logs", ttl_s=2.0)
+        lines = 6000
+        async with PostgresShardLedger(url) as ledger:
+            await ledger.create_schema()
+            await ledger.add_batch("batch_cut", lines, shard_lines=50)
+            group.start("replica-a")
+            group.start("replica-b")
+            cut_url = server.url(url.rsplit("/", 1)[1], host=namespace.host_ip)
+            group.start("replica-cut", url=cut_url, inside=namespace)
+            deadline = time.monotonic() + 60
+            while group.owner_ids["replica-cut"] not in await ledger.holders("batch_cut"):
+                assert time.monotonic() < deadline, "the replica in the namespace never held a shard"
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(namespace.cut)
+            await asyncio.sleep(2 * group.ttl_s + 1)
+            assert group.owner_ids["replica-cut"] not in await ledger.holders("batch_cut")
+            work = await ledger.batch("batch_cut")
+            assert work is not None and work.completed + work.failed < lines, "the batch ended during the cut"
+            await asyncio.to_thread(namespace.heal)
+            await _wait_finished(ledger, "batch_cut", 300)
+            stats = group.stop("replica-cut")
+            work = await ledger.batch("batch_cut")
+            served = await _served(ledger, open_segment_store(group.blob_url), "batch_cut")
+        ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
+        assert ids == Counter(f"batch_cut-{n}" for n in range(lines))
+        assert work is not None and (work.completed, work.failed) == (
+            len(served[OUTPUT]),
+            len(served[ERRORS]),
+        )
+        assert stats["leases_lost"] >= 1, stats
+    finally:
+        if group is not None:
+            group.stop_all()
+        server.stop()
+        server.remove()
+        namespace.remove()

@@ -20,8 +20,13 @@ Each start of a runner is a new owner in the ledger (``owner_id``: the replica i
 ``healthy`` is false while the ledger or the segment store fails (``problems`` says how), and
 true again once the failing part has worked.
 
-A replica that cannot renew (paused, cut off from the database) keeps running until its leases
-would have run out, but every commit it tries after that is refused: output stays exactly once.
+A replica that cannot renew (paused, cut off from the database) fences itself: every ledger call
+it makes gives up after a third of the lease (``call_timeout_s``: a partition makes calls hang, not
+fail), and a shard whose lease has not been renewed for a whole lease, counted on this replica's
+clock from when the last renewal that was answered was sent, is dropped as lost. The database
+has given it away by then (its clock started later), so the replica stops spending work on lines
+that are no longer its own; and should it try, every commit after the lease ended is refused by
+the fence: output stays exactly once.
 """
 
 from __future__ import annotations
@@ -77,6 +82,11 @@ class _HeldShard:
     #: Lines of a commit that failed without an answer: tried again, alone, before the buffer.
     unsure: list[tuple[int, LineResult]] | None = None
     segments_written: int = 0
+    #: When the lease surely ends unless renewed (this replica's monotonic clock): when the claim
+    #: or the last answered renewal was sent, plus the lease.
+    valid_until: float = 0.0
+    #: When the claim's answer came: a renewal sent before then may not know the lease yet.
+    claimed_at: float = 0.0
 
 
 class ShardRunner:
@@ -112,6 +122,8 @@ class ShardRunner:
         self.commit_lines = commit_lines
         self.commit_interval_s = commit_interval_s
         self.poll_s = poll_s
+        #: How long one claim, renewal or release may take before it counts as failed.
+        self.call_timeout_s = ttl_s / 3
         self._slots = asyncio.Semaphore(concurrency)
         self._held: dict[tuple[str, int], _HeldShard] = {}
         self._stopping = asyncio.Event()
@@ -145,8 +157,15 @@ class ShardRunner:
         try:
             while not self._stopping.is_set():
                 room = self.max_shards - len(self._held)
+                sent = time.monotonic()
                 try:
-                    leases = await self.ledger.claim(self.owner_id, room, self.ttl_s) if room > 0 else []
+                    leases = (
+                        await asyncio.wait_for(
+                            self.ledger.claim(self.owner_id, room, self.ttl_s), self.call_timeout_s
+                        )
+                        if room > 0
+                        else []
+                    )
                 except Exception as error:  # the database is away: try again after a poll interval
                     logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
                     self._failed("ledger", error)
@@ -154,8 +173,9 @@ class ShardRunner:
                 else:
                     if room > 0:
                         self._problems.pop("ledger", None)
+                answered = time.monotonic()
                 for lease in leases:
-                    shard = _HeldShard(lease)
+                    shard = _HeldShard(lease, valid_until=sent + self.ttl_s, claimed_at=answered)
                     self._held[lease.key] = shard
                     shard.task = asyncio.create_task(
                         self._run_shard(shard), name=f"{self.owner_id}-{lease.key}"
@@ -172,9 +192,9 @@ class ShardRunner:
             await asyncio.gather(
                 heartbeat, *(s.task for s in held if s.task is not None), return_exceptions=True
             )
-            for shard in held:
+            for shard in held:  # what is not released runs out with its lease
                 with contextlib.suppress(Exception):
-                    await self.ledger.release(shard.lease)
+                    await asyncio.wait_for(self.ledger.release(shard.lease), self.call_timeout_s)
             self._held.clear()
 
     def stop(self) -> None:
@@ -183,18 +203,37 @@ class ShardRunner:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
+            sent = time.monotonic()
             try:
-                kept = await self.ledger.renew(self.owner_id, self.ttl_s)
-            except Exception as error:  # the database is away: commits are refused once the leases end
+                kept = await asyncio.wait_for(
+                    self.ledger.renew(self.owner_id, self.ttl_s), self.call_timeout_s
+                )
+            except Exception as error:  # the database is away (or cut off): leases run out
                 logger.warning("%s could not renew its leases", self.owner_id, exc_info=True)
-                self._failed("ledger", error)
+                self._failed("ledger", error if str(error) else TimeoutError("no answer in time"))
+                self._drop_expired(time.monotonic())
                 continue
             self._problems.pop("ledger", None)
             for key, shard in list(self._held.items()):
+                if shard.claimed_at >= sent:  # claimed while the renewal ran: it may not have seen it
+                    continue
                 if kept.get(key) != shard.lease.epoch:
                     logger.info("%s lost shard %s of %s", self.owner_id, key[1], key[0])
                     self._drop(shard)
                     self.leases_lost += 1
+                else:
+                    shard.valid_until = sent + self.ttl_s
+            self._drop_expired(time.monotonic())
+
+    def _drop_expired(self, now: float) -> None:
+        """Drop every shard whose lease surely ended unrenewed (the database gave it away)."""
+        for key, shard in list(self._held.items()):
+            if shard.valid_until <= now:
+                logger.info(
+                    "%s let shard %s of %s go: its lease ran out unrenewed", self.owner_id, key[1], key[0]
+                )
+                self._drop(shard)
+                self.leases_lost += 1
 
     def _drop(self, shard: _HeldShard) -> None:
         if self._held.get(shard.lease.key) is shard:
