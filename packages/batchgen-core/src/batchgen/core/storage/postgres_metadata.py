@@ -8,9 +8,10 @@ same row layout (``storage.metadata_rows``).
 - **Order.** Files and batches take their ``seq`` from a database sequence, so numbers grow with
   creation on every server and are never given twice; a deleted file's id and number stay in
   ``deleted_files``, so a cursor naming it still pages on.
-- **Every call is one transaction** (the pool's connection block commits at its end, or rolls
-  back when the block raises): a file and its Idempotency-Key, a batch and a retry's input file,
-  a batch's state and its webhook messages are written together or not at all.
+- **Every write is one transaction** (committed at the end of its block, or rolled back when the
+  block raises): a file and its Idempotency-Key, a batch and a retry's input file, a batch's
+  state and its webhook messages are written together or not at all. Reads run in autocommit:
+  one statement, no COMMIT round trip.
 - **No call waits long.** The store is called from the event loop, like SQLite's: a write that
   finds a row or table locked by another connection gives up after ``LOCK_TIMEOUT_S``, any
   statement after ``STATEMENT_TIMEOUT_S``, and getting a connection after ``CONNECTION_WAIT_S``;
@@ -122,7 +123,6 @@ def _configure(connection: psycopg.Connection[Any]) -> None:
         "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)",
         [f"{int(LOCK_TIMEOUT_S * 1000)}ms", f"{int(STATEMENT_TIMEOUT_S * 1000)}ms"],
     )
-    connection.commit()
 
 
 class PostgresMetadataStore:
@@ -135,7 +135,7 @@ class PostgresMetadataStore:
             min_size=1,
             max_size=POOL_SIZE,
             timeout=CONNECTION_WAIT_S,
-            kwargs={"row_factory": dict_row, "connect_timeout": max(1, int(OPEN_TIMEOUT_S))},
+            kwargs={"row_factory": dict_row, "autocommit": True, "connect_timeout": max(1, int(OPEN_TIMEOUT_S))},
             configure=_configure,
             check=ConnectionPool.check_connection,  # a connection a restart broke is replaced
             open=False,
@@ -167,12 +167,14 @@ class PostgresMetadataStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
-        """One connection of the pool for one transaction: committed at the end of the block."""
-        with self._pool.connection() as connection:
+        """One connection of the pool for one transaction: committed at the end of the block,
+        rolled back when it raises."""
+        with self._pool.connection() as connection, connection.transaction():
             yield connection
 
     def _rows(self, query: str | sql.Composed, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        with self._transaction() as connection:
+        """A read: one statement on a connection in autocommit (no COMMIT round trip)."""
+        with self._pool.connection() as connection:
             return connection.execute(query, params).fetchall()
 
     def _cursor_seq(
@@ -206,7 +208,7 @@ class PostgresMetadataStore:
         descending: bool,
         owner: str | None,
     ) -> list[dict[str, Any]]:
-        with self._transaction() as connection:
+        with self._pool.connection() as connection:
             if owner is not None:
                 clauses.append("COALESCE(owner, %s) = %s")
                 params += [DEFAULT_TENANT, owner]
@@ -446,6 +448,6 @@ class PostgresMetadataStore:
             query += " WHERE COALESCE(owner, %s) = %s"
             params += [DEFAULT_TENANT, owner]
         query += " GROUP BY tenant ORDER BY tenant"
-        with self._transaction() as connection:
+        with self._pool.connection() as connection:
             cursor = connection.cursor(row_factory=tuple_row)
             return [TenantUsage(*row) for row in cursor.execute(query, params).fetchall()]
