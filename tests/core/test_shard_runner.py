@@ -3,7 +3,9 @@
 In one process: two runners split a batch and commit every line once; a small batch created
 behind a large one finishes first; a ``pg_ctl restart -m immediate`` mid-batch; and the S3 store
 (SeaweedFS) stopped for 10 s mid-batch, during which a runner reports itself unhealthy. As
-processes (``tests.work_replica``), over a shared folder and over S3: three replicas, the one
+processes (``tests.work_replica``): a 300-line batch created behind a 30,000-line one ends first
+while the busiest replica is killed three times and then two of the three at once; over a shared
+folder and over S3, three replicas, the one
 holding the most shards killed with SIGKILL at random moments and restarted, and one paused with
 SIGSTOP for twice its lease and then continued (a zombie: it loses its leases and nothing it
 finished counts); and one in a network namespace (``tests.netns``) cut off from PostgreSQL for
@@ -301,8 +303,18 @@ async def test_runners_wait_out_the_object_store_down_for_10_s_and_commit_every_
 class _Replicas:
     """``tests.work_replica`` processes, started and signalled by name."""
 
-    def __init__(self, url: str, blob_url: str, environ: dict[str, str], logs: Path, ttl_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        blob_url: str,
+        environ: dict[str, str],
+        logs: Path,
+        ttl_s: float,
+        *,
+        concurrency: int = 8,
+    ) -> None:
         self.url, self.blob_url, self.environ, self.logs, self.ttl_s = url, blob_url, environ, logs, ttl_s
+        self.concurrency = concurrency
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.starts = Counter[str]()
         #: Each replica's ledger owner id in its current run.
@@ -314,7 +326,8 @@ class _Replicas:
         log = (self.logs / f"{owner}-{self.starts[owner]}.log").open("wb")
         command = [
             *(sys.executable, "-m", "tests.work_replica", url or self.url, self.blob_url, owner),
-            *("--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"),
+            *("--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", str(self.concurrency)),
+            *("--max-shards", "3"),
         ]
         if inside is not None:
             command = inside.command(*command)
@@ -425,6 +438,56 @@ async def test_replicas_killed_and_paused_still_give_every_line_exactly_once(
     # the zombie woke up holding leases the others had taken: it lost them (at its first renewal,
     # or when its first commit was refused), and none of what it finished after its pause counts
     assert stats["leases_lost"] + stats["commits_refused"] >= 1, stats
+
+
+@pytest.mark.anyio
+async def test_a_small_batch_behind_a_large_one_ends_first_through_kills_and_each_line_is_once(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """Three replica processes share a 30,000-line batch and a 300-line one created behind it;
+    the busiest is killed with SIGKILL three times at random moments (restarted each time), then
+    two of the three at once. Every line of both has exactly one committed line, the counters
+    equal them, and the small batch ends while the large one still runs."""
+    (tmp_path / "logs").mkdir()
+    group = _Replicas(
+        postgres_url, (tmp_path / "shared").as_uri(), {}, tmp_path / "logs", ttl_s=2.0, concurrency=32
+    )
+    rng = random.Random()
+    large, small = 30_000, 300
+    try:
+        async with PostgresShardLedger(postgres_url) as ledger:
+            await ledger.create_schema()
+            await ledger.add_batch("batch_large", large, shard_lines=100)
+            for owner in ("replica-a", "replica-b", "replica-c"):
+                group.start(owner)
+            await _wait_for_lines(ledger, "batch_large", 500)
+            await ledger.add_batch("batch_small", small, shard_lines=100)
+            for _ in range(3):
+                await asyncio.sleep(rng.uniform(0.2, 1.5))
+                victim = await _busiest(ledger, group, "batch_large")
+                group.kill(victim)
+                group.start(victim)
+            await asyncio.sleep(rng.uniform(0.2, 1.5))
+            pair = rng.sample(sorted(group.owner_ids), 2)
+            for victim in pair:  # two of the three at once
+                group.kill(victim)
+            for victim in pair:
+                group.start(victim)
+            await _wait_finished(ledger, "batch_small", 120)
+            still = await ledger.batch("batch_large")
+            assert still is not None and still.status == "running", "the large batch ended first"
+            await _wait_finished(ledger, "batch_large", 300)
+            store = open_segment_store(group.blob_url)
+            for batch_id, lines in (("batch_large", large), ("batch_small", small)):
+                served = await _served(ledger, store, batch_id)
+                work = await ledger.batch(batch_id)
+                ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
+                assert ids == Counter(f"{batch_id}-{n}" for n in range(lines)), batch_id
+                assert work is not None
+                assert (work.completed, work.failed) == (len(served[OUTPUT]), len(served[ERRORS]))
+        assert sum(group.starts.values()) == 3 + 3 + 2
+    finally:
+        group.stop_all()
 
 
 @pytest.mark.anyio
