@@ -16,6 +16,7 @@ error line, and the counters equal to those lines.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -34,7 +35,7 @@ from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import SegmentStore, open_segment_store
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
-from batchgen.core.work.shards import ERRORS, OUTPUT
+from batchgen.core.work.shards import ERRORS, OUTPUT, Segment
 from tests.netns import Namespace
 from tests.postgres import PostgresServer
 from tests.seaweedfs import SeaweedServer
@@ -58,6 +59,11 @@ async def _served(
         manifest = await ledger.segments(batch_id, kind)
         served[kind] = [json.loads(line) for line in b"".join(store.read(manifest)).splitlines()]
     return served
+
+
+def _committed_bytes(store: SegmentStore, segment: Segment) -> bytes:
+    """One segment's committed bytes, as a reader gets them."""
+    return b"".join(store.read([segment]))
 
 
 def _line(batch_id: str, line: int, owner: str) -> LineResult:
@@ -447,17 +453,31 @@ async def test_a_small_batch_behind_a_large_one_ends_first_through_kills_and_eac
     """Three replica processes share a 30,000-line batch and a 300-line one created behind it;
     the busiest is killed with SIGKILL three times at random moments (restarted each time), then
     two of the three at once. Every line of both has exactly one committed line, the counters
-    equal them, and the small batch ends while the large one still runs."""
+    equal them, and the small batch ends while the large one still runs. Every segment is
+    hashed as soon as it is committed, and is unchanged at the end."""
     (tmp_path / "logs").mkdir()
     group = _Replicas(
         postgres_url, (tmp_path / "shared").as_uri(), {}, tmp_path / "logs", ttl_s=2.0, concurrency=32
     )
     rng = random.Random()
     large, small = 30_000, 300
+    store = open_segment_store(group.blob_url)
+    hashes: dict[str, str] = {}
+
+    async def hash_committed(ledger: PostgresShardLedger) -> None:
+        """Hash every segment once it is committed (its committed bytes, as a reader gets them)."""
+        while True:
+            for segment in await ledger.segments("batch_large"):
+                if segment.object_key not in hashes:
+                    data = await asyncio.to_thread(_committed_bytes, store, segment)
+                    hashes[segment.object_key] = hashlib.sha256(data).hexdigest()
+            await asyncio.sleep(0.3)
+
     try:
         async with PostgresShardLedger(postgres_url) as ledger:
             await ledger.create_schema()
             await ledger.add_batch("batch_large", large, shard_lines=100)
+            watcher = asyncio.create_task(hash_committed(ledger))
             for owner in ("replica-a", "replica-b", "replica-c"):
                 group.start(owner)
             await _wait_for_lines(ledger, "batch_large", 500)
@@ -477,7 +497,12 @@ async def test_a_small_batch_behind_a_large_one_ends_first_through_kills_and_eac
             still = await ledger.batch("batch_large")
             assert still is not None and still.status == "running", "the large batch ended first"
             await _wait_finished(ledger, "batch_large", 300)
-            store = open_segment_store(group.blob_url)
+            watcher.cancel()
+            # committed bytes never change: each segment hashed while the run went on is the same
+            segments = {segment.object_key: segment for segment in await ledger.segments("batch_large")}
+            assert len(hashes) > 10 and set(hashes) <= set(segments)
+            for key, digest in hashes.items():
+                assert hashlib.sha256(_committed_bytes(store, segments[key])).hexdigest() == digest, key
             for batch_id, lines in (("batch_large", large), ("batch_small", small)):
                 served = await _served(ledger, store, batch_id)
                 work = await ledger.batch(batch_id)
