@@ -135,7 +135,11 @@ class PostgresMetadataStore:
             min_size=1,
             max_size=POOL_SIZE,
             timeout=CONNECTION_WAIT_S,
-            kwargs={"row_factory": dict_row, "autocommit": True, "connect_timeout": max(1, int(OPEN_TIMEOUT_S))},
+            kwargs={
+                "row_factory": dict_row,
+                "autocommit": True,
+                "connect_timeout": max(1, int(OPEN_TIMEOUT_S)),
+            },
             configure=_configure,
             check=ConnectionPool.check_connection,  # a connection a restart broke is replaced
             open=False,

@@ -5,6 +5,8 @@ folder's lock. Several replicas instead share a ledger in Postgres:
 
 ``shards``            the pure part: how a batch's lines are cut into shards, and the types the
                       ledger hands out (a ``Lease`` carries the epoch that fences its commits).
+``intake``            the global intake's limits and decision (what every replica together may
+                      hold unfinished), which the ledger applies under one lock.
 ``postgres_ledger``   ``PostgresShardLedger``: the shards, their leases on the database's clock,
                       and the manifest of committed output segments, in Postgres (psycopg 3).
 ``segment_store``     what every segment store shares: the keys (written once each), reading

@@ -3,7 +3,8 @@
 Three tables (created by ``create_schema``, idempotent):
 
 ``batch_work``      one row per batch the replicas share: ``running``, ``cancelled`` or
-                    ``finished``; the counters of committed lines; the next segment number.
+                    ``finished``; its tenant; the counters of committed lines; the next segment
+                    number.
 ``batch_shards``    one row per shard: ``pending``, ``leased`` (to ``owner_id`` until
                     ``lease_expires_at``) or ``done``; its ``epoch``, raised at every lease; the
                     lines committed so far (``done_lines``).
@@ -26,6 +27,8 @@ Rules the SQL keeps, whatever the replicas do:
   from the answer was lost (expired, taken over, or its batch cancelled), and its work must stop.
 - ``finish_if_done`` turns a running batch whose shards are all done ``finished`` for exactly one
   caller.
+- A batch added with intake limits is admitted under one advisory lock, against the unfinished
+  lines and running batches of every replica (``intake``): two replicas never admit past a limit.
 
 psycopg 3 with its async pool: every call awaits the network without blocking the event loop,
 and the connections are in autocommit mode, with explicit transactions where a call needs one.
@@ -40,6 +43,8 @@ from typing import Any, Self
 import attrs
 from psycopg_pool import AsyncConnectionPool
 
+from batchgen.core.models import DEFAULT_TENANT
+from batchgen.core.work.intake import IntakeFull, IntakeHeld, IntakeLimits
 from batchgen.core.work.shards import (
     ERRORS,
     OUTPUT,
@@ -61,6 +66,15 @@ MAX_LEASE_S = 86_400.0
 
 #: Serialises concurrent ``create_schema`` calls of replicas starting together.
 _SCHEMA_LOCK = 0x6261_7463_6867_656E  # "batchgen"
+#: Serialises admissions under limits (``add_batch`` with ``limits``): one at a time, everywhere.
+_INTAKE_LOCK = 0x6267_696E_7461_6B65  # "bgintake"
+
+_HELD = """
+SELECT COALESCE(sum(line_count - completed - failed), 0)::bigint,
+       COALESCE(sum(line_count - completed - failed) FILTER (WHERE tenant = %(tenant)s), 0)::bigint,
+       count(*) FILTER (WHERE tenant = %(tenant)s)
+FROM batch_work WHERE status = 'running'
+"""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_work (
@@ -70,8 +84,11 @@ CREATE TABLE IF NOT EXISTS batch_work (
     line_count integer NOT NULL CHECK (line_count >= 0),
     completed integer NOT NULL DEFAULT 0,
     failed integer NOT NULL DEFAULT 0,
-    segments bigint NOT NULL DEFAULT 0
+    segments bigint NOT NULL DEFAULT 0,
+    tenant text NOT NULL DEFAULT 'default'
 );
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'default';
+CREATE INDEX IF NOT EXISTS batch_work_running ON batch_work (tenant) WHERE status = 'running';
 CREATE TABLE IF NOT EXISTS batch_shards (
     batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
     shard_no integer NOT NULL,
@@ -212,15 +229,37 @@ class PostgresShardLedger:
 
     # --- batches --------------------------------------------------------------------------
 
-    async def add_batch(self, batch_id: str, line_count: int, shard_lines: int = SHARD_LINES) -> bool:
-        """Share a batch of ``line_count`` lines, cut into shards; False if it is there already
-        (a second replica starting the same batch changes nothing)."""
+    async def add_batch(
+        self,
+        batch_id: str,
+        line_count: int,
+        shard_lines: int = SHARD_LINES,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        limits: IntakeLimits | None = None,
+    ) -> bool:
+        """Share a batch of ``line_count`` lines of ``tenant``, cut into shards; False if it is
+        there already (a second replica starting the same batch changes nothing).
+
+        With ``limits``, the batch is admitted only if it fits what every replica together
+        holds (``intake``), decided under one lock in the database: ``IntakeFull`` (nothing
+        recorded) when it does not fit now."""
         shards = plan_shards(line_count, shard_lines)
         async with self._pool.connection() as conn, conn.transaction():
+            if limits is not None:
+                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_INTAKE_LOCK,))
+                known = await conn.execute("SELECT 1 FROM batch_work WHERE batch_id = %s", (batch_id,))
+                if await known.fetchone() is not None:
+                    return False
+                row = await (await conn.execute(_HELD, {"tenant": tenant})).fetchone()
+                held = IntakeHeld(*row) if row is not None else IntakeHeld(0, 0, 0)
+                refused = held.refusal(limits, tenant, line_count)
+                if refused is not None:
+                    raise IntakeFull(*refused, held)
             cursor = await conn.execute(
-                "INSERT INTO batch_work (batch_id, line_count) VALUES (%s, %s) "
+                "INSERT INTO batch_work (batch_id, line_count, tenant) VALUES (%s, %s, %s) "
                 "ON CONFLICT (batch_id) DO NOTHING RETURNING batch_id",
-                (batch_id, line_count),
+                (batch_id, line_count, tenant),
             )
             if await cursor.fetchone() is None:
                 return False
