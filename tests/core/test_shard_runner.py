@@ -153,6 +153,58 @@ async def test_a_small_batch_behind_a_large_one_finishes_first(postgres_url: str
     assert large.completed + large.failed < 2000 / 2
 
 
+@pytest.mark.anyio
+async def test_a_cancel_on_a_replica_running_none_of_the_batch_stops_it_everywhere_within_2_s(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """Two runners share a batch of long lines (none finishes, so no commit can be refused); a
+    third replica's ledger, which runs none of it, cancels it. With the default lease (renewals
+    every 3.3 s), both runners still drop its shards within 2 s, their lines in flight are
+    cancelled, and none starts after that."""
+    store = SegmentFiles(tmp_path)
+    started: list[float] = []
+    stopped_lines: list[float] = []
+    async with PostgresShardLedger(postgres_url) as ledger, PostgresShardLedger(postgres_url) as elsewhere:
+        await ledger.create_schema()
+        await ledger.add_batch("batch_stop", 4000, shard_lines=100)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            started.append(time.monotonic())
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                stopped_lines.append(time.monotonic())
+                raise
+            return _line(batch_id, line, "replica")
+
+        runners = [
+            ShardRunner(ledger, store, run_line, replica_id=name, max_shards=2, concurrency=8)
+            for name in ("replica-a", "replica-b")
+        ]
+        assert runners[0].ttl_s / 3 > 3  # only the watch can stop the batch in time
+        tasks = [asyncio.create_task(runner.run()) for runner in runners]
+        deadline = time.monotonic() + 30
+        while not all(runner.held for runner in runners) or len(started) < 16:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        cancelled_at = time.monotonic()
+        assert await elsewhere.cancel("batch_stop")
+        while any(runner.held for runner in runners) or len(stopped_lines) < 16:
+            assert time.monotonic() - cancelled_at < 2.0, [runner.held for runner in runners]
+            await asyncio.sleep(0.02)
+        stopped_by = time.monotonic()
+        await asyncio.sleep(0.5)
+        assert [t for t in started if t > cancelled_at] == []
+        assert sum(runner.shards_cancelled for runner in runners) >= 2
+        assert sum(runner.leases_lost + runner.commits_refused for runner in runners) == 0
+        assert max(stopped_lines) <= stopped_by
+        for runner in runners:
+            runner.stop()
+        await asyncio.gather(*tasks)
+        work = await ledger.batch("batch_stop")
+    assert work is not None and work.status == "cancelled" and work.completed + work.failed == 0
+
+
 class _HangingLedger:
     """A real ledger whose every call hangs while ``cut`` is set (a partition as the runner sees
     it: calls that never answer), and passes through otherwise."""

@@ -284,6 +284,17 @@ class PostgresShardLedger:
         )
         return bool(rows)
 
+    async def stopped(self, batch_ids: Sequence[str]) -> set[str]:
+        """Which of ``batch_ids`` no longer run (cancelled, or finished): one indexed read, cheap
+        enough for every replica to ask about the batches it runs twice a second."""
+        if not batch_ids:
+            return set()
+        rows = await self._rows(
+            "SELECT batch_id FROM batch_work WHERE batch_id = ANY(%(batches)s) AND status <> 'running'",
+            {"batches": list(batch_ids)},
+        )
+        return {batch_id for (batch_id,) in rows}
+
     async def finish_if_done(self, batch_id: str) -> bool:
         """Mark a running batch whose shards are all done finished; True for exactly one caller."""
         rows = await self._rows(

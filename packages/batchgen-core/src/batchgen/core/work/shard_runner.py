@@ -13,6 +13,8 @@ The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a seg
 - **renew** every lease each ``ttl_s / 3`` seconds; a shard missing from the answer (expired, taken
   over, its batch cancelled) is dropped: its running lines are cancelled and its buffer discarded
   (another replica runs those lines again; they were never committed, so no line appears twice);
+- **watch** the batches it runs every ``watch_s`` seconds: a batch cancelled anywhere (on any
+  replica) has its shards dropped at once, well before the next renewal would drop them;
 - after a shard's last commit, ``finish_if_done`` marks its batch finished (one replica wins);
 - ``stop`` cancels the work and releases the unfinished leases, so others take them at once.
 
@@ -105,6 +107,7 @@ class ShardRunner:
         commit_lines: int = 256,
         commit_interval_s: float = 1.0,
         poll_s: float = 0.5,
+        watch_s: float = 0.5,
     ) -> None:
         if not 0 < ttl_s <= MAX_LEASE_S:
             raise ValueError(f"a lease lasts more than 0 and at most {MAX_LEASE_S:g} seconds, not {ttl_s!r}")
@@ -122,6 +125,7 @@ class ShardRunner:
         self.commit_lines = commit_lines
         self.commit_interval_s = commit_interval_s
         self.poll_s = poll_s
+        self.watch_s = watch_s
         #: How long one claim, renewal or release may take before it counts as failed.
         self.call_timeout_s = ttl_s / 3
         self._slots = asyncio.Semaphore(concurrency)
@@ -129,6 +133,7 @@ class ShardRunner:
         self._stopping = asyncio.Event()
         #: Monitoring: leases lost to expiry, takeover or cancel, and commits refused.
         self.leases_lost = 0
+        self.shards_cancelled = 0
         self.commits_refused = 0
         self.lines_committed = 0
         #: What failed last and has not worked since, by part ("ledger": claims and renewals;
@@ -154,6 +159,7 @@ class ShardRunner:
     async def run(self) -> None:
         """Work until ``stop``; then release what is unfinished."""
         heartbeat = asyncio.create_task(self._heartbeat(), name=f"{self.owner_id}-heartbeat")
+        watch = asyncio.create_task(self._watch_stops(), name=f"{self.owner_id}-watch")
         try:
             while not self._stopping.is_set():
                 room = self.max_shards - len(self._held)
@@ -185,12 +191,13 @@ class ShardRunner:
                         await asyncio.wait_for(self._stopping.wait(), self.poll_s)
         finally:
             heartbeat.cancel()
+            watch.cancel()
             held = list(self._held.values())
             for shard in held:
                 if shard.task is not None:
                     shard.task.cancel()
             await asyncio.gather(
-                heartbeat, *(s.task for s in held if s.task is not None), return_exceptions=True
+                heartbeat, watch, *(s.task for s in held if s.task is not None), return_exceptions=True
             )
             for shard in held:  # what is not released runs out with its lease
                 with contextlib.suppress(Exception):
@@ -224,6 +231,24 @@ class ShardRunner:
                 else:
                     shard.valid_until = sent + self.ttl_s
             self._drop_expired(time.monotonic())
+
+    async def _watch_stops(self) -> None:
+        """Drop the shards of batches that stopped running (a cancel on any replica)."""
+        while True:
+            await asyncio.sleep(self.watch_s)
+            batch_ids = sorted({key[0] for key in self._held})
+            if not batch_ids:
+                continue
+            try:
+                stopped = await asyncio.wait_for(self.ledger.stopped(batch_ids), self.call_timeout_s)
+            except Exception:  # the heartbeat reports the ledger's health; renewals drop these too
+                logger.debug("%s could not watch its batches", self.owner_id, exc_info=True)
+                continue
+            for key, shard in list(self._held.items()):
+                if key[0] in stopped:
+                    logger.info("%s stops shard %s of %s: the batch stopped", self.owner_id, key[1], key[0])
+                    self._drop(shard)
+                    self.shards_cancelled += 1
 
     def _drop_expired(self, now: float) -> None:
         """Drop every shard whose lease surely ended unrenewed (the database gave it away)."""
