@@ -36,25 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test suite's PostgreSQL launcher and replica process
 
 from tests.postgres import PostgresServer  # noqa: E402
+from tests.work_replica import launch  # noqa: E402
 
 
 def _start(
     url: str, folder: Path, name: str, arguments: argparse.Namespace, logs: Path
 ) -> subprocess.Popen[bytes]:
-    log_path = logs / f"{name}.log"
-    command = [
-        *(sys.executable, "-m", "tests.work_replica", url, folder.as_uri(), name),
+    options = [
         *("--line-s", str(arguments.line_s), "--concurrency", str(arguments.slots)),
         *("--max-shards", "2", "--error-every", "0", "--ttl-s", "10", "--commit-interval-s", "1"),
     ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not log_path.read_text().startswith("ready "):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not start: {log_path.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return process
+    return launch(url, folder.as_uri(), name, logs / f"{name}.log", options)[0]
 
 
 async def _schema(url: str) -> None:

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test suite's PostgreSQL launcher and replica process
 
 from tests.postgres import PostgresServer  # noqa: E402
+from tests.work_replica import launch  # noqa: E402
 
 REPLICAS = ("replica-a", "replica-b", "replica-c")
 
@@ -42,19 +43,8 @@ REPLICAS = ("replica-a", "replica-b", "replica-c")
 def _start(
     url: str, folder: Path, name: str, lease_s: float, logs: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
-    log_path = logs / f"{name}-{time.monotonic_ns()}.log"
-    command = [
-        *(sys.executable, "-m", "tests.work_replica", url, folder.as_uri(), name),
-        *("--ttl-s", str(lease_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"),
-    ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not log_path.read_text().startswith("ready "):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not start: {log_path.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return process, log_path.read_text().split()[1]
+    options = ["--ttl-s", str(lease_s), "--line-s", "0.05", "--concurrency", "8", "--max-shards", "3"]
+    return launch(url, folder.as_uri(), name, logs / f"{name}-{time.monotonic_ns()}.log", options)
 
 
 async def _share(url: str, batch_id: str, lines: int) -> None:

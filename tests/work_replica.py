@@ -6,6 +6,9 @@ environment) until SIGTERM, then prints its leases lost and commits refused as
 a JSON line. Each line takes ``--line-s`` seconds and produces
 ``{"custom_id": "<batch>-<line>", "replica": REPLICA}``, or an error line for every line number
 divisible by ``--error-every``.
+
+``launch`` starts one as a subprocess (inside a network namespace if given a command prefix) and
+waits for its ``ready`` line: the tests and the benchmarks that run replicas share it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,49 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
 from batchgen.core.work.segment_store import open_segment_store
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
+
+#: The repository root: where ``python -m tests.work_replica`` runs.
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(
+    url: str,
+    blob_url: str,
+    owner: str,
+    log_path: Path,
+    options: Sequence[str] = (),
+    *,
+    prefix: Sequence[str] = (),
+    environ: dict[str, str] | None = None,
+    start_timeout_s: float = 60.0,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a replica (its output to ``log_path``) and wait until it is ready: the process and
+    its ledger owner id. ``options`` are this module's flags; ``prefix`` runs it through another
+    command (``ip netns exec NAME``)."""
+    command = [*prefix, sys.executable, "-m", "tests.work_replica", url, blob_url, owner, *options]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(environ or {})}
+        )
+    deadline = time.monotonic() + start_timeout_s
+    while not log_path.read_text().startswith("ready "):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{owner} did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.05)
+    return process, log_path.read_text().split()[1]
 
 
 def custom_id(batch_id: str, line: int) -> str:

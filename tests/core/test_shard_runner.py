@@ -18,11 +18,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -39,10 +37,9 @@ from batchgen.core.work.shards import ERRORS, OUTPUT, Segment
 from tests.netns import Namespace
 from tests.postgres import PostgresServer
 from tests.seaweedfs import SeaweedServer
+from tests.work_replica import launch
 
 pytestmark = pytest.mark.live
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -381,24 +378,16 @@ class _Replicas:
     def start(self, owner: str, *, url: str | None = None, inside: Namespace | None = None) -> None:
         """Start ``owner`` (over ``url`` instead of the group's, and ``inside`` a namespace if given)."""
         self.starts[owner] += 1
-        log = (self.logs / f"{owner}-{self.starts[owner]}.log").open("wb")
-        command = [
-            *(sys.executable, "-m", "tests.work_replica", url or self.url, self.blob_url, owner),
-            *("--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", str(self.concurrency)),
-            *("--max-shards", "3"),
-        ]
-        if inside is not None:
-            command = inside.command(*command)
-        self.processes[owner] = subprocess.Popen(
-            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.environ}
+        options = ["--ttl-s", str(self.ttl_s), "--line-s", "0.05", "--concurrency", str(self.concurrency)]
+        self.processes[owner], self.owner_ids[owner] = launch(
+            url or self.url,
+            self.blob_url,
+            owner,
+            self.logs / f"{owner}-{self.starts[owner]}.log",
+            [*options, "--max-shards", "3"],
+            prefix=inside.command() if inside is not None else (),
+            environ=self.environ,
         )
-        path = self.logs / f"{owner}-{self.starts[owner]}.log"
-        deadline = time.monotonic() + 60
-        while not path.read_text().startswith("ready "):
-            assert self.processes[owner].poll() is None, path.read_text()
-            assert time.monotonic() < deadline, f"{owner} did not start"
-            time.sleep(0.05)
-        self.owner_ids[owner] = path.read_text().split()[1]
 
     def signal(self, owner: str, number: int) -> None:
         self.processes[owner].send_signal(number)

@@ -6,6 +6,7 @@
 - ``postgres_metadata.PostgresMetadataStore``: the same metadata in PostgreSQL (the ``postgres``
   extra; imported from its module, so the package loads without psycopg);
 - ``metadata_rows``: the rows both metadata stores keep, and their mapping to the models;
+- ``metadata_queries``: the SQL both stores run alike, built for each driver's placeholder;
 - ``durable_folders.sync_folder``: fsync a folder, so a file created or renamed in it survives a crash.
 """
 

@@ -33,9 +33,15 @@ from psycopg import sql
 from psycopg.rows import dict_row, tuple_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from batchgen.core.errors import InvalidRequest
-from batchgen.core.models import DEFAULT_TENANT, Batch, FileObject
+from batchgen.core.models import Batch, FileObject
 from batchgen.core.storage.interfaces import IdempotencyRecord
+from batchgen.core.storage.metadata_queries import (
+    cursor_seq_query,
+    owner_clause,
+    retry_family_query,
+    unknown_cursor,
+    usage_query,
+)
 from batchgen.core.storage.metadata_rows import (
     ACTIVE_STATUSES,
     BATCH_COLUMNS,
@@ -186,19 +192,9 @@ class PostgresMetadataStore:
     ) -> int:
         """The sequence number of the object an ``after`` cursor names, deleted or not; with
         ``owner``, only an object of that owner counts (another's id is refused as unknown)."""
-        mine = "" if owner is None else " AND COALESCE(owner, %s) = %s"
-        mine_params = [] if owner is None else [DEFAULT_TENANT, owner]
-        query = f"SELECT seq FROM {table} WHERE id = %s{mine}"
-        params = [object_id, *mine_params]
-        if table == "files":
-            query += f" UNION ALL SELECT seq FROM deleted_files WHERE id = %s{mine}"
-            params += [object_id, *mine_params]
-        row = connection.execute(query, params).fetchone()
+        row = connection.execute(*cursor_seq_query(table, object_id, owner, "%s")).fetchone()
         if row is None:
-            kind = "file" if table == "files" else "batch"
-            raise InvalidRequest(
-                f"after: no {kind} with id '{object_id}' was ever listed here", param="after"
-            )
+            raise unknown_cursor(table, object_id)
         return int(row["seq"])
 
     def _page(
@@ -214,8 +210,9 @@ class PostgresMetadataStore:
     ) -> list[dict[str, Any]]:
         with self._pool.connection() as connection:
             if owner is not None:
-                clauses.append("COALESCE(owner, %s) = %s")
-                params += [DEFAULT_TENANT, owner]
+                clause, clause_params = owner_clause(owner, "%s")
+                clauses.append(clause)
+                params += clause_params
             if after is not None:
                 clauses.append(f"seq {'<' if descending else '>'} %s")
                 params.append(self._cursor_seq(connection, table, after, owner))
@@ -396,12 +393,7 @@ class PostgresMetadataStore:
         return {parent: tuple(children) for parent, children in found.items()}
 
     def retry_family(self, batch_id: str) -> list[str]:
-        rows = self._rows(
-            "WITH RECURSIVE family(id) AS (SELECT %s::text UNION SELECT batches.id FROM batches "
-            "JOIN family ON batches.retry_of = family.id) "
-            "SELECT batches.id FROM batches JOIN family ON batches.id = family.id ORDER BY batches.seq",
-            [batch_id],
-        )
+        rows = self._rows(*retry_family_query(batch_id, "%s", text_cast="::text"))
         return [row["id"] for row in rows]
 
     # --- webhook outbox --------------------------------------------------------------------
@@ -442,16 +434,7 @@ class PostgresMetadataStore:
 
     # --- usage -----------------------------------------------------------------------------
     def usage(self, owner: str | None = None) -> list[TenantUsage]:
-        query = (
-            "SELECT COALESCE(owner, %s) AS tenant, COUNT(*), COALESCE(SUM(completed), 0)::bigint, "
-            "COALESCE(SUM(failed), 0)::bigint, COALESCE(SUM(prompt_tokens), 0)::bigint, "
-            "COALESCE(SUM(completion_tokens), 0)::bigint FROM batches"
-        )
-        params: list[Any] = [DEFAULT_TENANT]
-        if owner is not None:
-            query += " WHERE COALESCE(owner, %s) = %s"
-            params += [DEFAULT_TENANT, owner]
-        query += " GROUP BY tenant ORDER BY tenant"
+        query, params = usage_query(owner, "%s", integer_cast="::bigint")
         with self._pool.connection() as connection:
             cursor = connection.cursor(row_factory=tuple_row)
             return [TenantUsage(*row) for row in cursor.execute(query, params).fetchall()]

@@ -29,9 +29,15 @@ from typing import Any
 import attrs
 import sqlite_utils
 
-from batchgen.core.errors import InvalidRequest
-from batchgen.core.models import DEFAULT_TENANT, Batch, FileObject
+from batchgen.core.models import Batch, FileObject
 from batchgen.core.storage.interfaces import IdempotencyRecord
+from batchgen.core.storage.metadata_queries import (
+    cursor_seq_query,
+    owner_clause,
+    retry_family_query,
+    unknown_cursor,
+    usage_query,
+)
 from batchgen.core.storage.metadata_rows import (
     ACTIVE_STATUSES,
     BATCH_COLUMNS,
@@ -107,19 +113,9 @@ class SQLiteMetadataStore:
     def _cursor_seq(self, table: str, object_id: str, owner: str | None = None) -> int:
         """The sequence number of the object an ``after`` cursor names, deleted or not; with
         ``owner``, only an object of that owner counts (another's id is refused as unknown)."""
-        mine = "" if owner is None else " AND COALESCE(owner, ?) = ?"
-        mine_params = [] if owner is None else [DEFAULT_TENANT, owner]
-        query = f"SELECT seq FROM {table} WHERE id = ?{mine}"
-        params = [object_id, *mine_params]
-        if table == "files":
-            query += f" UNION ALL SELECT seq FROM deleted_files WHERE id = ?{mine}"
-            params += [object_id, *mine_params]
-        row = self._db.execute(query, params).fetchone()
+        row = self._db.execute(*cursor_seq_query(table, object_id, owner, "?")).fetchone()
         if row is None:
-            kind = "file" if table == "files" else "batch"
-            raise InvalidRequest(
-                f"after: no {kind} with id '{object_id}' was ever listed here", param="after"
-            )
+            raise unknown_cursor(table, object_id)
         return int(row[0])
 
     # --- files -----------------------------------------------------------------------------
@@ -162,8 +158,9 @@ class SQLiteMetadataStore:
             clauses.append("purpose = ?")
             params.append(purpose)
         if owner is not None:
-            clauses.append("COALESCE(owner, ?) = ?")
-            params += [DEFAULT_TENANT, owner]
+            clause, clause_params = owner_clause(owner, "?")
+            clauses.append(clause)
+            params += clause_params
         if after is not None:
             clauses.append(f"seq {'<' if descending else '>'} ?")
             params.append(self._cursor_seq("files", after, owner))
@@ -268,8 +265,9 @@ class SQLiteMetadataStore:
         clauses: list[str] = []
         params: list[Any] = []
         if owner is not None:
-            clauses.append("COALESCE(owner, ?) = ?")
-            params += [DEFAULT_TENANT, owner]
+            clause, clause_params = owner_clause(owner, "?")
+            clauses.append(clause)
+            params += clause_params
         if after is not None:
             clauses.append(f"seq {'<' if descending else '>'} ?")
             params.append(self._cursor_seq("batches", after, owner))
@@ -307,24 +305,9 @@ class SQLiteMetadataStore:
     def retry_family(self, batch_id: str) -> list[str]:
         """``batch_id`` and every batch made as a retry of it or of one of its retries, in the
         order they were created."""
-        query = (
-            "WITH RECURSIVE family(id) AS (SELECT ? UNION SELECT batches.id FROM batches "
-            "JOIN family ON batches.retry_of = family.id) "
-            "SELECT batches.id FROM batches JOIN family ON batches.id = family.id ORDER BY batches.seq"
-        )
-        return [row[0] for row in self._db.execute(query, [batch_id]).fetchall()]
+        return [row[0] for row in self._db.execute(*retry_family_query(batch_id, "?")).fetchall()]
 
     # --- usage -----------------------------------------------------------------------------
     def usage(self, owner: str | None = None) -> list[TenantUsage]:
         """Each owner's batches, finished requests and tokens, from the saved batch counters."""
-        query = (
-            "SELECT COALESCE(owner, ?) AS tenant, COUNT(*), COALESCE(SUM(completed), 0), "
-            "COALESCE(SUM(failed), 0), COALESCE(SUM(prompt_tokens), 0), "
-            "COALESCE(SUM(completion_tokens), 0) FROM batches"
-        )
-        params: list[Any] = [DEFAULT_TENANT]
-        if owner is not None:
-            query += " WHERE COALESCE(owner, ?) = ?"
-            params += [DEFAULT_TENANT, owner]
-        query += " GROUP BY tenant ORDER BY tenant"
-        return [TenantUsage(*row) for row in self._db.execute(query, params).fetchall()]
+        return [TenantUsage(*row) for row in self._db.execute(*usage_query(owner, "?")).fetchall()]
