@@ -46,6 +46,7 @@ pytestmark = pytest.mark.live
 
 T = TypeVar("T")
 REPLICAS = ("replica-a", "replica-b", "replica-c")
+TENANTS = ("tenant-a", "tenant-b")
 HOUR_S = 3600.0
 
 
@@ -101,6 +102,7 @@ class BatchModel:
     created: int
     shards: dict[int, ShardModel]
     status: str = "running"
+    tenant: str = "default"
     completed: int = 0
     failed: int = 0
 
@@ -134,22 +136,35 @@ class LedgerMachine(RuleBasedStateMachine):
         self.run(self.ledger.close())
         self.loop.close()
 
-    @initialize(lines=st.integers(1, 30), shard_lines=st.integers(1, 7))
-    def first_batch(self, lines: int, shard_lines: int) -> None:
-        self.add_batch(lines, shard_lines)
+    @initialize(lines=st.integers(1, 30), shard_lines=st.integers(1, 7), tenant=st.sampled_from(TENANTS))
+    def first_batch(self, lines: int, shard_lines: int, tenant: str) -> None:
+        self.add_batch(lines, shard_lines, tenant)
 
-    @rule(lines=st.integers(0, 30), shard_lines=st.integers(1, 7))
-    def add_batch(self, lines: int, shard_lines: int) -> None:
+    @rule(lines=st.integers(0, 30), shard_lines=st.integers(1, 7), tenant=st.sampled_from(TENANTS))
+    def add_batch(self, lines: int, shard_lines: int, tenant: str) -> None:
         batch_id = f"batch_{len(self.batches)}"
-        assert self.run(self.ledger.add_batch(batch_id, lines, shard_lines))
+        assert self.run(self.ledger.add_batch(batch_id, lines, shard_lines, tenant=tenant))
         assert not self.run(self.ledger.add_batch(batch_id, lines, shard_lines))  # a second start: nothing
         shards = {shard.shard_no: ShardModel(shard.n_lines) for shard in plan_shards(lines, shard_lines)}
-        model = BatchModel(len(self.batches), shards, "running" if shards else "finished")
+        model = BatchModel(len(self.batches), shards, "running" if shards else "finished", tenant=tenant)
         self.batches[batch_id] = model
         self.expected_bytes[batch_id] = {OUTPUT: b"", ERRORS: b""}
 
     def _live_leases(self, batch: BatchModel) -> int:
         return sum(shard.live_owner is not None for shard in batch.shards.values())
+
+    def _tenant_live_leases(self, tenant: str) -> int:
+        return sum(
+            self._live_leases(batch)
+            for batch in self.batches.values()
+            if batch.tenant == tenant and batch.status == "running"
+        )
+
+    def _turn(self, batch_id: str) -> tuple[int, int, int]:
+        """Whose turn a claim of one shard serves: the tenant with the fewest live leases, then
+        its batch with the fewest, then the oldest."""
+        batch = self.batches[batch_id]
+        return self._tenant_live_leases(batch.tenant), self._live_leases(batch), batch.created
 
     @rule(replica=st.sampled_from(REPLICAS), limit=st.integers(1, 3))
     def claim(self, replica: str, limit: int) -> None:
@@ -160,20 +175,13 @@ class LedgerMachine(RuleBasedStateMachine):
             for number, shard in batch.shards.items()
             if shard.claimable
         }
-        # the batch a single claim must serve: fewest live leases, then the oldest
-        fair = min(
-            (
-                (self._live_leases(self.batches[batch_id]), self.batches[batch_id].created)
-                for batch_id, _ in claimable
-            ),
-            default=None,
-        )
+        # the batch a single claim must serve: its tenant's turn, then its own, then the oldest
+        fair = min((self._turn(batch_id) for batch_id, _ in claimable), default=None)
         leases = self.run(self.ledger.claim(replica, limit, HOUR_S))
         assert len(leases) == min(limit, len(claimable))
         assert {lease.key for lease in leases} <= claimable
         if limit == 1 and leases:
-            batch = self.batches[leases[0].batch_id]
-            assert (self._live_leases(batch), batch.created) == fair
+            assert self._turn(leases[0].batch_id) == fair
         for lease in leases:
             shard = self.batches[lease.batch_id].shards[lease.shard.shard_no]
             assert lease.epoch == shard.epoch + 1
@@ -516,3 +524,20 @@ async def test_a_ledger_call_while_postgres_is_down_fails_within_its_timeout() -
     finally:
         server.stop()
         server.remove()
+
+
+@pytest.mark.anyio
+async def test_tenants_take_turns_before_their_batches_do(postgres_url: str) -> None:
+    """One tenant's three batches do not crowd out another's one: claims alternate tenants."""
+    ledger = await _ledger(postgres_url)
+    try:
+        for n in range(3):
+            await ledger.add_batch(f"batch_a{n}", 40, shard_lines=10, tenant="tenant-a")
+        await ledger.add_batch("batch_b", 40, shard_lines=10, tenant="tenant-b")
+        claimed = [lease.batch_id for _ in range(8) for lease in await ledger.claim("replica-a", 1, HOUR_S)]
+        assert [batch_id == "batch_b" for batch_id in claimed] == [False, True] * 4 or [
+            batch_id == "batch_b" for batch_id in claimed
+        ] == [True, False] * 4
+        assert set(claimed) == {"batch_a0", "batch_a1", "batch_a2", "batch_b"}
+    finally:
+        await ledger.close()

@@ -14,9 +14,11 @@ Rules the SQL keeps, whatever the replicas do:
 
 - Every time is the database's (``clock_timestamp()``), never a replica's clock.
 - A claim takes shards that are pending or whose lease has run out, ``FOR UPDATE SKIP LOCKED``,
-  so two claimers never get one shard; it raises the shard's epoch. Batches take turns: the next
-  shard goes to the running batch holding the fewest live leases (then the older batch), so a
-  small batch behind a huge one gets its shards at once and finishes first.
+  so two claimers never get one shard; it raises the shard's epoch. Tenants take turns, and a
+  tenant's batches take turns: the next shard goes to the tenant whose running batches hold the
+  fewest live leases, and of its batches to the one holding the fewest (then the older batch).
+  A small batch behind a huge one gets its shards at once and finishes first, and one tenant's
+  many batches do not crowd out another's one.
 - A commit is one short transaction, fenced: it counts only while the committing lease is the
   shard's current one (same owner, same epoch, not expired) and the batch is running; otherwise
   ``CommitRefused`` and nothing changes. A line can be committed once: a commit listing a line
@@ -125,15 +127,24 @@ _CLAIM = f"""
 WITH live AS (
     SELECT batch_id, count(*) FILTER (WHERE {_LIVE}) AS leased
     FROM batch_shards WHERE state <> 'done' GROUP BY batch_id
+), tenant_live AS (
+    SELECT w.tenant, sum(live.leased) AS leased
+    FROM live JOIN batch_work w USING (batch_id) WHERE w.status = 'running' GROUP BY w.tenant
 ), ranked AS (
-    SELECT s.batch_id, s.shard_no, w.created_no,
+    SELECT s.batch_id, s.shard_no, w.created_no, w.tenant,
            live.leased + row_number() OVER (PARTITION BY s.batch_id ORDER BY s.shard_no) AS turn
     FROM batch_shards s JOIN batch_work w USING (batch_id) JOIN live USING (batch_id)
     WHERE w.status = 'running' AND {_CLAIMABLE}
+), tenant_ranked AS (
+    SELECT r.batch_id, r.shard_no, r.created_no, r.turn,
+           tenant_live.leased
+             + row_number() OVER (PARTITION BY r.tenant ORDER BY r.turn, r.created_no, r.shard_no)
+             AS tenant_turn
+    FROM ranked r JOIN tenant_live USING (tenant)
 ), picked AS (
-    SELECT s.batch_id, s.shard_no FROM batch_shards s JOIN ranked r USING (batch_id, shard_no)
+    SELECT s.batch_id, s.shard_no FROM batch_shards s JOIN tenant_ranked r USING (batch_id, shard_no)
     WHERE {_CLAIMABLE}
-    ORDER BY r.turn, r.created_no, s.shard_no
+    ORDER BY r.tenant_turn, r.turn, r.created_no, s.shard_no
     LIMIT %(limit)s
     FOR UPDATE OF s SKIP LOCKED
 )
