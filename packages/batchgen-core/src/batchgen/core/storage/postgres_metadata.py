@@ -75,6 +75,32 @@ _BATCH_FIELDS = [column for column in BATCH_COLUMNS if column not in {"seq", "id
 _OUTBOX_FIELDS = list(OUTBOX_COLUMNS)
 
 
+def _insert(
+    table: str, fields: Sequence[str], *, numbered_by: str | None = None, suffix: str = ""
+) -> sql.Composed:
+    """``INSERT INTO table (fields) VALUES (placeholders)``, the row's ``seq`` first from the
+    sequence ``numbered_by`` when given."""
+    names = [sql.Identifier(name) for name in fields]
+    values: list[sql.Composable] = [sql.Placeholder()] * len(fields)
+    if numbered_by is not None:
+        names.insert(0, sql.Identifier("seq"))
+        values.insert(0, sql.SQL("nextval({})").format(sql.Literal(numbered_by)))
+    return sql.SQL("INSERT INTO {} ({}) VALUES ({}){}").format(
+        sql.Identifier(table), sql.SQL(", ").join(names), sql.SQL(", ").join(values), sql.SQL(suffix)
+    )
+
+
+# Built once: the statements each write runs.
+_INSERT_FILE = _insert("files", _FILE_FIELDS, numbered_by="file_seq")
+_INSERT_BATCH = _insert("batches", ["id", *_BATCH_FIELDS], numbered_by="batch_seq")
+_INSERT_OUTBOX = _insert(
+    "webhook_outbox", _OUTBOX_FIELDS, suffix=" ON CONFLICT (event_id, target) DO NOTHING"
+)
+_SAVE_BATCH = sql.SQL("UPDATE batches SET {} WHERE id = %s").format(
+    sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(name)) for name in _BATCH_FIELDS)
+)
+
+
 def _columns(columns: dict[str, type], *, skip: Collection[str] = ()) -> list[sql.Composable]:
     return [
         sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(_SQL_TYPES[kind]))
@@ -231,13 +257,7 @@ class PostgresMetadataStore:
     def _insert_file(connection: psycopg.Connection[dict[str, Any]], file: FileObject) -> None:
         row = file_to_row(file)
         connection.execute("DELETE FROM deleted_files WHERE id = %s", [file.id])  # live again
-        connection.execute(
-            sql.SQL("INSERT INTO files (seq, {}) VALUES (nextval('file_seq'), {})").format(
-                sql.SQL(", ").join(map(sql.Identifier, _FILE_FIELDS)),
-                sql.SQL(", ").join(sql.Placeholder() * len(_FILE_FIELDS)),
-            ),
-            [row[name] for name in _FILE_FIELDS],
-        )
+        connection.execute(_INSERT_FILE, [row[name] for name in _FILE_FIELDS])
 
     def get_file(self, file_id: str) -> FileObject | None:
         rows = self._rows("SELECT * FROM files WHERE id = %s", [file_id])
@@ -323,38 +343,19 @@ class PostgresMetadataStore:
         input_file: FileObject | None = None,
     ) -> None:
         row = batch_to_row(batch)
-        fields = ["id", *_BATCH_FIELDS]
         with self._transaction() as connection:
             if input_file is not None:
                 self._insert_file(connection, input_file)
-            connection.execute(
-                sql.SQL("INSERT INTO batches (seq, {}) VALUES (nextval('batch_seq'), {})").format(
-                    sql.SQL(", ").join(map(sql.Identifier, fields)),
-                    sql.SQL(", ").join(sql.Placeholder() * len(fields)),
-                ),
-                [row[name] for name in fields],
-            )
+            connection.execute(_INSERT_BATCH, [row[name] for name in ("id", *_BATCH_FIELDS)])
             self._put_key(connection, idempotency, batch.id)
 
     def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
         row = batch_to_row(batch)
         with self._transaction() as connection:
-            connection.execute(
-                sql.SQL("UPDATE batches SET {} WHERE id = %s").format(
-                    sql.SQL(", ").join(
-                        sql.SQL("{} = %s").format(sql.Identifier(name)) for name in _BATCH_FIELDS
-                    )
-                ),
-                [*(row[name] for name in _BATCH_FIELDS), batch.id],
-            )
+            connection.execute(_SAVE_BATCH, [*(row[name] for name in _BATCH_FIELDS), batch.id])
             if outbox:
                 connection.cursor().executemany(
-                    sql.SQL(
-                        "INSERT INTO webhook_outbox ({}) VALUES ({}) ON CONFLICT (event_id, target) DO NOTHING"
-                    ).format(
-                        sql.SQL(", ").join(map(sql.Identifier, _OUTBOX_FIELDS)),
-                        sql.SQL(", ").join(sql.Placeholder() * len(_OUTBOX_FIELDS)),
-                    ),
+                    _INSERT_OUTBOX,
                     [[getattr(message, name) for name in _OUTBOX_FIELDS] for message in outbox],
                 )
 

@@ -150,7 +150,9 @@ class ShardRunner:
         return [f"{part}: {problem}" for part, problem in sorted(self._problems.items())]
 
     def _failed(self, part: str, error: Exception) -> None:
-        self._problems[part] = f"{type(error).__name__}: {error}"[:300]
+        # a call given up by its timeout says nothing of itself
+        detail = str(error) or ("no answer in time" if isinstance(error, TimeoutError) else "no detail")
+        self._problems[part] = f"{type(error).__name__}: {detail}"[:300]
 
     @property
     def held(self) -> list[Lease]:
@@ -217,7 +219,7 @@ class ShardRunner:
                 )
             except Exception as error:  # the database is away (or cut off): leases run out
                 logger.warning("%s could not renew its leases", self.owner_id, exc_info=True)
-                self._failed("ledger", error if str(error) else TimeoutError("no answer in time"))
+                self._failed("ledger", error)
                 self._drop_expired(time.monotonic())
                 continue
             self._problems.pop("ledger", None)
