@@ -29,7 +29,7 @@ from running_server import peak_rss_mib, run_batch, running_server, upload
 
 from batchgen.core import BatchService, ServiceSettings, load_backend
 from batchgen.core.models import GenerationResult
-from batchgen.core.results import output_line
+from batchgen.core.requests.results import output_line
 
 
 def floor_rate(input_path: Path, output_path: Path) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from batchgen.core.result_merge import FamilyIndex
+from batchgen.core.batches.result_merge import FamilyIndex
 
 
 def _peak_rss_mib() -> float:

@@ -29,7 +29,7 @@ import anyio
 from chat_inputs import write_chat_input
 
 from batchgen.core import BatchService, ServiceSettings, load_backend
-from batchgen.core.output_order import rewrite_in_input_order
+from batchgen.core.batches.output_order import rewrite_in_input_order
 
 
 async def run_batch(input_path: Path, storage: Path, order: str, count: int) -> tuple[float, float, Path]:

@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 
 from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine
 from batchgen.core.backends.hf_transformers import TransformersBackend
-from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.backends.served_models import ModelSet, Route, ServedModel
 from batchgen.core.errors import InvalidBatchFile
-from batchgen.core.line_requests import generation_request
+from batchgen.core.execution.line_requests import generation_request
+from batchgen.core.files.batch_file import validate_batch_file
 from batchgen.core.models import BatchParameters, GenerationRequest, SamplingParameters
-from batchgen.core.parameters import ServerDefaults
-from batchgen.core.request_schema import read_body, read_envelope
-from batchgen.core.served_models import ModelSet, Route, ServedModel
+from batchgen.core.requests.parameters import ServerDefaults
+from batchgen.core.requests.schema import read_body, read_envelope
 from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]

@@ -24,13 +24,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core import batch_file, json_bounds
 from batchgen.core.backends.capabilities import Capabilities
+from batchgen.core.backends.served_models import ModelSet, ServedModel
 from batchgen.core.backends.simulated import SimulatedBackend
-from batchgen.core.batch_file import LineRouter, validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
+from batchgen.core.files import batch_file
+from batchgen.core.files.batch_file import LineRouter, validate_batch_file
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
-from batchgen.core.served_models import ModelSet, ServedModel
+from batchgen.core.requests import json_bounds
 
 CHAT = CHAT_COMPLETIONS
 SERVED = ("simulated", "default")
@@ -162,7 +163,7 @@ def test_the_fast_way_decides_as_the_exact_way(
 
 
 #: Body fields a line may add to its endpoint's input: each makes another shape (see
-#: ``request_schema.BlockReader``), some of them accepted, some refused by the schema or by a
+#: ``requests.schema.BlockReader``), some of them accepted, some refused by the schema or by a
 #: model (the default model has none of the features), some with values equal across types.
 _SHAPE_EXTRAS: list[dict[str, Any]] = [
     # accepted on either endpoint by the default model

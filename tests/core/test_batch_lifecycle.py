@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgen.core.batch_lifecycle import ALLOWED, TIMESTAMP_FIELD, IllegalTransition, advance, can_advance
+from batchgen.core.batches.lifecycle import ALLOWED, TIMESTAMP_FIELD, IllegalTransition, advance, can_advance
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus
 
 TERMINAL = {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgen.core.batch_progress import MIN_SPAN_S, UNKNOWN, ProgressWindow, estimate
+from batchgen.core.batches.progress import MIN_SPAN_S, UNKNOWN, ProgressWindow, estimate
 
 
 class Clock:

@@ -24,8 +24,8 @@ from batchgen.core import BatchService, BatchStatus, ServiceSettings
 from batchgen.core.backends.cached_tokens import bounded_cached_tokens, upstream_cached_tokens
 from batchgen.core.backends.openai_upstream import _MalformedResponse, parse_result
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, GenerationResult
-from batchgen.core.request_schema import read_body, read_envelope
-from batchgen.core.results import line_cached_tokens, output_line, replayed_body, response_body_json
+from batchgen.core.requests.results import line_cached_tokens, output_line, replayed_body, response_body_json
+from batchgen.core.requests.schema import read_body, read_envelope
 from batchgen.core.storage.result_files import read_finished_lines
 from tests.core.test_openai_upstream import FakeFleet
 

@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchgen.core.batch_options import parse_completion_window
+from batchgen.core.batches.options import parse_completion_window
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.deadline_turns import DEADLINE_GRID_SHARE, deadline_grid, deadline_slot
 from batchgen.core.scheduling.intake_pool import FAIR_TURN_EVERY

@@ -20,8 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backend
-from batchgen.core.batch_progress import estimate
-from batchgen.core.deadline_watch import AT_RISK_EVENT, will_miss
+from batchgen.core.batches.deadline_watch import AT_RISK_EVENT, will_miss
+from batchgen.core.batches.progress import estimate
 from batchgen.core.models import Batch, RequestCounts
 from batchgen.core.storage import SQLiteMetadataStore
 

@@ -214,9 +214,9 @@ async def test_a_group_spanning_two_models_goes_to_each_backend_with_only_its_ow
     from collections.abc import Sequence
 
     from batchgen.core.backends.base import ReportOutcome
+    from batchgen.core.backends.served_models import ServedModel
     from batchgen.core.backends.simulated import SimulatedBackend
     from batchgen.core.models import GenerationRequest
-    from batchgen.core.served_models import ServedModel
 
     class Recording(SimulatedBackend):
         def __init__(self, model_name: str) -> None:

@@ -19,12 +19,18 @@ from batchgen.core.backends.capabilities import (
     passed_options,
     unsupported_problem,
 )
-from batchgen.core.embeddings_api import decode_base64, encode_base64, fit_dimensions, read_inputs, shorten
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import GenerationResult
-from batchgen.core.request_schema import ResponsesBody, read_body, read_envelope
-from batchgen.core.responses_api import chat_messages, response_body
-from batchgen.core.structured_output import response_format_problem
+from batchgen.core.requests.embeddings_api import (
+    decode_base64,
+    encode_base64,
+    fit_dimensions,
+    read_inputs,
+    shorten,
+)
+from batchgen.core.requests.responses_api import chat_messages, response_body
+from batchgen.core.requests.schema import ResponsesBody, read_body, read_envelope
+from batchgen.core.requests.structured_output import response_format_problem
 
 float32s = st.floats(width=32, allow_nan=False, allow_infinity=False)
 

@@ -14,9 +14,9 @@ import pytest
 
 from batchgen.core import BatchService, PoolStatus, ServiceSettings
 from batchgen.core.backends.engine_activity import EngineActivity, activity_of, combined_activity
+from batchgen.core.backends.served_models import ServedModel
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.models import GenerationRequest, GenerationResult
-from batchgen.core.served_models import ServedModel
 
 pytestmark = pytest.mark.anyio
 

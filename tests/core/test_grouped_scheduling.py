@@ -17,7 +17,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from batchgen.core.batch_file import LineIndex
+from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling import scheduler as scheduler_module
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.batch_file import index_batch_file
-from batchgen.core.line_blocks import InputChanged, read_spans
+from batchgen.core.files.batch_file import index_batch_file
+from batchgen.core.files.line_blocks import InputChanged, read_spans
 
 #: Line contents: JSON-ish text, without line breaks (the file's own separators are added apart).
 _TEXT = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]), max_size=300)

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.batch_file import MAX_LINE_PROBLEMS, MAX_REPORTED_LINES, validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
-from batchgen.core.request_schema import line_problems
+from batchgen.core.files.batch_file import MAX_LINE_PROBLEMS, MAX_REPORTED_LINES, validate_batch_file
+from batchgen.core.requests.schema import line_problems
 
 MESSAGES = 30
 #: Each problem kind: where it sorts in the line (its top-level field, then its body field and

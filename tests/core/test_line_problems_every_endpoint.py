@@ -22,10 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.backends.openai_upstream import OpenAIUpstreamBackend
+from batchgen.core.backends.served_models import ModelSet, ServedModel
 from batchgen.core.backends.simulated import SimulatedBackend
-from batchgen.core.batch_file import MAX_LINE_PROBLEMS, validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
-from batchgen.core.served_models import ModelSet, ServedModel
+from batchgen.core.files.batch_file import MAX_LINE_PROBLEMS, validate_batch_file
 
 ITEMS = 12  # messages / input items per line, each of which may be broken
 

@@ -22,7 +22,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchgen.core.batch_file import LineIndex
+from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
 

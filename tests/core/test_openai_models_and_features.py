@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from batchgen.core import BatchService, ServiceSettings
+from batchgen.core.backends.served_models import ServedModel
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.models import EMBEDDINGS, GenerationRequest, SamplingParameters
-from batchgen.core.served_models import ServedModel
 from tests.core.test_openai_upstream import FakeFleet
 from tests.helpers import chat_line, jsonl
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.models import GenerationResult
-from batchgen.core.results import error_line, output_line
+from batchgen.core.requests.results import error_line, output_line
 from batchgen.core.storage import OutputWriter, read_finished_lines
 
 

@@ -18,14 +18,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.errors import InvalidRequest
-from batchgen.core.output_order import (
+from batchgen.core.batches.output_order import (
     UnorderableResults,
     check_output_order,
     ordering_path,
     rewrite_in_input_order,
 )
-from batchgen.core.results import error_line
+from batchgen.core.errors import InvalidRequest
+from batchgen.core.requests.results import error_line
 
 
 def _input(folder: Path, custom_ids: list[str]) -> Path:
@@ -104,7 +104,7 @@ def test_results_that_do_not_map_onto_the_input_are_left_untouched(
 def test_custom_ids_with_one_hash_are_told_apart_by_reading_the_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import batchgen.core.output_order as module
+    import batchgen.core.batches.output_order as module
 
     monkeypatch.setattr(module, "hash", lambda _text: 7, raising=False)  # every custom_id collides
     custom_ids = [f"id{n}" for n in range(30)]

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.core.models import BatchParameters
-from batchgen.core.parameters import ServerDefaults, sets_sampling
-from batchgen.core.parameters import resolve_sampling as resolve_body
-from batchgen.core.request_schema import ChatBody
-from batchgen.core.sampling_ranges import RULES
+from batchgen.core.requests.parameters import ServerDefaults, sets_sampling
+from batchgen.core.requests.parameters import resolve_sampling as resolve_body
+from batchgen.core.requests.sampling_ranges import RULES
+from batchgen.core.requests.schema import ChatBody
 
 DEFAULTS = ServerDefaults(max_tokens=256)
 

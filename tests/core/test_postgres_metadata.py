@@ -28,8 +28,8 @@ from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.storage import MetadataStore
+from batchgen.core.storage.faults import is_database_locked, storage_fault
 from batchgen.core.storage.postgres_metadata import CONNECTION_WAIT_S, PostgresMetadataStore
-from batchgen.core.storage_faults import is_database_locked, storage_fault
 from tests.live import free_port
 from tests.postgres import PostgresServer
 

@@ -34,7 +34,7 @@ from batchgen.core.backends.upstream_concurrency import (
     prefix_home,
 )
 from batchgen.core.models import GenerationRequest, SamplingParameters
-from batchgen.core.prefix_keys import prefix_key
+from batchgen.core.requests.prefix_keys import prefix_key
 
 MODEL = "m"
 

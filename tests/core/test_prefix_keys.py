@@ -20,10 +20,10 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgen.core.batch_file import index_batch_file
-from batchgen.core.prefix_keys import PREFIX_CHARS, chat_prefix_key, line_prefix_key, prefix_key
-from batchgen.core.request_schema import message_dicts, read_envelope
-from batchgen.core.responses_api import chat_messages
+from batchgen.core.files.batch_file import index_batch_file
+from batchgen.core.requests.prefix_keys import PREFIX_CHARS, chat_prefix_key, line_prefix_key, prefix_key
+from batchgen.core.requests.responses_api import chat_messages
+from batchgen.core.requests.schema import message_dicts, read_envelope
 from batchgen.core.scheduling.prefix_groups import grouped_by_prefix
 
 texts = st.text(st.characters(codec="utf-8"), max_size=40)

@@ -38,10 +38,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings
 from batchgen.core.backends.simulated import SimulatedBackend
-from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
+from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.models import GenerationRequest, GenerationResult
-from batchgen.core.prefix_keys import prefix_key
+from batchgen.core.requests.prefix_keys import prefix_key
 from batchgen.core.scheduling import IntakePool
 from tests.core.test_scheduling_state_machines import make_index
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgen.core.batch_options import check_parameters
+from batchgen.core.batches.options import check_parameters
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import MAX_DEPTH, bounds_problem
 from batchgen.core.models import BatchParameters
-from batchgen.core.request_schema import (
+from batchgen.core.requests.json_bounds import MAX_DEPTH, bounds_problem
+from batchgen.core.requests.schema import (
     Body,
     ChatBody,
     CompletionBody,

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from batchgen.core.backends.capabilities import GREEDY, SEEDED, Capabilities
+from batchgen.core.execution.result_cache import CachedResult, ResultCache, ResultCacheSettings, entry_size
+from batchgen.core.execution.result_cache_keys import cache_key, canonical_body, is_deterministic
 from batchgen.core.models import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -32,8 +34,6 @@ from batchgen.core.models import (
     GenerationRequest,
     SamplingParameters,
 )
-from batchgen.core.result_cache import CachedResult, ResultCache, ResultCacheSettings, entry_size
-from batchgen.core.result_cache_keys import cache_key, canonical_body, is_deterministic
 
 _scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8)
 _json = st.recursive(

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.result_merge import FamilyIndex, Outcome
+from batchgen.core.batches.result_merge import FamilyIndex, Outcome
 
 #: What one batch of the family wrote for one request: a success, an error line, or a response
 #: whose status is an error (also a failure).

@@ -39,8 +39,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
+from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
 
 Request = tuple[str, int]  # (batch_id, line)

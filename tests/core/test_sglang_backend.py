@@ -34,7 +34,7 @@ from batchgen.core.backends import BackendUnavailable
 from batchgen.core.backends.capabilities import capabilities_of, passed_options
 from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for, sampling_params
 from batchgen.core.models import Batch, SamplingParameters
-from batchgen.core.request_schema import read_body, read_envelope
+from batchgen.core.requests.schema import read_body, read_envelope
 
 pytestmark = pytest.mark.anyio
 

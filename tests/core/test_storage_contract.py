@@ -34,7 +34,7 @@ from batchgen.core.storage import (
     ResultWriter,
     SQLiteMetadataStore,
 )
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
 from tests.database_lock import locked_elsewhere, postgres_locked_elsewhere
 

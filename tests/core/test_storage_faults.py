@@ -26,7 +26,7 @@ from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import BatchStatus
 from batchgen.core.storage import MetadataStore, SQLiteMetadataStore
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 from tests.database_lock import locked_elsewhere
 
 pytestmark = pytest.mark.anyio

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core.batch_file import BatchFileSummary, validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
-from batchgen.core.streamed_validation import StreamedValidation, validate_exactly
+from batchgen.core.files.batch_file import BatchFileSummary, validate_batch_file
+from batchgen.core.files.streamed_validation import StreamedValidation, validate_exactly
 from tests.helpers import chat_line, jsonl
 
 _LINES = st.one_of(

@@ -27,19 +27,19 @@ from batchgen.core.backends.capabilities import (
 )
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.backends.openai_upstream import OpenAIUpstreamBackend
+from batchgen.core.backends.served_models import ModelSet, ServedModel
 from batchgen.core.backends.sglang_engine import SGLangBackend
 from batchgen.core.backends.simulated import SimulatedBackend
-from batchgen.core.batch_file import validate_batch_file
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest
+from batchgen.core.files.batch_file import validate_batch_file
 from batchgen.core.models import CHAT_COMPLETIONS
-from batchgen.core.request_schema import read_body, read_envelope
-from batchgen.core.sampling_ranges import (
+from batchgen.core.requests.sampling_ranges import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
 )
-from batchgen.core.served_models import ModelSet, ServedModel
+from batchgen.core.requests.schema import read_body, read_envelope
 from tests.helpers import chat_line, completion_line
 
 

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core import upload_parts
 from batchgen.core.errors import BatchGenError
-from batchgen.core.streamed_validation import BomStrip
-from batchgen.core.upload_parts import ASSEMBLED, PartFolder
+from batchgen.core.files import upload_parts
+from batchgen.core.files.streamed_validation import BomStrip
+from batchgen.core.files.upload_parts import ASSEMBLED, PartFolder
 
 BOM = b"\xef\xbb\xbf"
 

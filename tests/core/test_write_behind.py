@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.core import streamed_validation, write_behind
-from batchgen.core.streamed_validation import Segment, segment_chunks
-from batchgen.core.write_behind import open_write_behind
+from batchgen.core.files import streamed_validation, write_behind
+from batchgen.core.files.streamed_validation import Segment, segment_chunks
+from batchgen.core.files.write_behind import open_write_behind
 
 
 @contextlib.contextmanager

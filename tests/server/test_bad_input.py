@@ -12,7 +12,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from batchgen.core.batch_file import MAX_LINE_PROBLEMS
+from batchgen.core.files.batch_file import MAX_LINE_PROBLEMS
 from tests.core.test_line_problems_every_endpoint import build, lines
 from tests.helpers import (
     ApiFactory,

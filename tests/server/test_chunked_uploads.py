@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen.core import chunked_uploads
-from batchgen.core.batch_file import validate_batch_file
 from batchgen.core.errors import InvalidBatchFile
+from batchgen.core.files import chunked_uploads
+from batchgen.core.files.batch_file import validate_batch_file
 from tests.helpers import api_error, chat_line, jsonl
 from tests.keys import authorized, create_key
 from tests.live import LiveServer

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from batchgen.core.embeddings_api import decode_base64
+from batchgen.core.requests.embeddings_api import decode_base64
 from tests.helpers import (
     api_error,
     chat_line,

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.models import CHAT_COMPLETIONS, RESPONSES
-from batchgen.core.results import error_line
+from batchgen.core.requests.results import error_line
 from tests.helpers import (
     ApiFactory,
     api_error,

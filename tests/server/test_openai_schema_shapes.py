@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.models import GenerationResult
-from batchgen.core.results import output_line
+from batchgen.core.requests.results import output_line
 from tests.helpers import (
     CHAT,
     COMPLETIONS,

@@ -30,7 +30,7 @@ from batchgen.core.backends.upstream_concurrency import (
     UpstreamState,
     prefix_home,
 )
-from batchgen.core.prefix_keys import prefix_key
+from batchgen.core.requests.prefix_keys import prefix_key
 from tests.helpers import chat_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer, start_server
 from tests.upstreams import Upstream, start_vllm_upstream

@@ -5,7 +5,7 @@ interval; one that fails ``unhealthy_after`` times in a row is reported by ``fai
 service's health then says so) until it succeeds again. A failing job never stops silently.
 
 How a failure is logged depends on what it is. A bug is logged with its traceback each time. A
-storage fault (a full disk, a database another process holds locked: ``storage_faults``) is not a
+storage fault (a full disk, a database another process holds locked: ``storage.faults``) is not a
 bug and passes by itself: the job logs one warning when it starts failing and one line when it
 works again, with no traceback, and ``storage_faults()`` names the fault while it lasts, so the
 service can report it as the storage being unavailable.
@@ -22,7 +22,7 @@ import anyio.abc
 import attrs
 
 from batchgen.core.errors import StorageUnavailable
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 
 logger = logging.getLogger("batchgen.service")
 

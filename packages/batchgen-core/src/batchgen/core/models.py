@@ -12,7 +12,27 @@ from typing import Any
 
 import attrs
 
-from batchgen.core.batch_progress import UNKNOWN, ProgressEstimate
+
+@attrs.frozen
+class ProgressEstimate:
+    """A batch's recent pace and what it predicts; None where it is unknown."""
+
+    requests_per_second: float | None = None
+    seconds_remaining: float | None = None
+    #: The Unix time (whole seconds, rounded up) the batch is expected to be done.
+    completion_at: int | None = None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """The batch object's fields (rounded for reading)."""
+        rate, left = self.requests_per_second, self.seconds_remaining
+        return {
+            "requests_per_second": None if rate is None else round(rate, 3),
+            "estimated_seconds_remaining": None if left is None else round(left, 1),
+            "estimated_completion_at": self.completion_at,
+        }
+
+
+UNKNOWN = ProgressEstimate()
 
 
 class BatchStatus(enum.StrEnum):
@@ -180,7 +200,7 @@ class Batch:
     at_risk: bool = False
     at_risk_at: int | None = None
     owner: str = DEFAULT_TENANT  # the tenant that made it (not part of the API object)
-    #: The batch this one retries (``batch_retry``), and the retries made of this one, oldest
+    #: The batch this one retries (``batches.retry``), and the retries made of this one, oldest
     #: first (never stored in the row: read from the retries' ``retry_of``).
     retry_of: str | None = None
     retries: tuple[str, ...] = ()

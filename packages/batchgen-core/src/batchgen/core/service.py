@@ -10,7 +10,7 @@ The REST server calls it, and a custom pipeline can embed it with no HTTP at all
 The facade checks calls and delegates; the work is done by parts with one job each:
 
 - ``FileCatalogue`` (files and their contents) and ``IdempotencyLedger`` (repeated calls);
-- ``BatchTracker`` (unfinished batches; every status change goes through ``batch_lifecycle``);
+- ``BatchTracker`` (unfinished batches; every status change goes through ``batches.lifecycle``);
 - ``BatchStarter`` (index a batch's input and queue it) and ``recovery`` (resume after a restart);
 - the intake pool, the scheduling pool and the ``Scheduler`` (``scheduling``);
 - ``RequestExecutor`` (run requests, in groups, on the model each line names, and write exactly
@@ -49,25 +49,23 @@ import attrs
 
 from batchgen.core.backends.base import Backend
 from batchgen.core.backends.engine_activity import combined_activity
-from batchgen.core.batch_file import first_line_model
-from batchgen.core.batch_log import log_created
-from batchgen.core.batch_options import (
+from batchgen.core.backends.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
+from batchgen.core.batches.deadline_watch import DeadlineWatch
+from batchgen.core.batches.log import log_created
+from batchgen.core.batches.options import (
     check_metadata,
     check_output_expiry,
     check_parameters,
     parse_completion_window,
 )
-from batchgen.core.batch_retry import BatchRetries, RetryRequest, with_retries
-from batchgen.core.batch_starter import BatchStarter
-from batchgen.core.batch_tracker import BatchTracker, now
-from batchgen.core.chunked_uploads import (
-    DEFAULT_MAX_UPLOAD_BYTES,
-    DEFAULT_UPLOAD_EXPIRY_S,
-    ChunkedUploads,
-    Upload,
-    UploadPart,
-)
-from batchgen.core.deadline_watch import DeadlineWatch
+from batchgen.core.batches.ordering_step import OrderingStep
+from batchgen.core.batches.output_order import COMPLETION, OUTPUT_ORDERS, check_output_order
+from batchgen.core.batches.recovery import recover
+from batchgen.core.batches.result_merge import FamilyIndex
+from batchgen.core.batches.retry import BatchRetries, RetryRequest, with_retries
+from batchgen.core.batches.starter import BatchStarter
+from batchgen.core.batches.tracker import BatchTracker
+from batchgen.core.clock import now
 from batchgen.core.errors import (
     Conflict,
     IntakeFull,
@@ -76,7 +74,19 @@ from batchgen.core.errors import (
     ServiceUnavailable,
     StorageUnavailable,
 )
-from batchgen.core.file_catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
+from batchgen.core.execution.executor import RequestExecutor
+from batchgen.core.execution.result_cache import FILE_NAME as RESULT_CACHE_FILE
+from batchgen.core.execution.result_cache import FLUSH_INTERVAL_S, ResultCache, ResultCacheSettings
+from batchgen.core.files.batch_file import first_line_model
+from batchgen.core.files.catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
+from batchgen.core.files.chunked_uploads import (
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_UPLOAD_EXPIRY_S,
+    ChunkedUploads,
+    Upload,
+    UploadPart,
+)
+from batchgen.core.files.upload_parts import PartDestination
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.maintenance import Maintenance
@@ -90,24 +100,15 @@ from batchgen.core.models import (
     PoolStatus,
     RequestCounts,
 )
-from batchgen.core.ordering_step import OrderingStep
-from batchgen.core.output_order import COMPLETION, OUTPUT_ORDERS, check_output_order
-from batchgen.core.parameters import ServerDefaults
-from batchgen.core.recovery import recover
-from batchgen.core.request_executor import RequestExecutor
-from batchgen.core.result_cache import FILE_NAME as RESULT_CACHE_FILE
-from batchgen.core.result_cache import FLUSH_INTERVAL_S, ResultCache, ResultCacheSettings
-from batchgen.core.result_merge import FamilyIndex
+from batchgen.core.requests.parameters import ServerDefaults
 from batchgen.core.scheduling import Finished, IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
-from batchgen.core.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
+from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.storage.folder_lock import FolderLock
-from batchgen.core.storage_faults import storage_faults_as_errors
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
-from batchgen.core.upload_parts import PartDestination
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.core.webhook_outbox import WebhookTargets
 
@@ -589,7 +590,7 @@ class BatchService:
         (else NotFound, as for a file that does not exist). Over the tenant's own limits the call
         raises IntakeFull naming that limit.
 
-        ``retry_of`` names the batch this one retries (``batch_retry``); ``idempotency_call``
+        ``retry_of`` names the batch this one retries (``batches.retry``); ``idempotency_call``
         then replaces the fingerprint of this call's arguments with the retry call's, and
         ``new_input`` is its new input file (in place on disk, not recorded yet): its record is
         made in the same write as the batch's row, so a crash leaves both or neither.
@@ -786,7 +787,7 @@ class BatchService:
         idempotency_key: str | None = None,
         caller: Caller = EMBEDDED,
     ) -> Batch:
-        """A new batch over the lines of an ended batch that did not succeed (``batch_retry``)."""
+        """A new batch over the lines of an ended batch that did not succeed (``batches.retry``)."""
         return await self.retries.retry(
             batch_id, request or RetryRequest(), idempotency_key=idempotency_key, caller=caller
         )

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import attrs
 
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 from batchgen.core.tenancy import Caller, TenantLimits, reserved_tenant_problem
 
 logger = logging.getLogger("batchgen.server")

@@ -33,7 +33,7 @@ import attrs
 
 from batchgen.core.backends import BackendSpec, backend_specs
 from batchgen.core.backends.option_types import non_negative_float, positive_int
-from batchgen.core.output_order import OUTPUT_ORDERS
+from batchgen.core.batches.output_order import OUTPUT_ORDERS
 from batchgen.core.service import ERROR_FILE_MODES
 from batchgen.core.storage.folder_lock import FolderHolder, folder_holder
 from batchgen.server.backend_flags import (

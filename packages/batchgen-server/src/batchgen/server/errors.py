@@ -26,7 +26,7 @@ from batchgen.core.errors import (
     ServiceUnavailable,
     StorageUnavailable,
 )
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 
 logger = logging.getLogger("batchgen.server")
 

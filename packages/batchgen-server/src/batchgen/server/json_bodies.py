@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import bounds_problem, integer_path
-from batchgen.core.json_escapes import escape_problem
+from batchgen.core.requests.json_bounds import bounds_problem, integer_path
+from batchgen.core.requests.json_escapes import escape_problem
 
 #: The most characters of unknown field names an error repeats, and of the one it names as param.
 MAX_NAMES_SHOWN = 200

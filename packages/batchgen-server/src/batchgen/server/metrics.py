@@ -32,10 +32,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from batchgen.core.execution.result_cache import CacheCounts
 from batchgen.core.models import BatchStatus
-from batchgen.core.result_cache import CacheCounts
 from batchgen.core.service import BatchService
-from batchgen.core.storage_faults import is_storage_fault
+from batchgen.core.storage.faults import is_storage_fault
 from batchgen.core.telemetry import Histogram as TelemetryHistogram
 from batchgen.server.webhooks import DeliveryCounts
 

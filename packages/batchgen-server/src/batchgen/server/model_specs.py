@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends import BackendOption, BackendSpec
-from batchgen.core.served_models import names_tuple
+from batchgen.core.backends.served_models import names_tuple
 from batchgen.core.url_redaction import redacted_repr
 
 _SPEC = re.compile(r"^(?P<name>[^=\s,]+)=(?P<backend>[a-z][a-z0-9_-]*)(?::(?P<options>.*))?$", re.DOTALL)

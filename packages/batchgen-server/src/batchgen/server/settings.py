@@ -9,9 +9,9 @@ from typing import Any
 import attrs
 
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
-from batchgen.core.chunked_uploads import DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_UPLOAD_EXPIRY_S
-from batchgen.core.result_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResultCacheSettings
-from batchgen.core.served_models import ServedModel
+from batchgen.core.backends.served_models import ServedModel
+from batchgen.core.execution.result_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResultCacheSettings
+from batchgen.core.files.chunked_uploads import DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_UPLOAD_EXPIRY_S
 from batchgen.core.service import ServiceSettings
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.server.model_specs import ModelEntry, check_unique_names

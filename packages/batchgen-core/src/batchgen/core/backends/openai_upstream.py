@@ -91,7 +91,7 @@ from batchgen.core.models import (
     GenerationResult,
     Health,
 )
-from batchgen.core.prefix_keys import prefix_key
+from batchgen.core.requests.prefix_keys import prefix_key
 from batchgen.core.url_redaction import redact_logger, redact_url
 
 if TYPE_CHECKING:

@@ -32,8 +32,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from batchgen.core.batch_file import LineIndex
 from batchgen.core.errors import IntakeFull
+from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.scheduling.deadline_turns import FAIR_TURN_EVERY, DeadlineTurns
 from batchgen.core.scheduling.drain_meter import DrainMeter

@@ -15,7 +15,7 @@ same row layout (``storage.metadata_rows``).
 - **No call waits long.** The store is called from the event loop, like SQLite's: a write that
   finds a row or table locked by another connection gives up after ``LOCK_TIMEOUT_S``, any
   statement after ``STATEMENT_TIMEOUT_S``, and getting a connection after ``CONNECTION_WAIT_S``;
-  ``storage_faults`` turns those errors, and an unreachable or restarting server, into
+  ``storage.faults`` turns those errors, and an unreachable or restarting server, into
   ``StorageUnavailable`` (503 with ``Retry-After``).
 - **Start.** The schema is made (or columns a newer version added are added) under an advisory
   lock, so servers starting together do not race; a server that cannot be reached within

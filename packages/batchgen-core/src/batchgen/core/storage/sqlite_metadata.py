@@ -14,7 +14,7 @@ narrowed to one owner, and ``usage`` sums the saved counters of each owner's bat
 The store is called from the event loop, so no call may wait long for a lock: once the schema is
 made (which waits up to ``OPEN_BUSY_TIMEOUT_S`` at start), SQLite's busy timeout is
 ``BUSY_TIMEOUT_S``. A write that finds the database locked by another connection for longer
-raises SQLite's "database is locked", which ``storage_faults`` turns into ``StorageUnavailable``
+raises SQLite's "database is locked", which ``storage.faults`` turns into ``StorageUnavailable``
 (503 with ``Retry-After``): the caller retries later, off the loop, instead of the loop stalling.
 Reads do not wait (WAL: readers never wait for a writer).
 """

@@ -13,9 +13,9 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from batchgen.core.batch_retry import OUTCOMES, RetryRequest
+from batchgen.core.batches.result_merge import FamilyIndex
+from batchgen.core.batches.retry import OUTCOMES, RetryRequest
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.result_merge import FamilyIndex
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
 from batchgen.server.controllers.batches import _output_expiry_seconds

@@ -9,8 +9,8 @@ from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 
-from batchgen.core.chunked_uploads import MAX_NAME_CHARS, MAX_PART_BYTES, MAX_PARTS
 from batchgen.core.errors import InvalidRequest, PayloadTooLarge
+from batchgen.core.files.chunked_uploads import MAX_NAME_CHARS, MAX_PART_BYTES, MAX_PARTS
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
 from batchgen.server.controllers.files import MULTIPART_OVERHEAD_BYTES

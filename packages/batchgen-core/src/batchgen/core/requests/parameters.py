@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.models import BatchParameters, SamplingParameters
-from batchgen.core.request_schema import RequestBody
+from batchgen.core.requests.schema import RequestBody
 
 
 @attrs.frozen
@@ -31,7 +31,7 @@ def resolve_sampling(
 ) -> SamplingParameters:
     """Combine the three levels into one request's parameters.
 
-    ``body`` comes from ``request_schema.read_body``, which checked its types and ranges (and
+    ``body`` comes from ``requests.schema.read_body``, which checked its types and ranges (and
     ``check_parameters`` the batch's), so nothing here can be malformed.
     """
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

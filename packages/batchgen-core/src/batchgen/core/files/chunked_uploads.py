@@ -41,12 +41,10 @@ from typing import Any
 import anyio
 import attrs
 
-from batchgen.core.batch_file import BatchFileSummary, LineRouter
-from batchgen.core.batch_tracker import now
+from batchgen.core.clock import now
 from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
-from batchgen.core.ids import new_object_id
-from batchgen.core.models import UPLOAD_PURPOSES, FileObject
-from batchgen.core.streamed_validation import (
+from batchgen.core.files.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.files.streamed_validation import (
     UTF8_BOM,
     BomStrip,
     Segment,
@@ -54,9 +52,11 @@ from batchgen.core.streamed_validation import (
     segment_chunks,
     validate_exactly,
 )
+from batchgen.core.files.upload_parts import PartDestination, PartFolder
+from batchgen.core.files.upload_validation_worker import ValidationWorker
+from batchgen.core.ids import new_object_id
+from batchgen.core.models import UPLOAD_PURPOSES, FileObject
 from batchgen.core.tenancy import EMBEDDED, Caller
-from batchgen.core.upload_parts import PartDestination, PartFolder
-from batchgen.core.upload_validation_worker import ValidationWorker
 
 logger = logging.getLogger("batchgen.uploads")
 

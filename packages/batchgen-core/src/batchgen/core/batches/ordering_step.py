@@ -19,11 +19,11 @@ from typing import Any
 
 import anyio
 
-from batchgen.core.batch_tracker import ActiveBatch, BatchTracker
+from batchgen.core.batches.output_order import UnorderableResults, rewrite_in_input_order
+from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
 from batchgen.core.models import BatchStatus
-from batchgen.core.output_order import UnorderableResults, rewrite_in_input_order
 from batchgen.core.storage import MetadataStore
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 
 logger = logging.getLogger("batchgen.service")
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import anyio
 import attrs
 
-from batchgen.core.batch_file import LineRouter, validate_batch_file
-from batchgen.core.batch_tracker import now
+from batchgen.core.clock import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.files.batch_file import LineRouter, validate_batch_file
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject

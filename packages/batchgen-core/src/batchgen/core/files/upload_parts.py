@@ -34,8 +34,8 @@ from typing import BinaryIO
 import attrs
 
 from batchgen.core.errors import BatchGenError
-from batchgen.core.streamed_validation import Segment
-from batchgen.core.write_behind import open_write_behind
+from batchgen.core.files.streamed_validation import Segment
+from batchgen.core.files.write_behind import open_write_behind
 
 LOG = "arrived.log"
 INDEX = "arrived.index"

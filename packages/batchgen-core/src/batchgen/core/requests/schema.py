@@ -1,6 +1,6 @@
 """The request schema: what one batch input line and its body may hold, for each endpoint.
 
-Upload validation (``batch_file``) and execution (``request_executor``, ``parameters``) read a
+Upload validation (``batch_file``) and execution (``execution.executor``, ``parameters``) read a
 line only through ``read_envelope`` and ``read_body``, so a line that is accepted is exactly a
 line that can run. A line is ``{"custom_id", "method": "POST", "url", "body"}``; its body is
 decoded into the endpoint's struct: ``ChatBody`` (a non-empty ``messages`` list, each message an
@@ -43,11 +43,11 @@ import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.json_bounds import bounds_problem, integer_path
-from batchgen.core.json_escapes import escape_problem
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, SUPPORTED_ENDPOINTS
-from batchgen.core.sampling_ranges import range_problem
-from batchgen.core.structured_output import response_format_problem
+from batchgen.core.requests.json_bounds import bounds_problem, integer_path
+from batchgen.core.requests.json_escapes import escape_problem
+from batchgen.core.requests.sampling_ranges import range_problem
+from batchgen.core.requests.structured_output import response_format_problem
 
 
 class ContentPart(Struct):
@@ -311,12 +311,16 @@ def check_body(body: Body) -> Body:
 def body_problems(body: Body) -> Iterator[InvalidRequest]:
     """Every problem of a decoded body that its struct cannot state, in the order of the checks."""
     if isinstance(body, EmbeddingsBody):
-        from batchgen.core.embeddings_api import embeddings_body_problems
+        from batchgen.core.requests.embeddings_api import embeddings_body_problems
 
         yield from embeddings_body_problems(body)
         return
     if isinstance(body, ResponsesBody):
-        from batchgen.core.responses_api import CHAT_ONLY_FIELDS, responses_body_problems, responses_terms
+        from batchgen.core.requests.responses_api import (
+            CHAT_ONLY_FIELDS,
+            responses_body_problems,
+            responses_terms,
+        )
 
         yield from responses_body_problems(body)
         for problem in _generation_problems(body):  # name the Responses fields, not the chat ones
@@ -329,7 +333,7 @@ def body_problems(body: Body) -> Iterator[InvalidRequest]:
 
 
 def _responses_param(param: str | None) -> str | None:
-    from batchgen.core.responses_api import responses_terms
+    from batchgen.core.requests.responses_api import responses_terms
 
     return None if param is None else responses_terms(f"'{param}'").strip("'")
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
-from batchgen.core.batch_file import LineIndex, index_batch_file
-from batchgen.core.batch_tracker import ActiveBatch, BatchTracker
-from batchgen.core.file_catalogue import FileCatalogue
+from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
+from batchgen.core.files.batch_file import LineIndex, index_batch_file
+from batchgen.core.files.catalogue import FileCatalogue
 from batchgen.core.models import BatchStatus, FileObject
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.scheduling.deadline_turns import deadline_slot

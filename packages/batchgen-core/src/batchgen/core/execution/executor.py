@@ -35,20 +35,21 @@ from batchgen.core.backends.base import (
     generate_all,
 )
 from batchgen.core.backends.capabilities import unsupported_problem
-from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
-from batchgen.core.embeddings_api import fit_dimensions
+from batchgen.core.backends.served_models import ModelSet, Route
+from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
+from batchgen.core.clock import now
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.file_catalogue import FileCatalogue
+from batchgen.core.execution.line_requests import generation_request
+from batchgen.core.execution.result_cache import CachedResult, ResultCache
+from batchgen.core.execution.result_cache_keys import cache_key, is_deterministic
+from batchgen.core.files.catalogue import FileCatalogue
+from batchgen.core.files.line_blocks import read_spans
 from batchgen.core.ids import new_request_id
-from batchgen.core.json_bounds import lines_within_bounds
-from batchgen.core.line_blocks import read_spans
-from batchgen.core.line_requests import generation_request
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult, SamplingParameters
-from batchgen.core.parameters import ServerDefaults, resolve_sampling, sets_sampling
-from batchgen.core.request_schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
-from batchgen.core.result_cache import CachedResult, ResultCache
-from batchgen.core.result_cache_keys import cache_key, is_deterministic
-from batchgen.core.results import (
+from batchgen.core.requests.embeddings_api import fit_dimensions
+from batchgen.core.requests.json_bounds import lines_within_bounds
+from batchgen.core.requests.parameters import ServerDefaults, resolve_sampling, sets_sampling
+from batchgen.core.requests.results import (
     body_output_line,
     error_line,
     line_cached_tokens,
@@ -56,10 +57,10 @@ from batchgen.core.results import (
     replayed_body,
     response_body_json,
 )
+from batchgen.core.requests.schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
 from batchgen.core.scheduling import Finished, IntakeEntry
-from batchgen.core.served_models import ModelSet, Route
 from batchgen.core.storage import ResultWriter
-from batchgen.core.storage_faults import storage_fault
+from batchgen.core.storage.faults import storage_fault
 from batchgen.core.telemetry import RequestTelemetry
 
 logger = logging.getLogger("batchgen.service")

@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
-from batchgen.core.embeddings_api import embeddings_body
 from batchgen.core.ids import new_request_id
 from batchgen.core.models import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, GenerationResult
-from batchgen.core.responses_api import response_body, responses_terms
+from batchgen.core.requests.embeddings_api import embeddings_body
+from batchgen.core.requests.responses_api import response_body, responses_terms
 
 _encode_json = msgspec.json.Encoder().encode
 #: UTF-8 of the line breaks JSON leaves raw, and their JSON escapes. In valid UTF-8 these byte

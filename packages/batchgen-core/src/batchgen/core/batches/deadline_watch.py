@@ -1,7 +1,7 @@
 """Whether each running batch will finish by its deadline, and the one event when it will not.
 
 A batch's deadline is its ``expires_at`` (created + its completion window). ``will_miss`` is the
-rule, from the batch's measured pace (``batch_progress``: the exponentially weighted rate of its
+rule, from the batch's measured pace (``batches.progress``: the exponentially weighted rate of its
 finished requests, ``SmoothedRate``): a running batch is **at risk** when
 
 - its estimated completion (``estimated_completion_at``: now + requests left / pace) falls after
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from batchgen.core.batch_progress import ProgressEstimate
+from batchgen.core.batches.progress import ProgressEstimate
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import Batch, BatchStatus
 from batchgen.core.webhook_outbox import OutboxMessage, WebhookTargets, event_body
 
 if TYPE_CHECKING:
-    from batchgen.core.batch_tracker import BatchTracker
+    from batchgen.core.batches.tracker import BatchTracker
 
 __all__ = ["AT_RISK_EVENT", "DeadlineWatch", "at_risk_messages", "will_miss"]
 

@@ -1,7 +1,7 @@
 """The batches being worked on: their live counters and result files, and every status change.
 
 ``BatchTracker`` holds one ``ActiveBatch`` per unfinished batch. Each move of a batch goes through
-the state machine (``batch_lifecycle.advance``) and is persisted at once; counters are persisted
+the state machine (``batches.lifecycle.advance``) and is persisted at once; counters are persisted
 in groups (``flush``), since the result files, not the counters, record what finished. A batch that
 reaches a terminal status is synced, closed and forgotten once that status is saved.
 
@@ -26,27 +26,23 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from batchgen.core.batch_lifecycle import advance
-from batchgen.core.batch_log import log_transition
-from batchgen.core.batch_progress import ProgressWindow
-from batchgen.core.deadline_watch import will_miss
+from batchgen.core.batches.deadline_watch import will_miss
+from batchgen.core.batches.lifecycle import advance
+from batchgen.core.batches.log import log_transition
+from batchgen.core.batches.output_order import INPUT
+from batchgen.core.batches.progress import ProgressWindow
+from batchgen.core.clock import now
 from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts, Usage
-from batchgen.core.output_order import INPUT
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
-from batchgen.core.storage_faults import is_database_locked, storage_fault
+from batchgen.core.storage.faults import is_database_locked, storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
 
 #: The statuses whose snapshot carries a pace and an estimated end.
 _RUNNING = frozenset({BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS})
-
-
-def now() -> int:
-    """The service's clock: whole seconds since the epoch, as the API reports times."""
-    return int(time.time())
 
 
 @attrs.define(eq=False)

@@ -26,10 +26,10 @@ from typing import Any
 
 import attrs
 
-from batchgen.core.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.backends.served_models import ModelSet, ServedModel
 from batchgen.core.errors import InvalidBatchFile, LineProblem
-from batchgen.core.served_models import ModelSet, ServedModel
-from batchgen.core.streamed_validation import (
+from batchgen.core.files.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.files.streamed_validation import (
     BomStrip,
     Segment,
     StreamedValidation,
@@ -41,7 +41,7 @@ from batchgen.core.streamed_validation import (
 MAX_WORKERS = 2
 _workers = threading.BoundedSemaphore(MAX_WORKERS)
 #: What the worker process runs (``python -c``: ``-m`` would import this module twice).
-_WORKER_MAIN = "from batchgen.core.upload_validation_worker import main; main()"
+_WORKER_MAIN = "from batchgen.core.files.upload_validation_worker import main; main()"
 
 
 @attrs.frozen

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import attrs
 
-from batchgen.core.batch_file import validate_batch_file
+from batchgen.core.batches.result_merge import FamilyIndex, Outcome
 from batchgen.core.errors import Conflict, InvalidRequest
+from batchgen.core.files.batch_file import validate_batch_file
 from batchgen.core.idempotency import fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import Batch, BatchParameters, FileObject
-from batchgen.core.result_merge import FamilyIndex, Outcome
 from batchgen.core.tenancy import EMBEDDED, Caller
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any, NamedTuple, cast
 
-from batchgen.core.batch_file import VALIDATION_BLOCK_BYTES, BatchFileSummary, LineRouter, _Validation
+from batchgen.core.files.batch_file import VALIDATION_BLOCK_BYTES, BatchFileSummary, LineRouter, _Validation
 
 #: Hash buckets the ids are spread over, so the duplicate check at the end works a bucket at a time.
 BUCKET_BITS = 6

@@ -23,7 +23,7 @@ from msgspec import UNSET
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.ids import new_request_id
 from batchgen.core.models import GenerationResult
-from batchgen.core.structured_output import from_responses_text, response_format_problem
+from batchgen.core.requests.structured_output import from_responses_text, response_format_problem
 
 #: Fields whose features BatchGen does not run, and why, in the words of the 400.
 UNSUPPORTED_FIELDS = {

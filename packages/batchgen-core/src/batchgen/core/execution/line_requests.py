@@ -10,7 +10,7 @@ capabilities declare them (``backends.capabilities``); upload validation has ref
 from __future__ import annotations
 
 from batchgen.core.backends.capabilities import passed_options
-from batchgen.core.embeddings_api import read_inputs
+from batchgen.core.backends.served_models import Route
 from batchgen.core.models import (
     CHAT_COMPLETIONS,
     EMBEDDINGS,
@@ -19,8 +19,10 @@ from batchgen.core.models import (
     GenerationRequest,
     SamplingParameters,
 )
-from batchgen.core.parameters import ServerDefaults, resolve_sampling
-from batchgen.core.request_schema import (
+from batchgen.core.requests.embeddings_api import read_inputs
+from batchgen.core.requests.parameters import ServerDefaults, resolve_sampling
+from batchgen.core.requests.responses_api import chat_messages
+from batchgen.core.requests.schema import (
     Body,
     ChatBody,
     CompletionBody,
@@ -28,8 +30,6 @@ from batchgen.core.request_schema import (
     Envelope,
     message_dicts,
 )
-from batchgen.core.responses_api import chat_messages
-from batchgen.core.served_models import Route
 
 
 def generation_request(

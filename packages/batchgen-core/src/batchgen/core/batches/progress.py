@@ -22,34 +22,13 @@ from collections.abc import Callable
 
 import attrs
 
+from batchgen.core.models import UNKNOWN, ProgressEstimate
 from batchgen.core.smoothed_rate import SmoothedRate
 
 #: The time constant (seconds) of the batch's pace: what happened that long ago weighs 1/e.
 DEFAULT_WINDOW_S = 120.0
 #: Less history than this gives no pace (one request done in a millisecond is no pace).
 MIN_SPAN_S = 1.0
-
-
-@attrs.frozen
-class ProgressEstimate:
-    """A batch's recent pace and what it predicts; None where it is unknown."""
-
-    requests_per_second: float | None = None
-    seconds_remaining: float | None = None
-    #: The Unix time (whole seconds, rounded up) the batch is expected to be done.
-    completion_at: int | None = None
-
-    def to_dict(self) -> dict[str, float | int | None]:
-        """The batch object's fields (rounded for reading)."""
-        rate, left = self.requests_per_second, self.seconds_remaining
-        return {
-            "requests_per_second": None if rate is None else round(rate, 3),
-            "estimated_seconds_remaining": None if left is None else round(left, 1),
-            "estimated_completion_at": self.completion_at,
-        }
-
-
-UNKNOWN = ProgressEstimate()
 
 
 def estimate(rate: float | None, remaining: int) -> ProgressEstimate:

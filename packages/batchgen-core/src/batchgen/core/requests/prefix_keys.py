@@ -46,7 +46,7 @@ import msgspec
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES
-from batchgen.core.responses_api import chat_messages
+from batchgen.core.requests.responses_api import chat_messages
 
 __all__ = ["PREFIX_CHARS", "chat_prefix_key", "line_prefix_key", "prefix_key", "prompt_prefix_key"]
 

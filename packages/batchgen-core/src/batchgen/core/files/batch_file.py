@@ -1,7 +1,7 @@
 """The batch input file format: validating an uploaded JSONL file and indexing its lines.
 
 Validation reads the file once, in blocks of whole lines, checks each line against the request
-schema (``request_schema``, the same code that reads a line when it runs) and the server's models,
+schema (``requests.schema``, the same code that reads a line when it runs) and the server's models,
 and reports every problem of the first lines with problems by 1-based line number (those of the
 schema and of the model checks together, in the line's field order; bounded:
 ``MAX_REPORTED_LINES`` lines, ``MAX_LINE_PROBLEMS`` problems each, the rest counted). Lines are accepted a few hundred at a time
@@ -23,10 +23,11 @@ import attrs
 import msgspec
 
 from batchgen.core.errors import InvalidBatchFile, InvalidRequest, LineProblem
-from batchgen.core.json_bounds import lines_within_bounds
 from batchgen.core.models import RESPONSES
-from batchgen.core.prefix_keys import line_prefix_key
-from batchgen.core.request_schema import (
+from batchgen.core.requests.json_bounds import lines_within_bounds
+from batchgen.core.requests.prefix_keys import line_prefix_key
+from batchgen.core.requests.responses_api import responses_terms
+from batchgen.core.requests.schema import (
     Body,
     block_reader,
     check_body,
@@ -36,7 +37,6 @@ from batchgen.core.request_schema import (
     read_body,
     read_envelope,
 )
-from batchgen.core.responses_api import responses_terms
 
 #: How many lines with problems a validation error lists before counting the rest, and how many
 #: problems of one line (a line's problems are all found, as a compiler finds a file's).

@@ -7,7 +7,7 @@ from typing import Any
 
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import BatchParameters
-from batchgen.core.sampling_ranges import range_problem
+from batchgen.core.requests.sampling_ranges import range_problem
 
 _WINDOW = re.compile(r"([1-9][0-9]*)([smhd])", re.ASCII)
 _WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -13,12 +13,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from batchgen.core.batch_lifecycle import advance
-from batchgen.core.batch_log import log_transition
-from batchgen.core.batch_starter import BatchStarter
-from batchgen.core.batch_tracker import ActiveBatch, BatchTracker, now
+from batchgen.core.batches.lifecycle import advance
+from batchgen.core.batches.log import log_transition
+from batchgen.core.batches.output_order import INPUT, remove_leftovers
+from batchgen.core.batches.starter import BatchStarter
+from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
+from batchgen.core.clock import now
 from batchgen.core.models import BatchStatus
-from batchgen.core.output_order import INPUT, remove_leftovers
 from batchgen.core.storage import BlobStore, MetadataStore
 from batchgen.core.storage.result_files import FinishedLines
 
