@@ -22,6 +22,7 @@ import msgspec
 from batchgen.core.errors import Conflict, InvalidRequest
 from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.storage import IdempotencyRecord, MetadataStore
+from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.tenancy import scoped_key
 
 MAX_KEY_LENGTH = 255
@@ -49,10 +50,13 @@ def check_key(key: str) -> None:
 class IdempotencyLedger:
     """Keys recorded in the metadata store, each scoped to the kind of object it made."""
 
-    def __init__(self, metadata: MetadataStore) -> None:
+    def __init__(self, metadata: MetadataStore, calls: MetadataCalls) -> None:
         self._metadata = metadata
+        self._calls = calls
 
-    def replay(self, key: str, scope: str, call_fingerprint: str, tenant: str = DEFAULT_TENANT) -> str | None:
+    async def replay(
+        self, key: str, scope: str, call_fingerprint: str, tenant: str = DEFAULT_TENANT
+    ) -> str | None:
         """The id of the object an earlier call with this key made, if it still exists, or None.
 
         Keys are per tenant: another tenant's key of the same name is a different key.
@@ -61,10 +65,10 @@ class IdempotencyLedger:
         """
         check_key(key)
         stored_key = scoped_key(tenant, key)
-        recorded = self._metadata.get_idempotency_key(stored_key)
+        recorded = await self._calls(self._metadata.get_idempotency_key, stored_key)
         if recorded is None and tenant == DEFAULT_TENANT:  # stored by an older version
             stored_key = key
-            recorded = self._metadata.get_idempotency_key(stored_key)
+            recorded = await self._calls(self._metadata.get_idempotency_key, stored_key)
         if recorded is None:
             return None
         recorded_scope, recorded_fingerprint, object_id = recorded
@@ -73,16 +77,16 @@ class IdempotencyLedger:
                 f"Idempotency-Key '{key}' was already used with a different request; "
                 "use a new key for a new request."
             )
-        if not self._exists(scope, object_id):
-            self._metadata.delete_idempotency_key(stored_key)
+        if not await self._exists(scope, object_id):
+            await self._calls(self._metadata.delete_idempotency_key, stored_key)
             return None
         return object_id
 
-    def _exists(self, scope: str, object_id: str) -> bool:
+    async def _exists(self, scope: str, object_id: str) -> bool:
         if scope == "file":
-            return self._metadata.get_file(object_id) is not None
+            return await self._calls(self._metadata.get_file, object_id) is not None
         if scope == "batch":
-            return self._metadata.get_batch(object_id) is not None
+            return await self._calls(self._metadata.get_batch, object_id) is not None
         return True
 
     @staticmethod

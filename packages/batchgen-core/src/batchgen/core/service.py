@@ -106,6 +106,7 @@ from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
 from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.storage.folder_lock import FolderLock
+from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
@@ -191,7 +192,9 @@ class _Parts:
         settings = service.settings
         self.metadata = metadata
         self.tasks = tasks
-        self.ledger = IdempotencyLedger(metadata)
+        #: How the API's calls reach the metadata store: in place, or in worker threads.
+        self.calls = MetadataCalls(metadata)
+        self.ledger = IdempotencyLedger(metadata, self.calls)
         self.tracker = BatchTracker(
             metadata,
             service.blobs,
@@ -213,6 +216,7 @@ class _Parts:
             metadata,
             service.blobs,
             self.ledger,
+            calls=self.calls,
             max_upload_bytes=settings.max_upload_bytes,
             file_expiry_s=settings.file_expiry_s,
             in_use=service._live_user_of_file,
@@ -523,7 +527,7 @@ class BatchService:
 
     @_storage_call("read the file's record")
     async def get_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileObject:
-        return self.parts.files.get(file_id, caller)
+        return await self.parts.files.get(file_id, caller)
 
     @_storage_call("list the files")
     async def list_files(
@@ -535,20 +539,23 @@ class BatchService:
         purpose: str | None = None,
         caller: Caller = EMBEDDED,
     ) -> tuple[list[FileObject], bool]:
-        return self.parts.files.list(after=after, limit=limit, order=order, purpose=purpose, caller=caller)
+        return await self.parts.files.list(
+            after=after, limit=limit, order=order, purpose=purpose, caller=caller
+        )
 
     @_storage_call("delete the file")
     async def delete_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> None:
-        self.parts.files.delete(file_id, caller)
+        await self.parts.files.delete(file_id, caller)
 
     @_storage_call("read the file")
     async def file_content(self, file_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, int]:
         """The file's path and how many bytes of it to read now (an output file keeps growing)."""
-        return self.parts.files.content(file_id, caller)
+        return await self.parts.files.content(file_id, caller)
 
-    def _live_user_of_file(self, file_id: str) -> Batch | None:
-        """A batch that still needs the file (it is running or not yet ended), or None."""
-        for batch in self.metadata.batches_using_file(file_id):
+    def _live_user_of_file(self, batches: Sequence[Batch]) -> Batch | None:
+        """Of ``batches`` (those naming a file), one that still needs the file (it is running or
+        not yet ended), or None."""
+        for batch in batches:
             if batch.id in self.parts.tracker or batch.status.is_active:
                 return batch
         return None
@@ -608,9 +615,43 @@ class BatchService:
             *(() if order == COMPLETION else (order,)),  # fingerprints of earlier keys stay the same
         )
         if idempotency_key is not None:
-            earlier = parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
+            earlier = await parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
             if earlier is not None:
                 return await self.get_batch(earlier, caller=caller)
+        async with parts.calls.one_at_a_time():  # from the file's check to the batch's row
+            return await self._admit_batch(
+                input_file_id,
+                endpoint,
+                completion_window=completion_window,
+                metadata=metadata,
+                parameters=parameters,
+                output_expires_after_s=output_expires_after_s,
+                order=order,
+                idempotency_key=idempotency_key,
+                call=call,
+                caller=caller,
+                retry_of=retry_of,
+                new_input=new_input,
+            )
+
+    async def _admit_batch(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        *,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        parameters: BatchParameters,
+        output_expires_after_s: int | None,
+        order: str,
+        idempotency_key: str | None,
+        call: str,
+        caller: Caller,
+        retry_of: str | None,
+        new_input: FileObject | None,
+    ) -> Batch:
+        """``create_batch`` once its Idempotency-Key found no earlier batch: check, admit, record."""
+        parts = self.parts
         health = self.health()
         # Only the storage failing (another process holds the database locked, a full disk): the
         # write below says whether it works now (else 503 storage_unavailable, or 507 when full).
@@ -631,7 +672,9 @@ class BatchService:
         check_parameters(parameters)
         check_output_expiry(output_expires_after_s)
         file = new_input or (
-            self.metadata.get_file(input_file_id) if isinstance(input_file_id, str) else None
+            await parts.calls(self.metadata.get_file, input_file_id)
+            if isinstance(input_file_id, str)
+            else None
         )
         if file is None or not caller.sees(file.owner):
             raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
@@ -645,7 +688,7 @@ class BatchService:
                 f"The file's requests use '{file.url}' but the batch endpoint is '{endpoint}'.",
                 param="endpoint",
             )
-        for other in self.metadata.batches_using_file(file.id):
+        for other in await parts.calls(self.metadata.batches_using_file, file.id):
             tracked = parts.tracker.get(other.id)
             if tracked is not None:
                 other = tracked.batch  # its status now, saved or not
@@ -690,7 +733,8 @@ class BatchService:
         try:
             # the row and its key in one step: a failure (a full disk) records neither, and
             # nothing is tracked before the row exists
-            self.metadata.insert_batch(
+            await parts.calls(
+                self.metadata.insert_batch,
                 batch,
                 idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant),
                 input_file=new_input,
@@ -758,10 +802,14 @@ class BatchService:
     @_storage_call("read the batch")
     async def get_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:
         active = self.parts.tracker.get(batch_id)
-        batch = active.snapshot() if active is not None else self.metadata.get_batch(batch_id)
+        batch = (
+            active.snapshot()
+            if active is not None
+            else await self.parts.calls(self.metadata.get_batch, batch_id)
+        )
         if batch is None or not caller.sees(batch.owner):
             raise NotFound(f"No batch with id '{batch_id}'.")
-        return with_retries(self, [batch])[0]
+        return (await with_retries(self, [batch]))[0]
 
     @_storage_call("list the batches")
     async def list_batches(
@@ -772,11 +820,15 @@ class BatchService:
         if order not in ("asc", "desc"):
             raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
         tracker = self.parts.tracker
-        batches, has_more = self.metadata.list_batches(
-            after=after, limit=limit, descending=order == "desc", owner=caller.owner_filter
+        batches, has_more = await self.parts.calls(
+            self.metadata.list_batches,
+            after=after,
+            limit=limit,
+            descending=order == "desc",
+            owner=caller.owner_filter,
         )
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
-        return with_retries(self, live), has_more
+        return await with_retries(self, live), has_more
 
     @_storage_call("retry the batch")
     async def retry_batch(
@@ -829,7 +881,7 @@ class BatchService:
                 return batch
             await anyio.sleep(poll_interval)
 
-    def expire_due(self) -> None:
+    async def expire_due(self) -> None:
         """End batches past their completion window, and delete files past their expiry.
 
         Such a batch ends ``failed`` with ``batch_failed`` saying it timed out (the user guide), or
@@ -856,7 +908,7 @@ class BatchService:
                     f"({active.completed} completed, {active.failed} failed); their lines are kept "
                     "in the output file.",
                 )
-        parts.files.delete_expired()
+        await parts.files.delete_expired()
         parts.uploads.expire_due()
 
     # --- monitoring -----------------------------------------------------------------------
@@ -941,7 +993,9 @@ class BatchService:
         """Per tenant: batches, finished requests and tokens over all time (an admin sees every
         tenant, any other caller its own). Saved figures plus what running batches did since
         their last save, so nothing is written per request."""
-        saved = {usage.tenant: usage for usage in self.metadata.usage(caller.owner_filter)}
+        saved = {
+            usage.tenant: usage for usage in await self.parts.calls(self.metadata.usage, caller.owner_filter)
+        }
         for active in self.parts.tracker:
             owner, last = active.batch.owner, active.saved
             if last is None or not caller.sees(owner):

@@ -84,13 +84,13 @@ class RetryRequest:
         return fingerprint("retry", batch_id, sorted(self.outcomes), self.overrides)
 
 
-def with_retries(service: BatchService, batches: Sequence[Batch]) -> list[Batch]:
+async def with_retries(service: BatchService, batches: Sequence[Batch]) -> list[Batch]:
     """The batches with ``retries`` filled in: only an ended batch can have any, and it is read
     from the store anyway, so a running batch's poll stays answered from memory."""
     ended = [batch.id for batch in batches if batch.status.is_terminal]
     if not ended:
         return list(batches)
-    found = service.metadata.retries_of(ended)
+    found = await service.parts.calls(service.metadata.retries_of, ended)
     return [attrs.evolve(batch, retries=found[batch.id]) if batch.id in found else batch for batch in batches]
 
 
@@ -107,7 +107,7 @@ class BatchRetries:
         service = self._service
         root = await service.get_batch(batch_id, caller=caller)
         members = [root]
-        for member_id in service.metadata.retry_family(root.id):
+        for member_id in await service.parts.calls(service.metadata.retry_family, root.id):
             if member_id != root.id:
                 members.append(await service.get_batch(member_id))
         return members
@@ -117,7 +117,8 @@ class BatchRetries:
         service = self._service
         members = await self.family(batch_id, caller)
         root = members[0]
-        input_file = service.metadata.get_file(root.input_file_id)
+        calls = service.parts.calls
+        input_file = await calls(service.metadata.get_file, root.input_file_id)
         if input_file is None:
             raise _conflict(
                 f"The input file '{root.input_file_id}' of batch '{root.id}' was deleted, so its "
@@ -130,7 +131,7 @@ class BatchRetries:
                 (member.output_file_id, service.blobs.output_path(member.id)),
                 (member.error_file_id, service.blobs.error_path(member.id)),
             ):
-                if file_id is not None and service.metadata.get_file(file_id) is None:
+                if file_id is not None and await calls(service.metadata.get_file, file_id) is None:
                     raise _conflict(
                         f"The result file '{file_id}' of batch '{member.id}' was deleted or has expired, "
                         "so the results it held are gone.",
@@ -163,7 +164,7 @@ class BatchRetries:
         service = self._service
         call = request.fingerprint(batch_id)
         if idempotency_key is not None:
-            earlier = service.parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
+            earlier = await service.parts.ledger.replay(idempotency_key, "batch", call, caller.tenant)
             if earlier is not None:
                 return await service.get_batch(earlier, caller=caller)
         original = await service.get_batch(batch_id, caller=caller)
@@ -224,8 +225,10 @@ class BatchRetries:
                 new_input=new_input,
             )
         except BaseException:
-            if service.metadata.get_file(new_input.id) is None:  # no batch was made: nor its input
-                service.blobs.remove(new_input.path)
+            with anyio.CancelScope(shield=True):  # a cancelled call cleans up too
+                # no batch was made: nor its input
+                if await service.parts.calls(service.metadata.get_file, new_input.id) is None:
+                    service.blobs.remove(new_input.path)
             raise
 
     async def _placed_input(self, staging: Path, filename: str, owner: Caller) -> FileObject:

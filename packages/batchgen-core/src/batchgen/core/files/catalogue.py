@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import anyio
@@ -24,6 +24,7 @@ from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
 from batchgen.core.storage import BlobStore, MetadataStore
+from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.tenancy import EMBEDDED, Caller
 
 MAX_FILE_EXPIRY_S = 30 * 86400
@@ -46,13 +47,16 @@ class FileCatalogue:
         blobs: BlobStore,
         ledger: IdempotencyLedger,
         *,
+        calls: MetadataCalls,
         max_upload_bytes: int,
         file_expiry_s: int | None,
-        in_use: Callable[[str], Batch | None],
+        in_use: Callable[[Sequence[Batch]], Batch | None],
         served_models: Collection[str] | LineRouter | None = None,
     ) -> None:
-        """``in_use(file_id)`` is a live batch that still needs the file, or None."""
+        """``in_use(batches)``: of the batches that name a file, a live one that still needs it,
+        or None. The API's calls reach the metadata store through ``calls``."""
         self._metadata = metadata
+        self._calls = calls
         self._blobs = blobs
         self._ledger = ledger
         self.max_upload_bytes = max_upload_bytes
@@ -109,10 +113,10 @@ class FileCatalogue:
             if idempotency_key is not None:
                 digest = await anyio.to_thread.run_sync(_file_digest, staging_path)
                 call = fingerprint(digest, filename, purpose, expires_after_s)
-                earlier = self._ledger.replay(idempotency_key, "file", call, caller.tenant)
+                earlier = await self._ledger.replay(idempotency_key, "file", call, caller.tenant)
                 if earlier is not None:
                     self._blobs.remove(staging_path)
-                    return self.get(earlier)
+                    return await self.get(earlier)
             if purpose not in UPLOAD_PURPOSES:
                 raise InvalidRequest(
                     f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}",
@@ -150,13 +154,15 @@ class FileCatalogue:
         try:
             if idempotency_key is not None:
                 # a twin upload with the same key may have finished while this one validated
-                earlier = self._ledger.replay(idempotency_key, "file", call, caller.tenant)
+                earlier = await self._ledger.replay(idempotency_key, "file", call, caller.tenant)
                 if earlier is not None:
                     self._blobs.remove(path)
-                    return self.get(earlier)
+                    return await self.get(earlier)
             # the row and its key in one step: a failure (a full disk) records neither
-            self._metadata.insert_file(
-                file, idempotency=self._ledger.entry(idempotency_key, "file", call, created, caller.tenant)
+            await self._calls(
+                self._metadata.insert_file,
+                file,
+                idempotency=self._ledger.entry(idempotency_key, "file", call, created, caller.tenant),
             )
         except BaseException:
             self._blobs.remove(path)  # no row points at it: an upload that fails leaves nothing
@@ -195,6 +201,7 @@ class FileCatalogue:
         )
 
     def register(self, file: FileObject) -> None:
+        """Record a file made in place (the Uploads API's, on its own path: in place, for now)."""
         self._metadata.insert_file(file)
 
     def stored_bytes(self, owner: str) -> int:
@@ -231,50 +238,55 @@ class FileCatalogue:
         )
 
     # --- reading and deleting --------------------------------------------------------------
-    def record(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
+    async def record(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
         """The stored record, or NotFound (also when the caller may not see it)."""
-        file = self._metadata.get_file(file_id)
+        file = await self._calls(self._metadata.get_file, file_id)
         if file is None or not caller.sees(file.owner):
             raise NotFound(f"No file with id '{file_id}'.")
         return file
 
-    def get(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
+    async def get(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
         """The file as the API shows it: a result file with its current size."""
-        return self._with_live_size(self.record(file_id, caller))
+        return self._with_live_size(await self.record(file_id, caller))
 
-    def list(
+    async def list(
         self, *, after: str | None, limit: int, order: str, purpose: str | None, caller: Caller = EMBEDDED
     ) -> tuple[list[FileObject], bool]:
         if order not in ("asc", "desc"):
             raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
         if not 1 <= limit <= 10000:
             raise InvalidRequest("limit must be between 1 and 10000", param="limit")
-        files, has_more = self._metadata.list_files(
-            after=after, limit=limit, descending=order == "desc", purpose=purpose, owner=caller.owner_filter
+        files, has_more = await self._calls(
+            self._metadata.list_files,
+            after=after,
+            limit=limit,
+            descending=order == "desc",
+            purpose=purpose,
+            owner=caller.owner_filter,
         )
         return [self._with_live_size(file) for file in files], has_more
 
-    def delete(self, file_id: str, caller: Caller = EMBEDDED) -> None:
-        file = self.record(file_id, caller)
-        user = self._in_use(file_id)
+    async def delete(self, file_id: str, caller: Caller = EMBEDDED) -> None:
+        file = await self.record(file_id, caller)
+        user = self._in_use(await self._calls(self._metadata.batches_using_file, file_id))
         if user is not None:
             raise Conflict(
                 f"File '{file_id}' is in use by batch '{user.id}' ({user.status.value}); "
                 "cancel the batch or wait for it to end first."
             )
-        self._metadata.delete_file(file_id)
+        await self._calls(self._metadata.delete_file, file_id)
         self._blobs.remove(file.path)
 
-    def content(self, file_id: str, caller: Caller = EMBEDDED) -> tuple[Path, int]:
+    async def content(self, file_id: str, caller: Caller = EMBEDDED) -> tuple[Path, int]:
         """The file's path and how many bytes of it to read now (an output file keeps growing)."""
-        file = self.get(file_id, caller)
+        file = await self.get(file_id, caller)
         return Path(file.path), file.bytes
 
-    def delete_expired(self) -> None:
+    async def delete_expired(self) -> None:
         """Delete files past their expiry that no live batch needs."""
-        for file in self._metadata.expired_files(now()):
-            if self._in_use(file.id) is None:
-                self._metadata.delete_file(file.id)
+        for file in await self._calls(self._metadata.expired_files, now()):
+            if self._in_use(await self._calls(self._metadata.batches_using_file, file.id)) is None:
+                await self._calls(self._metadata.delete_file, file.id)
                 self._blobs.remove(file.path)
 
     @staticmethod

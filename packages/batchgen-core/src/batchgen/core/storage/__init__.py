@@ -5,6 +5,8 @@
 - ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back;
 - ``postgres_metadata.PostgresMetadataStore``: the same metadata in PostgreSQL (the ``postgres``
   extra; imported from its module, so the package loads without psycopg);
+- ``metadata_calls.MetadataCalls``: how the service calls a metadata store (in place, or in worker
+  threads for one across a network);
 - ``metadata_rows``: the rows both metadata stores keep, and their mapping to the models;
 - ``metadata_queries``: the SQL both stores run alike, built for each driver's placeholder;
 - ``durable_folders.sync_folder``: fsync a folder, so a file created or renamed in it survives a crash.

@@ -5,9 +5,10 @@ SQLite (``SQLiteMetadataStore``) and the local filesystem (``LocalBlobStore``, `
 ``PostgresMetadataStore`` (for several servers sharing one database) passes the same contract
 tests, ``tests/core/test_storage_contract.py``.
 
-Calls are synchronous and short: the service makes them on its event loop, so an implementation
-over a network keeps its own connection pool and answers quickly, or the service must move the
-call to a thread.
+Calls are synchronous. The service makes them through ``storage.metadata_calls.MetadataCalls``:
+in place for a store on the local disk, in worker threads for a store that sets
+``calls_block = True`` (one across a network, whose calls can wait), so that the event loop never
+waits on one of its API paths.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ same row layout (``storage.metadata_rows``).
   block raises): a file and its Idempotency-Key, a batch and a retry's input file, a batch's
   state and its webhook messages are written together or not at all. Reads run in autocommit:
   one statement, no COMMIT round trip.
-- **No call waits long.** The store is called from the event loop, like SQLite's: a write that
-  finds a row or table locked by another connection gives up after ``LOCK_TIMEOUT_S``, any
-  statement after ``STATEMENT_TIMEOUT_S``, and getting a connection after ``CONNECTION_WAIT_S``;
+- **No call waits long.** The service makes its API's calls from worker threads
+  (``calls_block``, ``storage.metadata_calls``), and a write that finds a row or table locked by
+  another connection gives up after ``LOCK_TIMEOUT_S``, any statement after
+  ``STATEMENT_TIMEOUT_S``, and getting a connection after ``CONNECTION_WAIT_S``;
   ``storage.faults`` turns those errors, and an unreachable or restarting server, into
   ``StorageUnavailable`` (503 with ``Retry-After``).
 - **Start.** The schema is made (or columns a newer version added are added) under an advisory
@@ -159,6 +160,9 @@ def _configure(connection: psycopg.Connection[Any]) -> None:
 
 class PostgresMetadataStore:
     """Files and batches in the PostgreSQL database at ``url`` (``postgresql://…``)."""
+
+    #: Its calls wait on the network: the service makes them in worker threads (``MetadataCalls``).
+    calls_block = True
 
     def __init__(self, url: str) -> None:
         self._url = url

@@ -1,0 +1,212 @@
+"""Metadata calls off the event loop: in place for SQLite, in worker threads for a store that blocks.
+
+``MetadataCalls`` alone: where a call runs, how many run at once, and what ``one_at_a_time``
+serialises. Then the embedded service over a store whose every call takes 0.1 s and says it
+blocks (SQLite underneath, so the rules are the real ones): the API's file and batch calls (uploads
+with an Idempotency-Key and their replays, reads, lists, content, usage, a batch's idempotent
+replay, deleting a file) make every metadata call in a worker thread, and a heartbeat on the event
+loop never stalls meanwhile. Over plain SQLite the same calls run in place, on the loop's thread,
+as they always did.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from batchgen.core import BatchService, ServiceSettings
+from batchgen.core.backends.simulated import SimulatedBackend
+from batchgen.core.models import BatchStatus
+from batchgen.core.storage import MetadataStore, SQLiteMetadataStore
+from batchgen.core.storage.metadata_calls import MetadataCalls
+
+pytestmark = pytest.mark.anyio
+CHAT = "/v1/chat/completions"
+CALL_S = 0.1
+
+
+class _Recorded:
+    """A store (SQLite underneath) that records the thread of every call, and can be made slow."""
+
+    def __init__(self, inner: MetadataStore, *, blocks: bool) -> None:
+        self._inner = inner
+        self.calls_block = blocks
+        self.delay_s = 0.0
+        self.calls: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.get_ident()))
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            return method(*args, **kwargs)
+
+        return call
+
+
+def _lines(count: int) -> bytes:
+    return b"".join(
+        msgspec.json.encode(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": CHAT,
+                "body": {"messages": [{"role": "user", "content": "hi"}]},
+            }
+        )
+        + b"\n"
+        for i in range(count)
+    )
+
+
+class _Heartbeat:
+    """A task on the event loop that ticks every 10 ms and remembers the longest gap."""
+
+    def __init__(self) -> None:
+        self.longest_gap_s = 0.0
+
+    async def run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.01)
+            moment = time.monotonic()
+            self.longest_gap_s = max(self.longest_gap_s, moment - last)
+            last = moment
+
+
+async def _api_calls(service: BatchService, staging: Callable[[], Path], batch_id: str) -> None:
+    """File and batch calls of the API that start no batch (a running batch's own saves are the
+    tracker's, which stay in place for now)."""
+    path = staging()
+    path.write_bytes(_lines(3))
+    first = await service.add_file(path, filename="a.jsonl", purpose="batch", idempotency_key="upload-1")
+    path = staging()
+    path.write_bytes(_lines(3))
+    again = await service.add_file(path, filename="a.jsonl", purpose="batch", idempotency_key="upload-1")
+    assert again.id == first.id
+    assert (await service.get_file(first.id)).id == first.id
+    assert first.id in [file.id for file in (await service.list_files())[0]]
+    assert (await service.file_content(first.id))[1] == first.bytes
+    batch = await service.get_batch(batch_id)
+    assert batch.status is BatchStatus.COMPLETED
+    assert [listed.id for listed in (await service.list_batches())[0]] == [batch_id]
+    assert (await service.create_batch(batch.input_file_id, CHAT, idempotency_key="batch-1")).id == batch_id
+    assert (await service.usage())[0].completed_requests == 4
+    await service.delete_file(first.id)
+
+
+async def _run(tmp_path: Path, *, blocks: bool) -> tuple[list[tuple[str, int]], int, float]:
+    """The calls the API made (method, thread), the loop's thread, and the loop's longest stall."""
+    recorded: list[_Recorded] = []
+
+    def open_metadata(path: Path) -> MetadataStore:
+        recorded.append(_Recorded(SQLiteMetadataStore(path), blocks=blocks))
+        return recorded[-1]
+
+    settings = ServiceSettings(storage_path=tmp_path, counters_flush_interval_s=0.05, max_pool_size=8)
+    async with BatchService(settings, SimulatedBackend(), open_metadata=open_metadata) as service:
+        file = await service.create_file(_lines(4))
+        batch = await service.create_batch(file.id, CHAT, idempotency_key="batch-1")
+        with anyio.fail_after(30):
+            await service.wait_for_batch(batch.id)
+            while batch.id in service.parts.tracker:  # its last save landed: nothing of it runs
+                await anyio.sleep(0.01)
+        store = recorded[0]
+        store.calls.clear()
+        store.delay_s = CALL_S
+        heartbeat = _Heartbeat()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(heartbeat.run)
+            await _api_calls(service, service.new_upload_path, batch.id)
+            await service.expire_due()  # the maintenance job: nothing expired, but it looked
+            tasks.cancel_scope.cancel()
+        calls = list(store.calls)
+        store.delay_s = 0.0
+        return calls, threading.get_ident(), heartbeat.longest_gap_s
+
+
+async def test_a_store_that_blocks_is_called_from_worker_threads_and_the_loop_never_waits(
+    tmp_path: Path,
+) -> None:
+    calls, loop_thread, longest_gap_s = await _run(tmp_path, blocks=True)
+    names = {name for name, _ in calls}
+    assert {
+        "get_idempotency_key",
+        "insert_file",
+        "get_file",
+        "list_files",
+        "get_batch",
+        "list_batches",
+    } <= names
+    assert {"retries_of", "usage", "batches_using_file", "delete_file", "expired_files"} <= names
+    on_loop = sorted({name for name, thread in calls if thread == loop_thread})
+    assert on_loop == [], f"called on the event loop: {on_loop}"
+    assert longest_gap_s < CALL_S * 0.8, f"the loop stalled {longest_gap_s:.3f} s"
+
+
+async def test_sqlite_is_called_in_place_as_before(tmp_path: Path) -> None:
+    calls, loop_thread, _ = await _run(tmp_path, blocks=False)
+    assert calls and {thread for _, thread in calls} == {loop_thread}
+
+
+async def test_calls_in_threads_run_at_most_limit_at_once_and_in_place_ones_on_the_caller() -> None:
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def slow() -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return threading.get_ident()
+
+    class Blocking:
+        calls_block = True
+
+    threaded = MetadataCalls(Blocking(), limit=3)  # type: ignore[arg-type]
+    threads: list[int] = []
+
+    async def one() -> None:
+        threads.append(await threaded(slow))
+
+    async with anyio.create_task_group() as tasks:
+        for _ in range(9):
+            tasks.start_soon(one)
+    assert most == 3 and threading.get_ident() not in threads
+    in_place = MetadataCalls(object())  # type: ignore[arg-type]
+    assert not in_place.in_threads and await in_place(threading.get_ident) == threading.get_ident()
+
+
+async def test_one_at_a_time_serialises_sequences_in_threads() -> None:
+    class Blocking:
+        calls_block = True
+
+    calls = MetadataCalls(Blocking())  # type: ignore[arg-type]
+    inside, overlaps = 0, 0
+
+    async def sequence() -> None:
+        nonlocal inside, overlaps
+        async with calls.one_at_a_time():
+            inside += 1
+            overlaps += inside > 1
+            await calls(time.sleep, 0.02)
+            inside -= 1
+
+    async with anyio.create_task_group() as tasks:
+        for _ in range(5):
+            tasks.start_soon(sequence)
+    assert overlaps == 0
