@@ -130,34 +130,38 @@ class WebhookDeliverer:
         A target with an attempt in flight is left out of the next look at the outbox, so the
         other targets' messages (new ones too) keep going out while it answers slowly.
         """
-        if not self._save_outcomes() or not self._due():
+        if not await self._save_outcomes() or not await self._due():
             return
         async with (
             httpx.AsyncClient(timeout=self._timeout_s, transport=self._transport) as client,
             anyio.create_task_group() as tasks,
         ):
             while True:
-                for target, messages in self._due_by_target().items():
+                for target, messages in (await self._due_by_target()).items():
                     self._in_flight.add(target)
                     tasks.start_soon(self._deliver_all, client, target, messages)
                 if not self._in_flight:
                     return
                 await anyio.sleep(self._poll_interval_s)
-                self._save_outcomes()
+                await self._save_outcomes()
 
-    def _due(self) -> list[OutboxMessage]:
+    async def _due(self) -> list[OutboxMessage]:
         free = MAX_TARGETS_IN_FLIGHT - len(self._in_flight)
         if free <= 0:
             return []
-        due = self._service.metadata.due_webhooks(
-            self._clock(), MAX_MESSAGES_PER_RUN, skip_targets=self._in_flight
+        service = self._service
+        due = await service.parts.calls(
+            service.metadata.due_webhooks,
+            self._clock(),
+            MAX_MESSAGES_PER_RUN,
+            skip_targets=frozenset(self._in_flight),  # a copy: the set changes while a thread reads
         )
         return [message for message in due if (message.event_id, message.target) not in self._unsaved]
 
-    def _due_by_target(self) -> dict[str, list[OutboxMessage]]:
+    async def _due_by_target(self) -> dict[str, list[OutboxMessage]]:
         """Due messages of targets with nothing in flight (at most as many targets as may start)."""
         try:
-            due = self._due()
+            due = await self._due()
         except Exception as exc:  # a storage fault: the sends in flight go on; looked at again later
             if not self._in_flight:
                 raise
@@ -179,29 +183,29 @@ class WebhookDeliverer:
         finally:
             self._in_flight.discard(target)
 
-    def _save_outcomes(self) -> bool:
+    async def _save_outcomes(self) -> bool:
         """Save the outcomes the store refused before; whether none is left unsaved."""
-        metadata = self._service.metadata
+        metadata, calls = self._service.metadata, self._service.parts.calls
         for key, outcome in list(self._unsaved.items()):
             try:
                 if outcome is None:
-                    metadata.delete_webhook(*key)
+                    await calls(metadata.delete_webhook, *key)
                 else:
-                    metadata.reschedule_webhook(outcome)
+                    await calls(metadata.reschedule_webhook, outcome)
             except Exception as exc:
                 logger.debug("webhook outcome still not saved: %s", exc)
                 return False
             del self._unsaved[key]
         return True
 
-    def _save(self, message: OutboxMessage, outcome: OutboxMessage | None) -> None:
+    async def _save(self, message: OutboxMessage, outcome: OutboxMessage | None) -> None:
         """Delete (``outcome`` None) or reschedule the message; kept for later if the store refuses."""
-        metadata = self._service.metadata
+        metadata, calls = self._service.metadata, self._service.parts.calls
         try:
             if outcome is None:
-                metadata.delete_webhook(message.event_id, message.target)
+                await calls(metadata.delete_webhook, message.event_id, message.target)
             else:
-                metadata.reschedule_webhook(outcome)
+                await calls(metadata.reschedule_webhook, outcome)
         except Exception as exc:
             logger.warning(
                 "webhook %s: the outcome of the attempt is not saved yet: %s",
@@ -215,7 +219,7 @@ class WebhookDeliverer:
         error = await self._send(client, message)
         target = redact_url(message.target)
         if error is None:
-            self._save(message, None)
+            await self._save(message, None)
             self.counts.delivered += 1
             logger.info(
                 "webhook %s delivered to %s",
@@ -229,7 +233,7 @@ class WebhookDeliverer:
         now = self._clock()
         next_at = now + retry_delay_s(attempts, self._retry_initial_s, self._rng)
         if next_at - message.created_at > GIVE_UP_AFTER_S:
-            self._save(message, None)
+            await self._save(message, None)
             self.counts.abandoned += 1
             logger.error(
                 "webhook %s to %s given up after %d attempts over a day: %s",
@@ -240,7 +244,7 @@ class WebhookDeliverer:
                 extra={"event": "webhook.abandoned", "event_id": message.event_id},
             )
             return
-        self._save(
+        await self._save(
             message, attrs.evolve(message, attempts=attempts, next_attempt_at=next_at, last_error=error)
         )
         log = logger.warning if attempts == 1 else logger.debug
