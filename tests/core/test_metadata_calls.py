@@ -4,7 +4,8 @@
 serialises. Then the embedded service over a store whose every call takes 0.1 s and says it
 blocks (SQLite underneath, so the rules are the real ones): the API's file and batch calls (uploads
 with an Idempotency-Key and their replays, reads, lists, content, usage, a batch's idempotent
-replay, deleting a file) make every metadata call in a worker thread, and a heartbeat on the event
+replay, deleting a file, the Uploads API under a storage quota, the expiry job) make every
+metadata call in a worker thread, and a heartbeat on the event
 loop never stalls meanwhile. Over plain SQLite the same calls run in place, on the loop's thread,
 as they always did.
 """
@@ -26,6 +27,7 @@ from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.models import BatchStatus
 from batchgen.core.storage import MetadataStore, SQLiteMetadataStore
 from batchgen.core.storage.metadata_calls import MetadataCalls
+from batchgen.core.tenancy import Caller, TenantLimits
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -104,6 +106,18 @@ async def _api_calls(service: BatchService, staging: Callable[[], Path], batch_i
     assert (await service.create_batch(batch.input_file_id, CHAT, idempotency_key="batch-1")).id == batch_id
     assert (await service.usage())[0].completed_requests == 4
     await service.delete_file(first.id)
+    # the Uploads API, for a tenant with a storage quota (its stored bytes are read each time)
+    tenant = Caller("quota", limits=TenantLimits(max_stored_bytes=1 << 30))
+    content = _lines(2)
+    upload = await service.create_upload(
+        filename="b.jsonl", purpose="batch", size=len(content), mime_type="text/jsonl", caller=tenant
+    )
+    destination = await service.new_upload_part(upload.id, caller=tenant)
+    with destination.open() as stream:
+        stream.write(content)
+    part = await service.add_upload_part(upload.id, destination, caller=tenant)
+    _, made = await service.complete_upload(upload.id, [part.id], caller=tenant)
+    assert (await service.get_file(made.id, caller=tenant)).bytes == len(content)
 
 
 async def _run(tmp_path: Path, *, blocks: bool) -> tuple[list[tuple[str, int]], int, float]:

@@ -229,7 +229,7 @@ class _Parts:
             expiry_s=settings.upload_expiry_s,
             served_models=service.model_set,
             register_file=files.register,
-            file_record=metadata.get_file,
+            file_record=files.file_of,
             new_file=files.file_record,
             final_path=service.blobs.upload_path,
             stored_bytes=files.stored_bytes,
@@ -473,7 +473,7 @@ class BatchService:
         its creation. With ``idempotency_key``, the same upload again returns the first file.
         """
         if caller.limits.max_stored_bytes is not None:
-            self.parts.uploads.check_quota(caller, staging_path.stat().st_size)
+            await self.parts.uploads.check_quota(caller, staging_path.stat().st_size)
         return await self.parts.files.add_file(
             staging_path,
             filename=filename,
@@ -489,7 +489,7 @@ class BatchService:
         self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
     ) -> Upload:
         """A pending upload of ``size`` bytes, to which parts are then added."""
-        return self.parts.uploads.create(
+        return await self.parts.uploads.create(
             filename=filename, purpose=purpose, size=size, mime_type=mime_type, caller=caller
         )
 

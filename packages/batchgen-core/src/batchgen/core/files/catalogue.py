@@ -200,12 +200,19 @@ class FileCatalogue:
             owner=owner,
         )
 
-    def register(self, file: FileObject) -> None:
-        """Record a file made in place (the Uploads API's, on its own path: in place, for now)."""
-        self._metadata.insert_file(file)
+    async def register(self, file: FileObject) -> None:
+        """Record a file made elsewhere (the Uploads API's assembled file)."""
+        await self._calls(self._metadata.insert_file, file)
 
-    def stored_bytes(self, owner: str) -> int:
+    async def file_of(self, file_id: str) -> FileObject | None:
+        """The stored record of ``file_id`` (whoever owns it), or None."""
+        return await self._calls(self._metadata.get_file, file_id)
+
+    async def stored_bytes(self, owner: str) -> int:
         """The bytes of the files ``owner`` uploaded (batch results not counted)."""
+        return await self._calls(self._stored_bytes, owner)
+
+    def _stored_bytes(self, owner: str) -> int:
         total, after = 0, None
         while True:
             files, has_more = self._metadata.list_files(

@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -241,15 +241,16 @@ class ChunkedUploads:
         max_upload_bytes: int,
         expiry_s: int,
         served_models: Collection[str] | LineRouter | None,
-        register_file: Callable[[FileObject], None],
-        file_record: Callable[[str], FileObject | None],
+        register_file: Callable[[FileObject], Awaitable[None]],
+        file_record: Callable[[str], Awaitable[FileObject | None]],
         new_file: Callable[..., FileObject],
         final_path: Callable[[str], Path],
-        stored_bytes: Callable[[str], int],
+        stored_bytes: Callable[[str], Awaitable[int]],
     ) -> None:
         """``register_file`` records a new file; ``file_record(id)`` reads one; ``new_file`` makes
         the record of a file (``FileCatalogue.file_record``); ``final_path(file_id)`` is where a
-        file's bytes live; ``stored_bytes(tenant)`` the bytes of the tenant's files."""
+        file's bytes live; ``stored_bytes(tenant)`` the bytes of the tenant's files. The three that
+        reach the metadata store are awaited (``FileCatalogue`` makes them through its calls)."""
         self.root = root
         self.max_upload_bytes = max_upload_bytes
         self.expiry_s = expiry_s
@@ -318,11 +319,11 @@ class ChunkedUploads:
             if upload.owner == tenant and upload.status in (PENDING, COMPLETING)
         )
 
-    def check_quota(self, caller: Caller, adding: int) -> None:
+    async def check_quota(self, caller: Caller, adding: int) -> None:
         limit = caller.limits.max_stored_bytes
         if limit is None:
             return
-        used = self._stored_bytes(caller.tenant) + self.pending_bytes(caller.tenant)
+        used = await self._stored_bytes(caller.tenant) + self.pending_bytes(caller.tenant)
         if used + adding > limit:
             raise UploadQuotaExceeded(
                 f"Tenant '{caller.tenant}' holds {used} bytes in files and pending upload parts; "
@@ -331,7 +332,7 @@ class ChunkedUploads:
             )
 
     # --- the API ---------------------------------------------------------------------------
-    def create(
+    async def create(
         self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
     ) -> Upload:
         if purpose not in UPLOAD_PURPOSES:
@@ -347,7 +348,7 @@ class ChunkedUploads:
                 f"got {size}",
                 param="bytes",
             )
-        self.check_quota(caller, size)
+        await self.check_quota(caller, size)
         created = now()
         upload = Upload(
             id=new_object_id("upload_"),
@@ -428,7 +429,7 @@ class ChunkedUploads:
                         f"(at most {room} bytes may be sent)",
                         param="data",
                     )
-                self.check_quota(caller, size)
+                await self.check_quota(caller, size)
                 segment = self._parts_of(upload_id).commit(destination, size)
                 added = True
                 created = now()
@@ -488,7 +489,7 @@ class ChunkedUploads:
     ) -> tuple[Upload, FileObject]:
         upload = self.get(upload_id, caller)
         if upload.status == COMPLETED and upload.file_id is not None:
-            file = self._file_record(upload.file_id)
+            file = await self._file_record(upload.file_id)
             if file is not None and list(part_ids) == list(upload.order):
                 return upload, file  # a repeated complete (a retry after a lost answer)
         if upload.status == COMPLETING:
@@ -596,7 +597,7 @@ class ChunkedUploads:
         """Assemble a ``completing`` upload (resuming where it stopped), record its file, and mark
         it completed."""
         assert upload.file_id is not None
-        file = self._file_record(upload.file_id)
+        file = await self._file_record(upload.file_id)
         if file is None:
             final = self._final_path(upload.file_id)
             if not final.exists():
@@ -613,7 +614,7 @@ class ChunkedUploads:
                 owner=upload.owner,
             )
             try:
-                self._register_file(file)
+                await self._register_file(file)
             except BaseException:
                 # the bytes stay where they are: completing again (or the next start) records them
                 raise
