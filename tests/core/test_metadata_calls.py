@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import pytest
 
 from batchgen.core import BatchService, ServiceSettings
@@ -28,6 +27,7 @@ from batchgen.core.models import BatchStatus
 from batchgen.core.storage import MetadataStore, SQLiteMetadataStore
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.tenancy import Caller, TenantLimits
+from tests.helpers import chat_line, jsonl
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -58,18 +58,7 @@ class _Recorded:
 
 
 def _lines(count: int) -> bytes:
-    return b"".join(
-        msgspec.json.encode(
-            {
-                "custom_id": f"r{i}",
-                "method": "POST",
-                "url": CHAT,
-                "body": {"messages": [{"role": "user", "content": "hi"}]},
-            }
-        )
-        + b"\n"
-        for i in range(count)
-    )
+    return jsonl(*(chat_line(f"r{i}", "hi") for i in range(count)))
 
 
 class _Heartbeat:

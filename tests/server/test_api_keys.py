@@ -1,6 +1,7 @@
-"""The key store: keys hashed at rest, constant-time checks, revocation seen at once by another
-connection (as a running server sees the ``keys`` command), tenants' limits, and the 401 guard
-of the in-process app."""
+"""The SQLite key store and the server's use of it: keys hashed at rest (no secret in any of its
+files), last uses saved without waiting for a lock, no writing connection of the server's own, and
+the 401 guard of the in-process app. The rules both key stores share (constant-time checks,
+revocation and limits seen by another connection) are in ``test_key_store_contract.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from litestar.testing import TestClient
 
 from batchgen.core.tenancy import Caller, TenantLimits
@@ -36,71 +35,6 @@ def test_a_key_is_stored_hashed_and_authenticates_its_tenant(store: KeyStore, tm
     for path in tmp_path.iterdir():
         assert secret.encode() not in path.read_bytes()
     assert all(record.id == key_id and record.tenant == "alpha" for record in store.list_keys())
-
-
-def test_admin_keys_and_unknown_tenants(store: KeyStore) -> None:
-    _, admin = store.create_key("ops", admin=True)
-    caller = store.authenticate(admin)
-    assert caller is not None and caller.admin and caller.tenant == "ops"
-
-
-@settings(max_examples=60, deadline=None)
-@given(position=st.integers(3, 80), replacement=st.sampled_from("0123456789abcdef-x"))
-def test_a_changed_key_is_refused(
-    tmp_path_factory: pytest.TempPathFactory, position: int, replacement: str
-) -> None:
-    store = KeyStore(tmp_path_factory.mktemp("keys") / "metadata.sqlite3")
-    try:
-        _, key = store.create_key("alpha")
-        changed = key[:position] + replacement + key[position + 1 :]
-        if changed != key:
-            assert store.authenticate(changed) is None
-        assert store.authenticate(key[:-1]) is None and store.authenticate(key + "0") is None
-    finally:
-        store.close()
-
-
-@settings(max_examples=60, deadline=None)
-@given(presented=st.text(max_size=120))
-def test_random_strings_never_authenticate(tmp_path_factory: pytest.TempPathFactory, presented: str) -> None:
-    store = KeyStore(tmp_path_factory.mktemp("keys") / "metadata.sqlite3")
-    try:
-        store.create_key("alpha")
-        assert store.authenticate(presented) is None
-    finally:
-        store.close()
-
-
-def test_revoking_from_another_connection_is_seen_on_the_next_check(tmp_path: Path) -> None:
-    server, command = KeyStore(tmp_path / "metadata.sqlite3"), KeyStore(tmp_path / "metadata.sqlite3")
-    try:
-        key_id, key = command.create_key("alpha")
-        assert server.authenticate(key) is not None
-        assert command.revoke(key_id)
-        assert server.authenticate(key) is None
-        assert not command.revoke(key_id)  # already revoked
-        assert server.has_keys()  # revoking every key does not open the server
-    finally:
-        server.close()
-        command.close()
-
-
-def test_limits_changed_elsewhere_reach_the_server_and_its_weights(tmp_path: Path) -> None:
-    server, command = KeyStore(tmp_path / "metadata.sqlite3"), KeyStore(tmp_path / "metadata.sqlite3")
-    seen: list[dict[str, TenantLimits]] = []
-    server.on_reload = seen.append
-    try:
-        _, key = command.create_key("alpha")
-        assert server.authenticate(key) == Caller("alpha")
-        command.set_limits("alpha", TenantLimits(max_active_batches=2, weight=3))
-        caller = server.authenticate(key)
-        assert caller is not None and caller.limits == TenantLimits(max_active_batches=2, weight=3)
-        assert seen[-1] == {"alpha": TenantLimits(max_active_batches=2, weight=3)}
-        with pytest.raises(KeyError):
-            command.set_limits("nobody", TenantLimits())
-    finally:
-        server.close()
-        command.close()
 
 
 def test_the_servers_last_use_save_never_waits_for_a_lock_and_keeps_what_it_could_not_save(
