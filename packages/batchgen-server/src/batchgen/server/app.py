@@ -69,7 +69,7 @@ def create_app(
     if service is None:
         served, unavailable = settings.build_models()
         service = BatchService(settings.service_settings(), served)
-    registry, http_metrics = build_registry(service)
+    registry, http_metrics, service_collector = build_registry(service)
     if service.settings.webhook_urls or service.settings.webhook_batch_urls:
         if settings.webhook_secret is None:
             logger.warning("webhooks are sent unsigned: no --webhook-secret is set")
@@ -139,7 +139,14 @@ def create_app(
         },
         guards=[key_check.guard],
         openapi_config=openapi_config(),
-        state=State({"service": service, "metrics_registry": registry, "unavailable_models": unavailable}),
+        state=State(
+            {
+                "service": service,
+                "metrics_registry": registry,
+                "service_collector": service_collector,
+                "unavailable_models": unavailable,
+            }
+        ),
         lifespan=[run_service],
         logging_config=None,  # the batchgen-server command sets up logging (log_format)
         middleware=[

@@ -4,7 +4,8 @@ Each app has its own ``CollectorRegistry`` (never the process-wide one), so seve
 process (tests, an embedding) do not clash. Two sources feed it:
 
 - ``ServiceCollector`` reads the service when scraped: the request counters and latency histograms
-  of ``RequestTelemetry``, the pools, the active batches by status, health, the webhook outbox and,
+  of ``RequestTelemetry``, the pools, the active batches by status, health, the webhook outbox
+  (read from the store just before the scrape, through the service's ``MetadataCalls``) and,
   for the ``openai`` backend, each upstream's in-flight requests, limit, state, failures and how
   often its prompt prefixes' requests kept their affinity to it. Nothing
   is added on the request path beyond the telemetry's integer additions.
@@ -115,6 +116,22 @@ class ServiceCollector(Collector):
 
     def __init__(self, service: BatchService) -> None:
         self._service = service
+        #: Webhook messages waiting, read by ``read_store`` just before a scrape (None: not read).
+        self._pending_webhooks: int | None = None
+
+    async def read_store(self) -> None:
+        """Read what the scrape reports from the metadata store, through the service's calls (so
+        off the event loop for a store across a network); a store that cannot be read leaves its
+        figures out of this scrape."""
+        self._pending_webhooks = None
+        service = self._service
+        if not service.running:
+            return
+        try:
+            self._pending_webhooks = await service.parts.calls(service.metadata.pending_webhooks)
+        except Exception as exc:
+            if not is_storage_fault(exc):
+                raise
 
     def collect(self) -> Iterator[Metric]:
         service = self._service
@@ -197,14 +214,9 @@ class ServiceCollector(Collector):
         return batches
 
     def _outbox(self) -> Iterator[Metric]:
-        if not self._service.running:
+        pending = self._pending_webhooks
+        if pending is None:  # not running, or the database cannot be read now: the scrape goes on
             return
-        try:
-            pending = self._service.metadata.pending_webhooks()
-        except Exception as exc:
-            if not is_storage_fault(exc):
-                raise
-            return  # the database cannot be read now: the gauge is left out, the scrape goes on
         yield GaugeMetricFamily(
             "batchgen_webhook_outbox_messages",
             "Webhook messages waiting for delivery (or a retry).",
@@ -311,18 +323,18 @@ class WebhookCollector(Collector):
         yield attempts
 
 
-def build_registry(service: BatchService) -> tuple[CollectorRegistry, HttpMetrics]:
+def build_registry(service: BatchService) -> tuple[CollectorRegistry, HttpMetrics, ServiceCollector]:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServiceCollector(service))
+    collector = ServiceCollector(service)
+    registry.register(collector)
     http = HttpMetrics()
     registry.register(http)
-    return registry, http
+    return registry, http, collector
 
 
-@route(
-    "/metrics", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False, sync_to_thread=False
-)
-def metrics(state: State) -> Response[bytes]:
+@route("/metrics", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False)
+async def metrics(state: State) -> Response[bytes]:
     """The app's registry in Prometheus' text format (``HEAD`` answers the same headers, no body)."""
     registry: Any = state.metrics_registry
+    await state.service_collector.read_store()
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
