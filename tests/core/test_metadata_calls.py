@@ -163,6 +163,64 @@ async def test_sqlite_is_called_in_place_as_before(tmp_path: Path) -> None:
     assert calls and {thread for _, thread in calls} == {loop_thread}
 
 
+async def test_batches_run_end_and_are_cancelled_with_no_store_call_on_the_loop(tmp_path: Path) -> None:
+    """Whole batches over the store that blocks: every save of their lives (starts, counters,
+    result-file records, ends with their webhook messages, a cancel, an ordered rewrite) is made in
+    a worker thread, callers see each status only once it is saved, and the loop never stalls."""
+    recorded: list[_Recorded] = []
+
+    def open_metadata(path: Path) -> MetadataStore:
+        recorded.append(_Recorded(SQLiteMetadataStore(path), blocks=True))
+        return recorded[-1]
+
+    settings = ServiceSettings(
+        storage_path=tmp_path, counters_flush_interval_s=0.05, max_pool_size=4, error_file="openai"
+    )
+    backend = SimulatedBackend(latency_s=0.02, failure_rate=0.3)
+    async with BatchService(settings, backend, open_metadata=open_metadata) as service:
+        store = recorded[0]
+        store.calls.clear()
+        store.delay_s = CALL_S / 2
+        heartbeat = _Heartbeat()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(heartbeat.run)
+            file = await service.create_file(_lines(20))
+            done = await service.create_batch(file.id, CHAT, output_order="input")
+            ordered = await service.wait_for_batch(done.id)
+            counts = ordered.request_counts
+            assert ordered.status is BatchStatus.COMPLETED and counts.completed + counts.failed == 20
+            assert ordered.output_file_id is not None
+            if counts.failed:  # the error file's record was saved with the batch
+                assert ordered.error_file_id is not None
+                assert (await service.get_file(ordered.error_file_id)).bytes > 0
+            long = await service.create_file(_lines(400))
+            running = await service.create_batch(long.id, CHAT)
+            with anyio.fail_after(30):
+                while (await service.get_batch(running.id)).status is not BatchStatus.IN_PROGRESS:
+                    await anyio.sleep(0.01)
+            # answered once saved: cancelling, or cancelled if the requests in flight ended meanwhile
+            cancelled = await service.cancel_batch(running.id)
+            assert cancelled.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED)
+            assert (await service.wait_for_batch(running.id)).status is BatchStatus.CANCELLED
+            while running.id in service.parts.tracker:
+                await anyio.sleep(0.01)
+            tasks.cancel_scope.cancel()
+        calls = list(store.calls)
+        store.delay_s = 0.0
+    names = {name for name, _ in calls}
+    assert {"insert_batch", "save_batch", "insert_file"} <= names
+    on_loop = sorted({name for name, thread in calls if thread == threading.get_ident()})
+    assert on_loop == [], f"called on the event loop: {on_loop}"
+    assert heartbeat.longest_gap_s < CALL_S * 0.4, f"the loop stalled {heartbeat.longest_gap_s:.3f} s"
+    reopened = SQLiteMetadataStore(tmp_path / "metadata.sqlite3")  # what was saved
+    try:
+        for batch_id, status in ((done.id, BatchStatus.COMPLETED), (running.id, BatchStatus.CANCELLED)):
+            saved = reopened.get_batch(batch_id)
+            assert saved is not None and saved.status is status
+    finally:
+        reopened.close()
+
+
 async def test_calls_in_threads_run_at_most_limit_at_once_and_in_place_ones_on_the_caller() -> None:
     running, most = 0, 0
     lock = threading.Lock()

@@ -210,6 +210,7 @@ class _Parts:
             ),
             outbox=lambda batch: service.webhooks.messages(batch, now()),
             on_end=service.telemetry.batch_ended,
+            calls=self.calls,
         )
         self.deadlines = DeadlineWatch(self.tracker, service.webhooks)
         self.files = FileCatalogue(
@@ -252,7 +253,7 @@ class _Parts:
             telemetry=service.telemetry,
             result_cache=service.result_cache,
         )
-        self.ordering = OrderingStep(self.tracker, metadata, service._spawn)
+        self.ordering = OrderingStep(self.tracker, metadata, self.calls, service._spawn)
         self.tracker.end_in_order = self.ordering.begin
 
 
@@ -331,6 +332,8 @@ class BatchService:
             self._parts = parts = _Parts(self, metadata, tasks)
             stack.push_async_callback(self._drain, tasks)
             await tasks.start(self._run_scheduler)
+            if parts.calls.in_threads:  # saves of a store across a network: off the event loop
+                await tasks.start(self._run_saver)
             self.maintenance.add(
                 "flush counters", self.settings.counters_flush_interval_s, parts.tracker.flush
             )
@@ -369,6 +372,15 @@ class BatchService:
             await self.scheduler.run(task_status=task_status)
         except Exception as exc:
             self.supervisor.record_crash("scheduler", exc)
+
+    async def _run_saver(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The tracker's saver, supervised like the scheduler (a crash stops the core visibly)."""
+        try:
+            await self.parts.tracker.run_saver(task_status=task_status)
+        except Exception as exc:
+            self.supervisor.record_crash("batch saver", exc)
 
     def _spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Start a supervised one-shot task (a batch start) in the service's task group."""
@@ -866,6 +878,7 @@ class BatchService:
         if active.status is BatchStatus.FINALIZING:
             raise Conflict(f"Batch '{batch_id}' is finalizing and cannot be cancelled.")
         self.parts.tracker.cancel(active)
+        await self.parts.tracker.wait_saved(active)  # answered with the status as saved
         return active.snapshot()
 
     async def wait_for_batch(self, batch_id: str, *, poll_interval: float = 0.05) -> Batch:

@@ -24,6 +24,7 @@ from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
 from batchgen.core.models import BatchStatus
 from batchgen.core.storage import MetadataStore
 from batchgen.core.storage.faults import storage_fault
+from batchgen.core.storage.metadata_calls import MetadataCalls
 
 logger = logging.getLogger("batchgen.service")
 
@@ -31,10 +32,18 @@ logger = logging.getLogger("batchgen.service")
 class OrderingStep:
     """Rewrites ordered batches' result files, then ends them."""
 
-    def __init__(self, tracker: BatchTracker, metadata: MetadataStore, spawn: Callable[..., object]) -> None:
-        """``spawn(async_fn, *args)`` runs the rewrite in the background."""
+    def __init__(
+        self,
+        tracker: BatchTracker,
+        metadata: MetadataStore,
+        calls: MetadataCalls,
+        spawn: Callable[..., object],
+    ) -> None:
+        """``spawn(async_fn, *args)`` runs the rewrite in the background; the input file's record
+        is read through ``calls``."""
         self._tracker = tracker
         self._metadata = metadata
+        self._calls = calls
         self._spawn = spawn
         #: Batches whose rewrite is under way.
         self._running: set[str] = set()
@@ -56,7 +65,7 @@ class OrderingStep:
             self._running.discard(active.id)
 
     async def _rewrite(self, active: ActiveBatch, target: BatchStatus) -> None:
-        file = self._metadata.get_file(active.batch.input_file_id)
+        file = await self._calls(self._metadata.get_file, active.batch.input_file_id)
         paths = [active.output.path, active.errors.path]
         started = time.perf_counter()
         try:

@@ -15,6 +15,15 @@ A batch's result files are recorded at once, but a database another process hold
 delays a record (``record_file``): it waits in ``unrecorded`` and is saved just before the batch
 itself, so the batch's saved row never names a file the store does not hold, and the lock fails
 nothing (the lines are on disk already).
+
+Over a store whose calls may wait on a network (``MetadataCalls.in_threads``: PostgreSQL) no save
+is made on the event loop. A change is taken at once (``persist`` returns True) and saved by the
+saver task (``run_saver``) in a worker thread: its result files' records first, then the batch
+with the change's webhook messages, in one write. Until that write lands callers keep seeing the
+batch's last saved status (``awaiting_save``); a refused write keeps the change and its messages
+for the next try (``flush`` wakes the saver). ``wait_saved`` lets a call that must answer with
+the new status (a cancel) wait for it. At shutdown, with the loop serving nothing more, the
+last saves are made in place.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+import anyio
+import anyio.abc
 import attrs
 
 from batchgen.core.batches.deadline_watch import will_miss
@@ -37,6 +48,7 @@ from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, FileObject,
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
 from batchgen.core.storage.faults import is_database_locked, storage_fault
+from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.webhook_outbox import OutboxMessage
 
 logger = logging.getLogger("batchgen.service")
@@ -74,6 +86,14 @@ class ActiveBatch:
     #: Records of result files that ``batch`` names and the store does not hold yet (saved first
     #: by the next ``persist``).
     unrecorded: list[FileObject] = attrs.Factory(list)
+    #: Saved by the saver task (a store across a network): a change is taken, its write not landed.
+    awaiting_save: bool = False
+    #: Changes taken so far (the saver knows whether one came while it wrote the one before).
+    changes: int = 0
+    #: Webhook messages of changes taken and not saved yet (the saver writes them with the batch).
+    unsaved_messages: list[OutboxMessage] = attrs.Factory(list)
+    #: Whether the terminal status's webhook messages were made (once, whatever the saves do).
+    terminal_messages_made: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.saved is None:
@@ -104,7 +124,8 @@ class ActiveBatch:
         """What callers see: the batch as last saved (its status never runs ahead of the store),
         with its live counters."""
         assert self.saved is not None
-        batch = self._with_counters(self.batch if self.unsaved_reason is None else self.saved)
+        shown = self.batch if self.unsaved_reason is None and not self.awaiting_save else self.saved
+        batch = self._with_counters(shown)
         if batch.status not in _RUNNING:  # ended, or cancelling: no time left to predict
             return batch
         wall_now = time.time()
@@ -138,9 +159,14 @@ class BatchTracker:
         *,
         outbox: Callable[[Batch], Sequence[OutboxMessage]] | None = None,
         on_end: Callable[[str], object] | None = None,
+        calls: MetadataCalls | None = None,
     ) -> None:
         """``outbox(batch)``: the webhook messages to save with a batch's terminal status, in the
-        same write; ``on_end(batch_id)``: called when a batch reaches a terminal status."""
+        same write; ``on_end(batch_id)``: called when a batch reaches a terminal status;
+        ``calls``: how the store is called (in worker threads: saves go through ``run_saver``)."""
+        self._calls = calls if calls is not None and calls.in_threads else None
+        self._wake_saver = anyio.Event() if self._calls is not None else None
+        self._saves_landed = anyio.Event() if self._calls is not None else None
         self._outbox = outbox
         self._on_end = on_end
         self._metadata = metadata
@@ -191,8 +217,8 @@ class BatchTracker:
         previous, moment = active.status, now()
         active.batch = advance(active.batch, target, now=moment, error=error)
         log_transition(active.state(), previous, moment)
-        if self.persist(active) and target.is_terminal:
-            self._active.pop(active.id, None)  # else kept until ``flush`` saves it
+        if self.persist(active) and target.is_terminal and not active.awaiting_save:
+            self._active.pop(active.id, None)  # else kept until ``flush`` or the saver saves it
 
     def cancel(self, active: ActiveBatch) -> None:
         """Drop the batch's queued requests and abort those in flight; it ends once they have."""
@@ -243,9 +269,13 @@ class BatchTracker:
         """Save the record of the batch's ``kind`` ("output" or "error") result file, which the
         batch names from now on. While another process holds the database locked the record
         waits in ``unrecorded`` for the batch's next save; any other storage fault (a full disk)
-        is raised, and the caller fails the batch, as on a line that cannot be written."""
+        is raised, and the caller fails the batch, as on a line that cannot be written. With a
+        saver, the record always waits in ``unrecorded`` for the batch's next save."""
         try:
-            self._metadata.insert_file(file)
+            if self._calls is not None:
+                active.unrecorded.append(file)
+            else:
+                self._metadata.insert_file(file)
         except Exception as exc:
             if not is_database_locked(exc):
                 raise
@@ -262,7 +292,17 @@ class BatchTracker:
     def persist(self, active: ActiveBatch, messages: Sequence[OutboxMessage] = ()) -> bool:
         """Save the batch (its unrecorded result files first), with ``messages`` (webhook events
         of this change, in the same write); on a storage fault keep it unsaved (``flush`` retries,
-        without the messages) and return False."""
+        without the messages) and return False. With a saver the change is taken for it (True)."""
+        if self._calls is not None:
+            active.unsaved_messages.extend(messages)
+            active.changes += 1
+            active.awaiting_save = True
+            active.dirty = False
+            self._wake()
+            return True
+        return self._save_now(active, messages)
+
+    def _save_now(self, active: ActiveBatch, messages: Sequence[OutboxMessage] = ()) -> bool:
         state = active.state()
         try:
             while active.unrecorded:
@@ -270,7 +310,9 @@ class BatchTracker:
                 active.unrecorded.pop(0)
             self.save(
                 state,
-                first_terminal=state.status.is_terminal and not active.saved_terminal,
+                first_terminal=state.status.is_terminal
+                and not active.saved_terminal
+                and not active.terminal_messages_made,  # (the saver's: among ``messages`` then)
                 messages=messages,
             )
         except Exception as exc:
@@ -287,6 +329,8 @@ class BatchTracker:
         active.saved = state
         active.unsaved_reason = None
         active.dirty = False
+        active.awaiting_save = False
+        active.unsaved_messages.clear()
         return True
 
     def save(self, batch: Batch, *, first_terminal: bool, messages: Sequence[OutboxMessage] = ()) -> None:
@@ -308,10 +352,14 @@ class BatchTracker:
             if not (active.dirty or active.unsaved_reason is not None):
                 continue
             if self.persist(active):
-                if active.status.is_terminal:
+                if active.status.is_terminal and not active.awaiting_save:
                     self._active.pop(active.id, None)
             else:
                 failures.append(f"batch {active.id}: {active.unsaved_reason}")
+        if self._calls is not None:  # the saver's refused writes
+            failures = [
+                f"batch {active.id}: {active.unsaved_reason}" for active in self if active.unsaved_reason
+            ]
         if failures:
             fault = self._last_fault
             raise StorageUnavailable(
@@ -319,6 +367,77 @@ class BatchTracker:
                 disk_full=fault is not None and fault.disk_full,
                 **({} if fault is None else {"retry_after_s": fault.retry_after_s}),
             )
+
+    # --- the saver (a store across a network) ----------------------------------------------
+    def _wake(self) -> None:
+        if self._wake_saver is not None:
+            self._wake_saver.set()
+
+    def _take_messages(self, active: ActiveBatch) -> list[OutboxMessage]:
+        """The messages a write of the batch now carries: those of changes not saved yet, and
+        once, with its terminal status, the terminal event's."""
+        if active.status.is_terminal and not active.saved_terminal and not active.terminal_messages_made:
+            active.terminal_messages_made = True
+            if self._outbox is not None:
+                active.unsaved_messages.extend(self._outbox(active.state()))
+        return list(active.unsaved_messages)
+
+    async def run_saver(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Save the changes taken, in worker threads, until cancelled (a store across a network)."""
+        assert self._calls is not None and self._wake_saver is not None
+        task_status.started()
+        while True:
+            await self._wake_saver.wait()
+            self._wake_saver = anyio.Event()
+            for active in [active for active in self if active.awaiting_save or active.unsaved_reason]:
+                await self._save_in_thread(active)
+            landed, self._saves_landed = self._saves_landed, anyio.Event()
+            if landed is not None:
+                landed.set()
+
+    async def _save_in_thread(self, active: ActiveBatch) -> None:
+        assert self._calls is not None
+        taken, state = active.changes, active.state()
+        messages = self._take_messages(active)
+        files, recorded = list(active.unrecorded), []
+        metadata = self._metadata
+
+        def write() -> None:
+            for file in files:
+                metadata.insert_file(file)
+                recorded.append(file)
+            if messages:
+                metadata.save_batch(state, outbox=messages)
+            else:
+                metadata.save_batch(state)
+
+        try:
+            await self._calls(write)
+        except Exception as exc:
+            fault = storage_fault(exc, f"save batch {active.id}")
+            if fault is None:
+                raise
+            if active.unsaved_reason is None:
+                logger.warning("batch %s (%s) is not saved yet: %s", active.id, state.status.value, fault)
+            active.unsaved_reason = fault.message
+            self._last_fault = fault
+            return
+        finally:
+            active.unrecorded = [file for file in active.unrecorded if file not in recorded]
+        if active.unsaved_reason is not None:
+            logger.info("batch %s (%s) is saved again", active.id, state.status.value)
+        del active.unsaved_messages[: len(messages)]
+        active.saved = state
+        active.unsaved_reason = None
+        if active.changes == taken:
+            active.awaiting_save = False
+            if state.status.is_terminal:
+                self._active.pop(active.id, None)
+
+    async def wait_saved(self, active: ActiveBatch) -> None:
+        """Until the changes taken so far are saved, or a write of them was refused."""
+        while active.awaiting_save and active.unsaved_reason is None and self._saves_landed is not None:
+            await self._saves_landed.wait()
 
     def unsaved(self) -> dict[str, str]:
         """Batches whose latest status or counters the store has not taken yet, with the reason."""
@@ -328,9 +447,10 @@ class BatchTracker:
         return [writer for active in self for writer in (active.output, active.errors) if writer.opened]
 
     def close_all(self) -> None:
-        """At shutdown: persist and close every batch, leaving it unfinished for the next start."""
+        """At shutdown: persist and close every batch, leaving it unfinished for the next start
+        (in place: the event loop serves nothing more)."""
         for active in self:
-            if not self.persist(active):
+            if not self._save_now(active, list(active.unsaved_messages)):
                 logger.error(
                     "batch %s could not be saved at shutdown; the next start resumes it from its "
                     "last saved status (%s)",
