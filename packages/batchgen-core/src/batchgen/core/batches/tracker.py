@@ -316,22 +316,32 @@ class BatchTracker:
                 messages=messages,
             )
         except Exception as exc:
-            fault = storage_fault(exc, f"save batch {active.id}")
-            if fault is None:
-                raise
-            if active.unsaved_reason is None:
-                logger.warning("batch %s (%s) is not saved yet: %s", active.id, state.status.value, fault)
-            active.unsaved_reason = fault.message
-            self._last_fault = fault
+            self._refused(active, state, exc)
             return False
-        if active.unsaved_reason is not None:
-            logger.info("batch %s (%s) is saved again", active.id, state.status.value)
-        active.saved = state
-        active.unsaved_reason = None
+        self._landed(active, state)
         active.dirty = False
         active.awaiting_save = False
         active.unsaved_messages.clear()
         return True
+
+    def _refused(self, active: ActiveBatch, state: Batch, exc: Exception) -> None:
+        """A save of ``state`` failed with ``exc``: a storage fault keeps the batch unsaved (said
+        once until it is saved again); anything else is raised."""
+        fault = storage_fault(exc, f"save batch {active.id}")
+        if fault is None:
+            raise exc
+        if active.unsaved_reason is None:
+            logger.warning("batch %s (%s) is not saved yet: %s", active.id, state.status.value, fault)
+        active.unsaved_reason = fault.message
+        self._last_fault = fault
+
+    @staticmethod
+    def _landed(active: ActiveBatch, state: Batch) -> None:
+        """A save of ``state`` landed: it is what callers see now."""
+        if active.unsaved_reason is not None:
+            logger.info("batch %s (%s) is saved again", active.id, state.status.value)
+        active.saved = state
+        active.unsaved_reason = None
 
     def save(self, batch: Batch, *, first_terminal: bool, messages: Sequence[OutboxMessage] = ()) -> None:
         """Save the batch, with ``messages``; the first save of a terminal status carries its
@@ -414,21 +424,12 @@ class BatchTracker:
         try:
             await self._calls(write)
         except Exception as exc:
-            fault = storage_fault(exc, f"save batch {active.id}")
-            if fault is None:
-                raise
-            if active.unsaved_reason is None:
-                logger.warning("batch %s (%s) is not saved yet: %s", active.id, state.status.value, fault)
-            active.unsaved_reason = fault.message
-            self._last_fault = fault
+            self._refused(active, state, exc)
             return
         finally:
             active.unrecorded = [file for file in active.unrecorded if file not in recorded]
-        if active.unsaved_reason is not None:
-            logger.info("batch %s (%s) is saved again", active.id, state.status.value)
         del active.unsaved_messages[: len(messages)]
-        active.saved = state
-        active.unsaved_reason = None
+        self._landed(active, state)
         if active.changes == taken:
             active.awaiting_save = False
             if state.status.is_terminal:
