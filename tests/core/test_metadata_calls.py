@@ -64,6 +64,18 @@ class _Recorded:
         return call
 
 
+def _recording(*, blocks: bool) -> tuple[list[_Recorded], Callable[[Path], MetadataStore]]:
+    """An ``open_metadata`` for the service that opens a ``_Recorded`` SQLite store, and the list
+    the store it opened goes into."""
+    recorded: list[_Recorded] = []
+
+    def open_metadata(path: Path) -> MetadataStore:
+        recorded.append(_Recorded(SQLiteMetadataStore(path), blocks=blocks))
+        return recorded[-1]
+
+    return recorded, open_metadata
+
+
 def _lines(count: int) -> bytes:
     return jsonl(*(chat_line(f"r{i}", "hi") for i in range(count)))
 
@@ -118,11 +130,7 @@ async def _api_calls(service: BatchService, staging: Callable[[], Path], batch_i
 
 async def _run(tmp_path: Path, *, blocks: bool) -> tuple[list[tuple[str, int]], int, float]:
     """The calls the API made (method, thread), the loop's thread, and the loop's longest stall."""
-    recorded: list[_Recorded] = []
-
-    def open_metadata(path: Path) -> MetadataStore:
-        recorded.append(_Recorded(SQLiteMetadataStore(path), blocks=blocks))
-        return recorded[-1]
+    recorded, open_metadata = _recording(blocks=blocks)
 
     settings = ServiceSettings(storage_path=tmp_path, counters_flush_interval_s=0.05, max_pool_size=8)
     async with BatchService(settings, SimulatedBackend(), open_metadata=open_metadata) as service:
@@ -175,11 +183,7 @@ async def test_batches_run_end_and_are_cancelled_with_no_store_call_on_the_loop(
     result-file records, ends with their webhook messages, a cancel, an ordered rewrite) is made in
     a worker thread (the threads are the exact check: the loop's own work on 400 lines can take
     longer than a call here, so no stall bound is asserted)."""
-    recorded: list[_Recorded] = []
-
-    def open_metadata(path: Path) -> MetadataStore:
-        recorded.append(_Recorded(SQLiteMetadataStore(path), blocks=True))
-        return recorded[-1]
+    recorded, open_metadata = _recording(blocks=True)
 
     settings = ServiceSettings(
         storage_path=tmp_path, counters_flush_interval_s=0.05, max_pool_size=4, error_file="openai"
@@ -228,11 +232,7 @@ async def test_a_refused_save_off_the_loop_is_tried_again_and_nothing_is_lost(tm
     """While the store refuses every batch save (an I/O error), a batch runs on, callers keep
     seeing its last saved status, the service reports the fault; once saves work again it ends
     saved, with every line once and its terminal webhook message in the outbox."""
-    recorded: list[_Recorded] = []
-
-    def open_metadata(path: Path) -> MetadataStore:
-        recorded.append(_Recorded(SQLiteMetadataStore(path), blocks=True))
-        return recorded[-1]
+    recorded, open_metadata = _recording(blocks=True)
 
     settings = ServiceSettings(
         storage_path=tmp_path,

@@ -333,7 +333,7 @@ class BatchService:
             stack.push_async_callback(self._drain, tasks)
             await tasks.start(self._run_scheduler)
             if parts.calls.in_threads:  # saves of a store across a network: off the event loop
-                await tasks.start(self._run_saver)
+                self._spawn(parts.tracker.run_saver)  # supervised: a crash stops the core visibly
             self.maintenance.add(
                 "flush counters", self.settings.counters_flush_interval_s, parts.tracker.flush
             )
@@ -372,15 +372,6 @@ class BatchService:
             await self.scheduler.run(task_status=task_status)
         except Exception as exc:
             self.supervisor.record_crash("scheduler", exc)
-
-    async def _run_saver(
-        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        """The tracker's saver, supervised like the scheduler (a crash stops the core visibly)."""
-        try:
-            await self.parts.tracker.run_saver(task_status=task_status)
-        except Exception as exc:
-            self.supervisor.record_crash("batch saver", exc)
 
     def _spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Start a supervised one-shot task (a batch start) in the service's task group."""
@@ -631,133 +622,100 @@ class BatchService:
             if earlier is not None:
                 return await self.get_batch(earlier, caller=caller)
         async with parts.calls.one_at_a_time():  # from the file's check to the batch's row
-            return await self._admit_batch(
-                input_file_id,
-                endpoint,
-                completion_window=completion_window,
-                metadata=metadata,
-                parameters=parameters,
-                output_expires_after_s=output_expires_after_s,
-                order=order,
-                idempotency_key=idempotency_key,
-                call=call,
-                caller=caller,
-                retry_of=retry_of,
-                new_input=new_input,
-            )
-
-    async def _admit_batch(
-        self,
-        input_file_id: str,
-        endpoint: str,
-        *,
-        completion_window: str,
-        metadata: dict[str, str] | None,
-        parameters: BatchParameters,
-        output_expires_after_s: int | None,
-        order: str,
-        idempotency_key: str | None,
-        call: str,
-        caller: Caller,
-        retry_of: str | None,
-        new_input: FileObject | None,
-    ) -> Batch:
-        """``create_batch`` once its Idempotency-Key found no earlier batch: check, admit, record."""
-        parts = self.parts
-        health = self.health()
-        # Only the storage failing (another process holds the database locked, a full disk): the
-        # write below says whether it works now (else 503 storage_unavailable, or 507 when full).
-        if not health.healthy and self._storage_fault() is None:
-            raise ServiceUnavailable(
-                f"The server is unhealthy and accepts no new batch until it recovers: {health.reason}",
-                retry_after_s=self.settings.unhealthy_retry_after_s,
-            )
-        if endpoint not in SUPPORTED_ENDPOINTS:
-            raise InvalidRequest(
-                f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {endpoint!r}",
-                param="endpoint",
-                code="invalid_value",  # OpenAI's code for it
-            )
-        window_s = parse_completion_window(completion_window)
-        metadata = check_metadata(metadata)
-        self.webhooks.check_metadata(metadata)
-        check_parameters(parameters)
-        check_output_expiry(output_expires_after_s)
-        file = new_input or (
-            await parts.calls(self.metadata.get_file, input_file_id)
-            if isinstance(input_file_id, str)
-            else None
-        )
-        if file is None or not caller.sees(file.owner):
-            raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
-        if file.purpose != "batch":
-            raise InvalidRequest(
-                f"File '{file.id}' has purpose '{file.purpose}'; a batch needs a 'batch' file.",
-                param="input_file_id",
-            )
-        if file.url != endpoint:
-            raise InvalidRequest(
-                f"The file's requests use '{file.url}' but the batch endpoint is '{endpoint}'.",
-                param="endpoint",
-            )
-        for other in await parts.calls(self.metadata.batches_using_file, file.id):
-            tracked = parts.tracker.get(other.id)
-            if tracked is not None:
-                other = tracked.batch  # its status now, saved or not
-            if other.input_file_id == file.id and other.status.is_active:
+            health = self.health()
+            # Only the storage failing (another process holds the database locked, a full disk): the
+            # write below says whether it works now (else 503 storage_unavailable, or 507 when full).
+            if not health.healthy and self._storage_fault() is None:
+                raise ServiceUnavailable(
+                    f"The server is unhealthy and accepts no new batch until it recovers: {health.reason}",
+                    retry_after_s=self.settings.unhealthy_retry_after_s,
+                )
+            if endpoint not in SUPPORTED_ENDPOINTS:
                 raise InvalidRequest(
-                    f"Batch '{other.id}' is already running on file '{file.id}'; "
-                    "wait for it to finish before submitting the file again.",
+                    f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {endpoint!r}",
+                    param="endpoint",
+                    code="invalid_value",  # OpenAI's code for it
+                )
+            window_s = parse_completion_window(completion_window)
+            metadata = check_metadata(metadata)
+            self.webhooks.check_metadata(metadata)
+            check_parameters(parameters)
+            check_output_expiry(output_expires_after_s)
+            file = new_input or (
+                await parts.calls(self.metadata.get_file, input_file_id)
+                if isinstance(input_file_id, str)
+                else None
+            )
+            if file is None or not caller.sees(file.owner):
+                raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
+            if file.purpose != "batch":
+                raise InvalidRequest(
+                    f"File '{file.id}' has purpose '{file.purpose}'; a batch needs a 'batch' file.",
                     param="input_file_id",
                 )
-        self._check_tenant_limits(caller, file.line_count)
-        served = self._model_of_file(file, endpoint)
-        fits_ever = file.line_count <= self.intake_pool.capacity
-        if fits_ever and file.line_count > self.intake_pool.free:
-            raise IntakeFull(
-                f"The server is at capacity: {self.intake_pool.free} of {self.intake_pool.capacity} intake "
-                f"slots are free and this batch has {file.line_count} requests. Retry later.",
-                retry_after_s=self.intake_pool.retry_after_s(file.line_count),
+            if file.url != endpoint:
+                raise InvalidRequest(
+                    f"The file's requests use '{file.url}' but the batch endpoint is '{endpoint}'.",
+                    param="endpoint",
+                )
+            for other in await parts.calls(self.metadata.batches_using_file, file.id):
+                tracked = parts.tracker.get(other.id)
+                if tracked is not None:
+                    other = tracked.batch  # its status now, saved or not
+                if other.input_file_id == file.id and other.status.is_active:
+                    raise InvalidRequest(
+                        f"Batch '{other.id}' is already running on file '{file.id}'; "
+                        "wait for it to finish before submitting the file again.",
+                        param="input_file_id",
+                    )
+            self._check_tenant_limits(caller, file.line_count)
+            served = self._model_of_file(file, endpoint)
+            fits_ever = file.line_count <= self.intake_pool.capacity
+            if fits_ever and file.line_count > self.intake_pool.free:
+                raise IntakeFull(
+                    f"The server is at capacity: {self.intake_pool.free} of {self.intake_pool.capacity} intake "
+                    f"slots are free and this batch has {file.line_count} requests. Retry later.",
+                    retry_after_s=self.intake_pool.retry_after_s(file.line_count),
+                )
+            created = now()
+            batch = Batch(
+                id=new_object_id("batch_"),
+                endpoint=endpoint,
+                input_file_id=file.id,
+                completion_window=completion_window,
+                status=BatchStatus.VALIDATING,
+                created_at=created,
+                expires_at=created + window_s,
+                model=served.public_name,
+                parameters=parameters,
+                metadata=metadata,
+                output_expires_after_s=output_expires_after_s,
+                request_counts=RequestCounts(total=file.line_count),
+                owner=caller.tenant,
+                retry_of=retry_of,
+                output_order=order,
             )
-        created = now()
-        batch = Batch(
-            id=new_object_id("batch_"),
-            endpoint=endpoint,
-            input_file_id=file.id,
-            completion_window=completion_window,
-            status=BatchStatus.VALIDATING,
-            created_at=created,
-            expires_at=created + window_s,
-            model=served.public_name,
-            parameters=parameters,
-            metadata=metadata,
-            output_expires_after_s=output_expires_after_s,
-            request_counts=RequestCounts(total=file.line_count),
-            owner=caller.tenant,
-            retry_of=retry_of,
-            output_order=order,
-        )
-        # Admission is atomic: the batch's places are held from now until the starter queues it
-        # (or it ends first), so every batch answered here is queued in full. A batch larger than
-        # the whole pool holds nothing; the starter fails it with capacity_exceeded.
-        if fits_ever:
-            self.intake_pool.reserve(batch.id, file.line_count, caller.tenant)
-        try:
-            # the row and its key in one step: a failure (a full disk) records neither, and
-            # nothing is tracked before the row exists
-            await parts.calls(
-                self.metadata.insert_batch,
-                batch,
-                idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant),
-                input_file=new_input,
-            )
-        except BaseException:
-            self.intake_pool.release(batch.id)
-            raise
-        active = parts.tracker.track(batch)
-        log_created(batch)
-        self._spawn(parts.starter.start, active, file)
-        return active.snapshot()
+            # Admission is atomic: the batch's places are held from now until the starter queues it
+            # (or it ends first), so every batch answered here is queued in full. A batch larger than
+            # the whole pool holds nothing; the starter fails it with capacity_exceeded.
+            if fits_ever:
+                self.intake_pool.reserve(batch.id, file.line_count, caller.tenant)
+            try:
+                # the row and its key in one step: a failure (a full disk) records neither, and
+                # nothing is tracked before the row exists
+                await parts.calls(
+                    self.metadata.insert_batch,
+                    batch,
+                    idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant),
+                    input_file=new_input,
+                )
+            except BaseException:
+                self.intake_pool.release(batch.id)
+                raise
+            active = parts.tracker.track(batch)
+            log_created(batch)
+            self._spawn(parts.starter.start, active, file)
+            return active.snapshot()
 
     def _check_tenant_limits(self, caller: Caller, requests: int) -> None:
         """IntakeFull, naming the tenant's limit, when a batch of ``requests`` would exceed it now;

@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import anyio
-import anyio.abc
 import attrs
 
 from batchgen.core.batches.deadline_watch import will_miss
@@ -86,10 +85,10 @@ class ActiveBatch:
     #: Records of result files that ``batch`` names and the store does not hold yet (saved first
     #: by the next ``persist``).
     unrecorded: list[FileObject] = attrs.Factory(list)
-    #: Saved by the saver task (a store across a network): a change is taken, its write not landed.
-    awaiting_save: bool = False
-    #: Changes taken so far (the saver knows whether one came while it wrote the one before).
+    #: Changes taken for the saver task (a store across a network), and how many of them are
+    #: saved (a change taken while the saver wrote the one before is not).
     changes: int = 0
+    saved_changes: int = 0
     #: Webhook messages of changes taken and not saved yet (the saver writes them with the batch).
     unsaved_messages: list[OutboxMessage] = attrs.Factory(list)
     #: Whether the terminal status's webhook messages were made (once, whatever the saves do).
@@ -98,6 +97,11 @@ class ActiveBatch:
     def __attrs_post_init__(self) -> None:
         if self.saved is None:
             self.saved = self.batch
+
+    @property
+    def awaiting_save(self) -> bool:
+        """Whether a change was taken whose write has not landed yet."""
+        return self.changes != self.saved_changes
 
     @property
     def saved_terminal(self) -> bool:
@@ -271,19 +275,19 @@ class BatchTracker:
         waits in ``unrecorded`` for the batch's next save; any other storage fault (a full disk)
         is raised, and the caller fails the batch, as on a line that cannot be written. With a
         saver, the record always waits in ``unrecorded`` for the batch's next save."""
-        try:
-            if self._calls is not None:
-                active.unrecorded.append(file)
-            else:
-                self._metadata.insert_file(file)
-        except Exception as exc:
-            if not is_database_locked(exc):
-                raise
-            # said once for the batch by its refused save (``persist``), which comes next
-            logger.debug(
-                "batch %s: its %s file is recorded once the database is free: %s", active.id, kind, exc
-            )
+        if self._calls is not None:
             active.unrecorded.append(file)
+        else:
+            try:
+                self._metadata.insert_file(file)
+            except Exception as exc:
+                if not is_database_locked(exc):
+                    raise
+                # said once for the batch by its refused save (``persist``), which comes next
+                logger.debug(
+                    "batch %s: its %s file is recorded once the database is free: %s", active.id, kind, exc
+                )
+                active.unrecorded.append(file)
         if kind == "output":
             active.batch = attrs.evolve(active.batch, output_file_id=file.id)
         else:
@@ -296,7 +300,6 @@ class BatchTracker:
         if self._calls is not None:
             active.unsaved_messages.extend(messages)
             active.changes += 1
-            active.awaiting_save = True
             active.dirty = False
             self._wake()
             return True
@@ -320,7 +323,7 @@ class BatchTracker:
             return False
         self._landed(active, state)
         active.dirty = False
-        active.awaiting_save = False
+        active.saved_changes = active.changes
         active.unsaved_messages.clear()
         return True
 
@@ -392,10 +395,9 @@ class BatchTracker:
                 active.unsaved_messages.extend(self._outbox(active.state()))
         return list(active.unsaved_messages)
 
-    async def run_saver(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run_saver(self) -> None:
         """Save the changes taken, in worker threads, until cancelled (a store across a network)."""
         assert self._calls is not None and self._wake_saver is not None
-        task_status.started()
         while True:
             await self._wake_saver.wait()
             self._wake_saver = anyio.Event()
@@ -430,10 +432,9 @@ class BatchTracker:
             active.unrecorded = [file for file in active.unrecorded if file not in recorded]
         del active.unsaved_messages[: len(messages)]
         self._landed(active, state)
-        if active.changes == taken:
-            active.awaiting_save = False
-            if state.status.is_terminal:
-                self._active.pop(active.id, None)
+        active.saved_changes = taken
+        if state.status.is_terminal and not active.awaiting_save:
+            self._active.pop(active.id, None)
 
     async def wait_saved(self, active: ActiveBatch) -> None:
         """Until the changes taken so far are saved, or a write of them was refused."""
