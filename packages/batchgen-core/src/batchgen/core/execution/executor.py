@@ -34,12 +34,11 @@ from batchgen.core.backends.base import (
     TransientBackendError,
     generate_all,
 )
-from batchgen.core.backends.capabilities import unsupported_problem
 from batchgen.core.backends.served_models import ModelSet, Route
 from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
 from batchgen.core.clock import now
 from batchgen.core.errors import InvalidRequest
-from batchgen.core.execution.line_requests import generation_request
+from batchgen.core.execution.line_requests import LineRefused, generation_request, route_line
 from batchgen.core.execution.result_cache import CachedResult, ResultCache
 from batchgen.core.execution.result_cache_keys import cache_key, is_deterministic
 from batchgen.core.files.catalogue import FileCatalogue
@@ -57,7 +56,7 @@ from batchgen.core.requests.results import (
     replayed_body,
     response_body_json,
 )
-from batchgen.core.requests.schema import Body, EmbeddingsBody, Envelope, read_body, read_envelope
+from batchgen.core.requests.schema import Body, EmbeddingsBody, Envelope, read_envelope
 from batchgen.core.scheduling import Finished, IntakeEntry
 from batchgen.core.storage import ResultWriter
 from batchgen.core.storage.faults import storage_fault
@@ -296,32 +295,11 @@ class RequestExecutor:
         self, active: ActiveBatch, envelope: Envelope, batch_level: dict[str, SamplingParameters]
     ) -> tuple[GenerationRequest, Body, Route] | None:
         """The request a line asks for, with its body and route; None once its error line is written."""
-        custom_id = envelope.custom_id
-        try:
-            # The schema upload validation used: only a file accepted by an older version (or
-            # changed on disk) can fail here, and then this request gets its error line.
-            body = read_body(envelope)
-        except InvalidRequest as exc:
-            self.record_error(active, custom_id, "invalid_request", exc.message)
+        routed = route_line(envelope, self._models)
+        if isinstance(routed, LineRefused):
+            self.record_error(active, envelope.custom_id, routed.code, routed.message)
             return None
-        # The models may have changed since upload (a restart with other flags): check again.
-        try:
-            route = self._models.route(body.model)
-        except InvalidRequest as exc:
-            self.record_error(active, custom_id, "model_not_found", exc.message)
-            return None
-        model = route.model
-        problem = unsupported_problem(
-            model.public_name, getattr(model.backend, "name", "?"), model.capabilities, envelope.url, body
-        )
-        if problem is not None:
-            self.record_error(active, custom_id, "invalid_request", problem)
-            return None
-        if model.failure is not None:
-            self.record_error(
-                active, custom_id, "model_unavailable", f"model {model.public_name!r}: {model.failure}"
-            )
-            return None
+        body, route = routed
         sampling = None
         if not isinstance(body, EmbeddingsBody) and not sets_sampling(body):
             # every such line of the batch resolves alike: once per group

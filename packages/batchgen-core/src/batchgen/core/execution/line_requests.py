@@ -5,12 +5,19 @@ chat path, its ``instructions`` and ``input`` made into messages (``responses_ap
 embeddings line carries its inputs. Sampling parameters are resolved body > batch > server
 (``parameters``), and the line's optional feature fields go to the backend only when its
 capabilities declare them (``backends.capabilities``); upload validation has refused the others.
+
+Before that, ``route_line`` reads a line's body and finds its model, making again the checks upload
+validation made (a file accepted by an older version, or models changed by a restart with other
+flags, can fail them now): a line that fails one is answered with an error line, ``LineRefused``.
 """
 
 from __future__ import annotations
 
-from batchgen.core.backends.capabilities import passed_options
-from batchgen.core.backends.served_models import Route
+import attrs
+
+from batchgen.core.backends.capabilities import passed_options, unsupported_problem
+from batchgen.core.backends.served_models import ModelSet, Route
+from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import (
     CHAT_COMPLETIONS,
     EMBEDDINGS,
@@ -29,7 +36,37 @@ from batchgen.core.requests.schema import (
     EmbeddingsBody,
     Envelope,
     message_dicts,
+    read_body,
 )
+
+
+@attrs.frozen
+class LineRefused:
+    """Why a line gets an error line without running: the line's error ``code`` and ``message``."""
+
+    code: str
+    message: str
+
+
+def route_line(envelope: Envelope, models: ModelSet) -> tuple[Body, Route] | LineRefused:
+    """The line's body and the route to the model it names, or why it does not run."""
+    try:
+        body = read_body(envelope)
+    except InvalidRequest as exc:
+        return LineRefused("invalid_request", exc.message)
+    try:
+        route = models.route(body.model)
+    except InvalidRequest as exc:
+        return LineRefused("model_not_found", exc.message)
+    model = route.model
+    problem = unsupported_problem(
+        model.public_name, getattr(model.backend, "name", "?"), model.capabilities, envelope.url, body
+    )
+    if problem is not None:
+        return LineRefused("invalid_request", problem)
+    if model.failure is not None:
+        return LineRefused("model_unavailable", f"model {model.public_name!r}: {model.failure}")
+    return body, route
 
 
 def generation_request(

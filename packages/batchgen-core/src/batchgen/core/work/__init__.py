@@ -15,4 +15,7 @@ folder's lock. Several replicas instead share a ledger in Postgres:
 ``s3_segments``       ``S3Segments``: segments as objects in an S3-compatible store (obstore).
 ``shard_runner``      ``ShardRunner``: one replica's loop: claim, run lines, commit segments,
                       renew, drop lost shards, release at stop.
+
+The function a replica runs each line with, on its served models, is above this package:
+``execution.replica_lines.LineRunner``.
 """
