@@ -90,7 +90,8 @@ class MetadataStore(Protocol):
         input_file: FileObject | None = None,
     ) -> None:
         """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``.
-        With ``input_file`` (a retry's new input), that file's record is made in the same step."""
+        With ``input_file`` (a retry's new input, a shared batch's output file), that file's
+        record is made in the same step."""
 
     def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
         """Overwrite a recorded batch with this state, and add the ``outbox`` messages (its webhook

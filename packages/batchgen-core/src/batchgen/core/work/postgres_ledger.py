@@ -3,8 +3,8 @@
 Three tables (created by ``create_schema``, idempotent):
 
 ``batch_work``      one row per batch the replicas share: ``running``, ``cancelled`` or
-                    ``finished``; its tenant; the counters of committed lines; the next segment
-                    number.
+                    ``finished`` (and when it stopped running, ``ended_at``); its tenant; the
+                    counters of committed lines; the next segment number.
 ``batch_shards``    one row per shard: ``pending``, ``leased`` (to ``owner_id`` until
                     ``lease_expires_at``) or ``done``; its ``epoch``, raised at every lease; the
                     lines committed so far (``done_lines``).
@@ -90,6 +90,7 @@ CREATE TABLE IF NOT EXISTS batch_work (
     tenant text NOT NULL DEFAULT 'default'
 );
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'default';
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS ended_at timestamptz;
 CREATE INDEX IF NOT EXISTS batch_work_running ON batch_work (tenant) WHERE status = 'running';
 CREATE TABLE IF NOT EXISTS batch_shards (
     batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
@@ -192,6 +193,9 @@ class BatchWork:
     failed: int
     shards: int
     shards_done: int
+    #: When it stopped running (finished or cancelled), on the database's clock: the same moment
+    #: for every replica that reads it (Unix seconds); None while it runs.
+    ended_at: float | None = None
 
 
 class PostgresShardLedger:
@@ -281,7 +285,8 @@ class PostgresShardLedger:
                 )
             if not shards:  # an empty batch has nothing to run
                 await conn.execute(
-                    "UPDATE batch_work SET status = 'finished' WHERE batch_id = %s", (batch_id,)
+                    "UPDATE batch_work SET status = 'finished', ended_at = clock_timestamp() WHERE batch_id = %s",
+                    (batch_id,),
                 )
         return True
 
@@ -289,7 +294,8 @@ class PostgresShardLedger:
         """Stop a running batch: no more claims or commits, and its owners lose their shards at
         their next renewal. False if it was not running."""
         rows = await self._rows(
-            "UPDATE batch_work SET status = 'cancelled' WHERE batch_id = %(batch)s AND status = 'running' "
+            "UPDATE batch_work SET status = 'cancelled', ended_at = clock_timestamp() "
+            "WHERE batch_id = %(batch)s AND status = 'running' "
             "RETURNING batch_id",
             {"batch": batch_id},
         )
@@ -309,7 +315,8 @@ class PostgresShardLedger:
     async def finish_if_done(self, batch_id: str) -> bool:
         """Mark a running batch whose shards are all done finished; True for exactly one caller."""
         rows = await self._rows(
-            "UPDATE batch_work SET status = 'finished' WHERE batch_id = %(batch)s AND status = 'running' "
+            "UPDATE batch_work SET status = 'finished', ended_at = clock_timestamp() "
+            "WHERE batch_id = %(batch)s AND status = 'running' "
             "AND NOT EXISTS (SELECT 1 FROM batch_shards WHERE batch_id = %(batch)s AND state <> 'done') "
             "RETURNING batch_id",
             {"batch": batch_id},
@@ -319,7 +326,7 @@ class PostgresShardLedger:
     async def batch(self, batch_id: str) -> BatchWork | None:
         rows = await self._rows(
             "SELECT w.batch_id, w.status, w.line_count, w.completed, w.failed, count(s.shard_no), "
-            "count(s.shard_no) FILTER (WHERE s.state = 'done') "
+            "count(s.shard_no) FILTER (WHERE s.state = 'done'), extract(epoch FROM w.ended_at)::float8 "
             "FROM batch_work w LEFT JOIN batch_shards s USING (batch_id) WHERE w.batch_id = %(batch)s "
             "GROUP BY w.batch_id",
             {"batch": batch_id},

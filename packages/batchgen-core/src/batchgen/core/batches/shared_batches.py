@@ -1,0 +1,178 @@
+"""Batches shared by replicas, as any replica answers for them: record, ledger work, ending.
+
+In one process, a running batch lives in that process (``batches.tracker``). Shared by several
+replicas, it lives in two places every replica reads: its record in the metadata store, and its
+work in the shard ledger (``work.postgres_ledger``), where the runners commit its lines. No
+replica owns it, so no replica's death can leave it waiting. ``SharedBatches`` does what a call
+needs:
+
+- ``share(batch)``: the batch's lines admitted against the global intake and its record made. The
+  ledger's work comes first, so a batch that does not fit (``IntakeFull``) records nothing; should
+  the record then fail, the work is cancelled again (nothing runs for a batch nobody can see). The
+  output file is recorded with it, so a client can read the lines committed so far.
+- ``view(batch)``: the batch as it stands now: its request counts are the ledger's committed lines,
+  and once the ledger says its work ended (every shard done, or cancelled) it is ended and saved
+  so, ``completed`` (with an error file when there are error lines and they go apart, OpenAI's
+  convention) or ``cancelled``. Whichever replica looks first saves the ending; every replica
+  computes exactly the same record (the times are the ledger's ``ended_at``, on the database's
+  clock, and the files' ids are made from the batch's), so a second save changes nothing and a
+  client never sees an ended batch change.
+- ``cancel(batch)``: the work stopped on every replica (each runner drops the batch's shards within
+  its watch interval) and the batch ended ``cancelled`` with the lines committed by then.
+
+A result file of a shared batch has no file of its own: its ``path`` names the batch's committed
+segments of one kind (``segment_path``), which a reader reads through the segment store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import attrs
+
+from batchgen.core.batches.lifecycle import advance
+from batchgen.core.clock import now
+from batchgen.core.models import OUTPUT_PURPOSE, Batch, BatchStatus, FileObject, RequestCounts
+from batchgen.core.storage import MetadataStore
+from batchgen.core.storage.metadata_calls import MetadataCalls
+from batchgen.core.work.intake import IntakeLimits
+from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
+from batchgen.core.work.segment_store import SegmentStore
+from batchgen.core.work.shards import ERRORS, OUTPUT, SHARD_LINES
+
+__all__ = ["SEGMENTS_SCHEME", "SharedBatches", "result_file_id", "segment_path", "segments_of"]
+
+logger = logging.getLogger(__name__)
+
+#: How the ``path`` of a shared batch's result file begins: ``segments://BATCH/KIND``.
+SEGMENTS_SCHEME = "segments://"
+
+
+def segment_path(batch_id: str, kind: str) -> str:
+    """The ``path`` of a shared batch's result file of ``kind`` (``OUTPUT`` or ``ERRORS``)."""
+    return f"{SEGMENTS_SCHEME}{batch_id}/{kind}"
+
+
+def segments_of(path: str) -> tuple[str, str] | None:
+    """(batch id, kind) when ``path`` names a shared batch's segments, else None."""
+    if not path.startswith(SEGMENTS_SCHEME):
+        return None
+    batch_id, _, kind = path.removeprefix(SEGMENTS_SCHEME).partition("/")
+    return (batch_id, kind) if batch_id and kind in (OUTPUT, ERRORS) else None
+
+
+def result_file_id(batch_id: str, kind: str) -> str:
+    """The id of a shared batch's result file: the same on every replica, and as hard to guess as
+    the batch's own id (it is a hash of it)."""
+    return "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+
+
+class SharedBatches:
+    """The batches replicas share, over one metadata store, one ledger and one segment store."""
+
+    def __init__(
+        self,
+        metadata: MetadataStore,
+        ledger: PostgresShardLedger,
+        segments: SegmentStore,
+        *,
+        calls: MetadataCalls | None = None,
+        limits: IntakeLimits | None = None,
+        separate_error_file: bool = False,
+        shard_lines: int = SHARD_LINES,
+    ) -> None:
+        self._metadata = metadata
+        self._calls = calls or MetadataCalls(metadata)
+        self._ledger = ledger
+        self._segments = segments
+        self._limits = limits
+        self._separate_error_file = separate_error_file
+        self._shard_lines = shard_lines
+
+    async def share(self, batch: Batch) -> Batch:
+        """Admit a new batch (``validating``, its ``request_counts.total`` its lines) and record
+        it ``in_progress`` with its output file: ``IntakeFull`` when it does not fit now."""
+        lines = batch.request_counts.total
+        await self._ledger.add_batch(
+            batch.id, lines, self._shard_lines, tenant=batch.owner, limits=self._limits
+        )
+        output = self._result_file(batch, OUTPUT)
+        started = attrs.evolve(advance(batch, BatchStatus.IN_PROGRESS, now=now()), output_file_id=output.id)
+        try:  # the batch's row and its output file's in one step: both or neither
+            await self._calls(self._metadata.insert_batch, started, input_file=output)
+        except BaseException:
+            try:
+                await self._ledger.cancel(batch.id)
+            except Exception:
+                logger.exception(
+                    "batch %s: its work could not be cancelled after its record failed", batch.id
+                )
+            raise
+        return started
+
+    async def view(self, batch: Batch) -> Batch:
+        """The batch as it stands (see the module); a batch the ledger does not know is as recorded."""
+        if batch.status.is_terminal:
+            return batch
+        work = await self._ledger.batch(batch.id)
+        if work is None:
+            return batch
+        counts = RequestCounts(total=work.line_count, completed=work.completed, failed=work.failed)
+        batch = attrs.evolve(batch, request_counts=counts)
+        if work.status == "running" or work.ended_at is None:
+            return batch
+        ended = await self._ended(batch, work, work.ended_at)
+        await self._calls(self._metadata.save_batch, ended)
+        return ended
+
+    async def cancel(self, batch: Batch) -> Batch:
+        """Stop the batch's work everywhere and end it ``cancelled`` (a batch that ended already
+        is returned as it ended)."""
+        await self._ledger.cancel(batch.id)
+        return await self.view(batch)
+
+    async def _ended(self, batch: Batch, work: BatchWork, ended_at: float) -> Batch:
+        moment = int(ended_at)
+        if work.status == "cancelled":
+            if batch.status is not BatchStatus.CANCELLING:
+                batch = advance(batch, BatchStatus.CANCELLING, now=moment)
+            return advance(batch, BatchStatus.CANCELLED, now=moment)
+        if self._separate_error_file and work.failed:
+            errors = self._result_file(batch, ERRORS)
+            await self._record_once(errors)
+            batch = attrs.evolve(batch, error_file_id=errors.id)
+        return advance(advance(batch, BatchStatus.FINALIZING, now=moment), BatchStatus.COMPLETED, now=moment)
+
+    async def _record_once(self, file: FileObject) -> None:
+        """Record a result file unless another replica has already."""
+        if await self._calls(self._metadata.get_file, file.id) is not None:
+            return
+        try:
+            await self._calls(self._metadata.insert_file, file)
+        except Exception:
+            if await self._calls(self._metadata.get_file, file.id) is None:
+                raise  # not a replica that recorded it first: a real failure
+
+    def _result_file(self, batch: Batch, kind: str) -> FileObject:
+        expires_at = None
+        if batch.output_expires_after_s is not None:
+            expires_at = batch.created_at + batch.output_expires_after_s
+        return FileObject(
+            id=result_file_id(batch.id, kind),
+            bytes=0,
+            created_at=batch.created_at,
+            filename=f"{batch.id}_{'output' if kind == OUTPUT else 'error'}.jsonl",
+            purpose=OUTPUT_PURPOSE,
+            path=segment_path(batch.id, kind),
+            expires_at=expires_at,
+            owner=batch.owner,
+        )
+
+    async def result_size(self, file: FileObject) -> int:
+        """How many bytes of a shared batch's result file are committed now (a running batch's
+        keep growing); a file that is not a shared batch's is as recorded."""
+        named = segments_of(file.path)
+        if named is None:
+            return file.bytes
+        return self._segments.size(await self._ledger.segments(*named))
