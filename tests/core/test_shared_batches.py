@@ -123,7 +123,12 @@ async def test_every_replica_ends_a_finished_batch_with_the_same_record(
         output = replicas.stores[1].get_file(ended.output_file_id or "")
         assert output is not None and segments_of(output.path) == (batch.id, OUTPUT)
         committed = segments.size(await ledger.segments(batch.id, OUTPUT))
-        assert committed > 0 and await replicas.views[1].result_size(output) == committed
+        assert committed > 0 and (await replicas.views[1].sized(output)).bytes == committed
+        content = await replicas.views[1].content(output)
+        assert content is not None and content.size == committed
+        tail = b"".join([chunk async for chunk in await content.open(committed - 100, committed)])
+        whole = b"".join(segments.read(await ledger.segments(batch.id, OUTPUT)))
+        assert tail == whole[-100:] and tail.endswith(b"\n")
         assert await replicas.views[1].view(ended) is ended  # an ended batch is final
     finally:
         replicas.close()
@@ -165,7 +170,7 @@ async def test_error_lines_kept_apart_get_one_error_file_however_many_replicas_e
     postgres_url: str, ledger: PostgresShardLedger, tmp_path: Path
 ) -> None:
     segments = SegmentFiles(tmp_path)
-    replicas = _Replicas(postgres_url, ledger, segments, separate_error_file=True)
+    replicas = _Replicas(postgres_url, ledger, segments, openai_convention=True)
     runner = _runner(ledger, segments)
     try:
         batch = await replicas.views[0].share(_new_batch("batch_errors", 100))
@@ -228,3 +233,39 @@ def test_a_segment_path_names_its_batch_and_kind(batch_id: str, kind: str) -> No
     assert segments_of(segment_path(batch_id, kind)) == (batch_id, kind)
     assert segments_of(f"/var/lib/batchgen/{batch_id}") is None
     assert result_file_id(batch_id, kind) != result_file_id(batch_id + "x", kind)
+
+
+@pytest.mark.parametrize(("openai", "status"), [(False, BatchStatus.FAILED), (True, BatchStatus.EXPIRED)])
+@pytest.mark.anyio
+async def test_a_batch_past_its_window_ends_the_same_on_every_replica_with_its_lines_kept(
+    postgres_url: str, ledger: PostgresShardLedger, tmp_path: Path, openai: bool, status: BatchStatus
+) -> None:
+    segments = SegmentFiles(tmp_path)
+    replicas = _Replicas(postgres_url, ledger, segments, openai_convention=openai)
+    runner = _runner(ledger, segments, line_s=0.01)
+    try:
+        late = await replicas.views[0].share(_new_batch(f"batch_late_{openai}", 2000))  # its window is past
+        task = asyncio.create_task(runner.run())
+        with anyio.fail_after(30):
+            while (work := await ledger.batch(late.id)) is None or work.completed + work.failed < 50:
+                await asyncio.sleep(0.05)
+        await asyncio.gather(*(view.expire_due() for view in replicas.views))
+        await asyncio.sleep(1.0)
+        runner.stop()
+        await task
+        ended = [await view.view(late) for view in replicas.views]
+        assert ended[0] == ended[1] and ended[0].status is status
+        counts = ended[0].request_counts
+        committed = 0
+        for kind in (OUTPUT, ERRORS):
+            committed += len(b"".join(segments.read(await ledger.segments(late.id, kind))).splitlines())
+        assert 50 <= counts.completed + counts.failed == committed < 2000
+        if not openai:
+            assert ended[0].error is not None and ended[0].error.code == "batch_failed"
+            assert "timed out" in ended[0].error.message and f"{committed} of 2000" in ended[0].error.message
+        cancelled_first = await replicas.views[1].share(_new_batch(f"batch_both_{openai}", 10))
+        await replicas.views[1].cancel(cancelled_first)  # then its window runs out too: it stays cancelled
+        await replicas.views[0].expire_due()
+        assert (await replicas.views[0].view(cancelled_first)).status is BatchStatus.CANCELLED
+    finally:
+        replicas.close()

@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.abc
@@ -77,6 +77,7 @@ from batchgen.core.errors import (
 from batchgen.core.execution.executor import RequestExecutor
 from batchgen.core.execution.result_cache import FILE_NAME as RESULT_CACHE_FILE
 from batchgen.core.execution.result_cache import FLUSH_INTERVAL_S, ResultCache, ResultCacheSettings
+from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files.batch_file import first_line_model
 from batchgen.core.files.catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
 from batchgen.core.files.chunked_uploads import (
@@ -86,6 +87,7 @@ from batchgen.core.files.chunked_uploads import (
     Upload,
     UploadPart,
 )
+from batchgen.core.files.content import DiskContent, FileContent
 from batchgen.core.files.upload_parts import PartDestination
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
@@ -106,6 +108,7 @@ from batchgen.core.scheduling.model_shares import ModelShares
 from batchgen.core.storage import BlobStore, LocalBlobStore, MetadataStore, ResultWriter, SQLiteMetadataStore
 from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.storage.folder_lock import FolderLock
+from batchgen.core.storage.interfaces import IdempotencyRecord
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
@@ -113,16 +116,27 @@ from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.core.webhook_outbox import WebhookTargets
 
+if TYPE_CHECKING:
+    from batchgen.core.execution.replica_work import ReplicaWork
+
 __all__ = ["MAX_FILE_EXPIRY_S", "BatchService", "ServiceSettings", "parse_completion_window"]
 
 logger = logging.getLogger("batchgen.service")
 
 ERROR_FILE_MODES = ("output", "openai")
+#: ``Retry-After`` seconds for a batch the replicas' shared intake has no room for now.
+SHARED_INTAKE_RETRY_AFTER_S = 5
 __all__ += ["DEFAULT_MODEL_ALIAS", "ModelSet", "ServedModel"]
 
 
 def _names(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(values)
+
+
+def _open_shared_metadata(shared: SharedStorage, _path: Path) -> MetadataStore:
+    from batchgen.core.storage.postgres_metadata import PostgresMetadataStore  # psycopg: only here
+
+    return PostgresMetadataStore(shared.metadata_url)
 
 
 _P = ParamSpec("_P")
@@ -183,6 +197,10 @@ class ServiceSettings:
     #: Whether a batch's lines that share a prompt prefix are admitted together (``prefix_groups``),
     #: so that an engine's prefix cache computes the prefix once; False: in file order.
     prefix_grouping: bool = True
+    #: Where this service shares its state with other replicas (``execution.shared_storage``):
+    #: its metadata in PostgreSQL, file contents and output in a folder they all mount, and its
+    #: batches run by whichever replica claims their shards. None: one process on its own folder.
+    shared: SharedStorage | None = None
 
 
 class _Parts:
@@ -276,8 +294,16 @@ class BatchService:
         self.model_set = ModelSet.of(backend, settings.served_model_names)
         #: The default model's backend.
         self.backend = self.model_set.default.backend
+        shared = settings.shared
+        if shared is not None:  # the database and the folder every replica shares
+            open_metadata = open_metadata or functools.partial(_open_shared_metadata, shared)
+            if blobs is None:
+                blobs = LocalBlobStore(shared.folder, staging_dir=shared.staging_dir)
         self._open_metadata = open_metadata or SQLiteMetadataStore
         self.blobs: BlobStore = blobs if blobs is not None else LocalBlobStore(settings.storage_path)
+        #: This replica's share of the work, while it runs with ``settings.shared``.
+        self.replica: ReplicaWork | None = None
+        self._replica_done = anyio.Event()
         self.supervisor = Supervisor()
         self.intake_pool = IntakePool(settings.max_intake_capacity)
         self.scheduling_pool = SchedulingPool(settings.max_pool_size)
@@ -344,10 +370,42 @@ class BatchService:
             self.maintenance.add(
                 "deadline watch", self.settings.maintenance_interval_s, parts.deadlines.check
             )
+            if self.settings.shared is not None:  # every replica's batches: it takes shards of them
+                await self._start_replica(self.settings.shared, parts)
             self.maintenance.start(tasks)
-            recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn, parts.ordering.begin)
+            if self.settings.shared is None:  # resuming this process's own unfinished batches
+                recover(metadata, self.blobs, parts.tracker, parts.starter, self._spawn, parts.ordering.begin)
             await parts.uploads.recover()
             self._exit_stack = stack.pop_all()
+
+    async def _start_replica(self, shared: SharedStorage, parts: _Parts) -> None:
+        from batchgen.core.execution.replica_work import ReplicaWork  # psycopg: only in this mode
+
+        replica = ReplicaWork(
+            shared,
+            parts.metadata,
+            parts.calls,
+            self.model_set,
+            defaults=ServerDefaults(max_tokens=self.settings.default_max_tokens),
+            max_attempts=self.settings.max_request_attempts,
+            separate_error_file=self.settings.error_file == "openai",
+            intake_capacity=self.settings.max_intake_capacity,
+        )
+        await replica.open()
+        self.replica, self._replica_done = replica, anyio.Event()
+        self._spawn(self._run_replica, replica)
+        self.maintenance.add(
+            "expire shared batches", self.settings.maintenance_interval_s, replica.batches.expire_due
+        )
+
+    async def _run_replica(self, replica: ReplicaWork) -> None:
+        """Take shards until the service stops (supervised: a crash stops the core visibly)."""
+        try:
+            await replica.run()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await replica.close()
+            self._replica_done.set()
 
     def _close_result_cache(self) -> None:
         cache, self.result_cache = self.result_cache, None
@@ -397,6 +455,9 @@ class BatchService:
         self.begin_shutdown()
         left_s = (self._shutdown_deadline or 0.0) - time.monotonic()
         with anyio.move_on_after(max(0.0, left_s)):
+            if self.replica is not None:  # its leases let go now, not when they run out
+                self.replica.stop()
+                await self._replica_done.wait()
             while self.scheduling_pool.active:
                 await anyio.sleep(0.02)
         if self.scheduling_pool.active:
@@ -530,7 +591,8 @@ class BatchService:
 
     @_storage_call("read the file's record")
     async def get_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileObject:
-        return await self.parts.files.get(file_id, caller)
+        file = await self.parts.files.get(file_id, caller)
+        return file if self.replica is None else await self.replica.batches.sized(file)
 
     @_storage_call("list the files")
     async def list_files(
@@ -542,9 +604,12 @@ class BatchService:
         purpose: str | None = None,
         caller: Caller = EMBEDDED,
     ) -> tuple[list[FileObject], bool]:
-        return await self.parts.files.list(
+        files, has_more = await self.parts.files.list(
             after=after, limit=limit, order=order, purpose=purpose, caller=caller
         )
+        if self.replica is not None:
+            files = [await self.replica.batches.sized(file) for file in files]
+        return files, has_more
 
     @_storage_call("delete the file")
     async def delete_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> None:
@@ -552,7 +617,22 @@ class BatchService:
 
     @_storage_call("read the file")
     async def file_content(self, file_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, int]:
-        """The file's path and how many bytes of it to read now (an output file keeps growing)."""
+        """The file's path and how many bytes of it to read now (an output file keeps growing).
+        A shared batch's result file has no path of its own: read it with ``file_bytes``."""
+        content = await self.file_bytes(file_id, caller=caller)
+        if not isinstance(content, DiskContent):
+            raise InvalidRequest(
+                f"File '{file_id}' is a shared batch's result, held in segments; read it with file_bytes()."
+            )
+        return content.path, content.size
+
+    async def file_bytes(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileContent:
+        """The file's bytes, as many as there are now (an output file keeps growing), wherever
+        they are held: a file on disk, or a shared batch's committed segments."""
+        if self.replica is not None:
+            shared = await self.replica.batches.content(await self.parts.files.record(file_id, caller))
+            if shared is not None:
+                return shared
         return await self.parts.files.content(file_id, caller)
 
     def _live_user_of_file(self, batches: Sequence[Batch]) -> Batch | None:
@@ -671,7 +751,7 @@ class BatchService:
             self._check_tenant_limits(caller, file.line_count)
             served = self._model_of_file(file, endpoint)
             fits_ever = file.line_count <= self.intake_pool.capacity
-            if fits_ever and file.line_count > self.intake_pool.free:
+            if self.replica is None and fits_ever and file.line_count > self.intake_pool.free:
                 raise IntakeFull(
                     f"The server is at capacity: {self.intake_pool.free} of {self.intake_pool.capacity} intake "
                     f"slots are free and this batch has {file.line_count} requests. Retry later.",
@@ -695,6 +775,9 @@ class BatchService:
                 retry_of=retry_of,
                 output_order=order,
             )
+            entry = parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant)
+            if self.replica is not None:  # admitted against what every replica holds, and shared
+                return await self._share(self.replica, batch, entry, caller)
             # Admission is atomic: the batch's places are held from now until the starter queues it
             # (or it ends first), so every batch answered here is queued in full. A batch larger than
             # the whole pool holds nothing; the starter fails it with capacity_exceeded.
@@ -706,7 +789,7 @@ class BatchService:
                 await parts.calls(
                     self.metadata.insert_batch,
                     batch,
-                    idempotency=parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant),
+                    idempotency=entry,
                     input_file=new_input,
                 )
             except BaseException:
@@ -716,6 +799,26 @@ class BatchService:
             log_created(batch)
             self._spawn(parts.starter.start, active, file)
             return active.snapshot()
+
+    async def _share(
+        self, replica: ReplicaWork, batch: Batch, entry: IdempotencyRecord | None, caller: Caller
+    ) -> Batch:
+        """Hand a new batch to every replica (``SharedBatches.share``), admitted against what all
+        of them hold: the intake, and the tenant's queued requests and running batches."""
+        from batchgen.core.work.intake import IntakeFull as GlobalIntakeFull
+        from batchgen.core.work.intake import IntakeLimits
+
+        limits = IntakeLimits(
+            capacity=self.settings.max_intake_capacity,
+            tenant_queued=caller.limits.max_queued_requests,
+            tenant_active=caller.limits.max_active_batches,
+        )
+        try:
+            shared = await replica.batches.share(batch, idempotency=entry, limits=limits)
+        except GlobalIntakeFull as exc:
+            raise IntakeFull(f"{exc} Retry later.", retry_after_s=SHARED_INTAKE_RETRY_AFTER_S) from None
+        log_created(shared)
+        return shared
 
     def _check_tenant_limits(self, caller: Caller, requests: int) -> None:
         """IntakeFull, naming the tenant's limit, when a batch of ``requests`` would exceed it now;
@@ -779,6 +882,8 @@ class BatchService:
         )
         if batch is None or not caller.sees(batch.owner):
             raise NotFound(f"No batch with id '{batch_id}'.")
+        if self.replica is not None:
+            batch = await self.replica.batches.view(batch)
         return (await with_retries(self, [batch]))[0]
 
     @_storage_call("list the batches")
@@ -798,6 +903,8 @@ class BatchService:
             owner=caller.owner_filter,
         )
         live = [active.snapshot() if (active := tracker.get(batch.id)) else batch for batch in batches]
+        if self.replica is not None:
+            live = [await self.replica.batches.view(batch) for batch in live]
         return await with_retries(self, live), has_more
 
     @_storage_call("retry the batch")
@@ -810,6 +917,7 @@ class BatchService:
         caller: Caller = EMBEDDED,
     ) -> Batch:
         """A new batch over the lines of an ended batch that did not succeed (``batches.retry``)."""
+        self._refuse_when_shared("Retrying a batch")
         return await self.retries.retry(
             batch_id, request or RetryRequest(), idempotency_key=idempotency_key, caller=caller
         )
@@ -818,7 +926,15 @@ class BatchService:
     async def merged_results(self, batch_id: str, *, caller: Caller = EMBEDDED) -> FamilyIndex:
         """The best result so far of every request of a batch and its retries (``result_merge``);
         the caller reads it (``merged_chunks``, in a worker thread) and closes it."""
+        self._refuse_when_shared("Merged results")
         return (await self.retries.index(batch_id, caller))[1]
+
+    def _refuse_when_shared(self, what: str) -> None:
+        """InvalidRequest for a call that works on one process's result files only."""
+        if self.replica is not None:
+            raise InvalidRequest(
+                f"{what} is not available yet when several replicas share the work (--metadata-url)."
+            )
 
     @_storage_call("cancel the batch")
     async def cancel_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:
@@ -828,6 +944,8 @@ class BatchService:
             raise NotFound(f"No batch with id '{batch_id}'.")
         if active is None:
             batch = await self.get_batch(batch_id, caller=caller)
+            if self.replica is not None and not batch.status.is_terminal:
+                return await self.replica.batches.cancel(batch)  # on every replica
             raise Conflict(f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.")
         if active.status is BatchStatus.CANCELLING:
             return active.snapshot()
@@ -996,6 +1114,8 @@ class BatchService:
             if self._storage_fault() is not None:  # every failing job waits for the storage
                 return Health(False, f"storage unavailable: {problems}")
             return Health(False, f"background job failing: {problems}")
+        if self.replica is not None and not self.replica.runner.healthy:
+            return Health(False, f"shared work failing: {'; '.join(self.replica.runner.problems)}")
         return self.model_set.health()
 
     def _storage_fault(self) -> StorageUnavailable | None:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 
@@ -356,3 +357,50 @@ class KeyStore:
             self._db.execute("PRAGMA synchronous = FULL")
             self._db.execute(f"PRAGMA busy_timeout = {int(READ_BUSY_TIMEOUT_S * 1000)}")
         return self._rows.use_saved(batch)
+
+
+class ApiKeys(Protocol):
+    """What the server and the ``keys`` command use of a key store: ``KeyStore`` (SQLite, one
+    server) or ``postgres_api_keys.PostgresKeyStore`` (the database replicas share)."""
+
+    on_reload: Callable[[dict[str, TenantLimits]], object] | None
+
+    def create_key(
+        self, tenant: str, *, admin: bool = False, limits: TenantLimits | None = None
+    ) -> tuple[str, str]: ...
+    def set_limits(self, tenant: str, limits: TenantLimits) -> None: ...
+    def revoke(self, key_id: str) -> bool: ...
+    def list_keys(self) -> list[KeyRecord]: ...
+    def tenants(self) -> list[TenantRecord]: ...
+    def has_keys(self) -> bool: ...
+    def authenticate(self, presented: str, *, refresh: bool = True) -> Caller | None: ...
+    def save_last_use(self, *, wait: bool = False) -> bool: ...
+    def close(self) -> None: ...
+
+
+def open_key_store(
+    storage_path: Path,
+    metadata_url: str | None = None,
+    *,
+    on_reload: Callable[[dict[str, TenantLimits]], object] | None = None,
+    watch: bool = False,
+) -> ApiKeys:
+    """The keys of a server: in the database replicas share when it has a ``metadata_url``,
+    else in its storage folder's SQLite file; ``on_reload`` set. ``watch`` (a running server):
+    the shared database's store reloads and saves last uses from a thread of its own. RuntimeError
+    when PostgreSQL's driver is missing."""
+    if metadata_url is None:
+        store = KeyStore(storage_path / "metadata.sqlite3")
+        store.on_reload = on_reload
+        return store
+    try:
+        from batchgen.server.postgres_api_keys import PostgresKeyStore
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--metadata-url needs PostgreSQL's driver ({exc}): pip install 'batchgen-server[postgres]'"
+        ) from None
+    shared = PostgresKeyStore(metadata_url)
+    shared.on_reload = on_reload
+    if watch:
+        shared.watch()
+    return shared

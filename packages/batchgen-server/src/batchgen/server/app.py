@@ -24,7 +24,7 @@ from litestar.middleware import DefineMiddleware
 
 from batchgen.core.errors import BatchGenError
 from batchgen.core.service import BatchService
-from batchgen.server.api_keys import LAST_USED_SAVE_INTERVAL_S, KeyStore
+from batchgen.server.api_keys import LAST_USED_SAVE_INTERVAL_S, open_key_store
 from batchgen.server.auth import (
     ApiKeyRefused,
     KeyCheck,
@@ -81,13 +81,18 @@ def create_app(
         )
         service.maintenance.add("deliver webhooks", settings.webhook_interval_s, deliverer.deliver_due)
         registry.register(WebhookCollector(deliverer.counts))
-    keys = KeyStore(service.settings.storage_path / "metadata.sqlite3")
 
     def apply_weights(limits: dict[str, Any]) -> None:
         for tenant, tenant_limits in limits.items():
             service.set_tenant_weight(tenant, tenant_limits.weight)
 
-    keys.on_reload = apply_weights
+    shared = service.settings.shared
+    keys = open_key_store(
+        service.settings.storage_path,
+        None if shared is None else shared.metadata_url,
+        on_reload=apply_weights,
+        watch=True,
+    )
 
     def save_last_use() -> None:
         keys.save_last_use()

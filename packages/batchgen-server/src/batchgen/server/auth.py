@@ -29,7 +29,7 @@ from litestar.routes import HTTPRoute
 from litestar.types import Scope
 
 from batchgen.core.tenancy import EMBEDDED, Caller, reserved_tenant_problem
-from batchgen.server.api_keys import KeyStore
+from batchgen.server.api_keys import ApiKeys
 from batchgen.server.errors import error_response, handle_http_error
 
 #: The ``opt`` key that declares a route open (served without a key).
@@ -67,7 +67,7 @@ def _bearer_token(scope: Scope) -> str | None:
 class KeyCheck:
     """The per-route check (a Litestar guard on the whole app) and the answer to unrouted requests."""
 
-    def __init__(self, keys: KeyStore) -> None:
+    def __init__(self, keys: ApiKeys) -> None:
         self._keys = keys
 
     def _caller(self, scope: Scope) -> Caller:

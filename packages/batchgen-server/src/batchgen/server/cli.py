@@ -289,6 +289,29 @@ def build_parser(
         help="serve on an address other than loopback although no API key exists (anyone who can reach "
         "the port may then read, delete and cancel everything); without it such a start is refused",
     )
+    add(
+        "--metadata-url",
+        help="run as one of several replicas sharing the work: the PostgreSQL database "
+        "(postgresql://USER:PASSWORD@HOST:PORT/DB) holding files, batches, API keys, idempotency keys "
+        "and the work shards of every replica; needs --blob-url (default: one process on a SQLite "
+        "file in --storage-path)",
+    )
+    add(
+        "--blob-url",
+        help="with --metadata-url: file:///FOLDER, a folder every replica mounts at the same path, "
+        "holding uploaded files and committed output",
+    )
+    add(
+        "--replica-id",
+        help="this replica's name in the shared work and its staging folder's (default: the host name)",
+    )
+    add(
+        "--lease-s",
+        type=_POSITIVE_FLOAT,
+        default=_DEFAULTS.lease_s,
+        help="with --metadata-url: seconds a replica's shards stay its own unless renewed; a replica "
+        "that dies has its unfinished shards taken over by the others this long after",
+    )
     add("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain) file")
     add("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
     parser.add_argument(
@@ -476,6 +499,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ServerS
         models=tuple(models),
         embedding_options={} if embeddings is None else backend_options(args, embeddings),
     )
+    try:
+        settings.shared_storage()
+    except ValueError as exc:
+        refuse(parser, str(exc))
     return parser, settings
 
 
@@ -493,9 +520,9 @@ def refuse_open_start(settings: ServerSettings) -> str | None:
     """Why serving these settings must not start (no key, not loopback, no override), or None."""
     if settings.allow_unauthenticated or is_loopback(settings.host):
         return None
-    from batchgen.server.api_keys import KeyStore
+    from batchgen.server.api_keys import open_key_store
 
-    store = KeyStore(Path(settings.storage_path) / "metadata.sqlite3")
+    store = open_key_store(Path(settings.storage_path), settings.metadata_url)
     try:
         if store.has_keys():
             return None
@@ -504,9 +531,16 @@ def refuse_open_start(settings: ServerSettings) -> str | None:
     return (
         f"refusing to serve on {settings.host} with no API key: anyone who can reach the port could read, "
         "delete and cancel everything. Create a key first with "
-        f"'batchgen-server keys create --tenant NAME --storage-path {settings.storage_path}' "
+        f"'batchgen-server keys create --tenant NAME {_key_store_flag(settings)}' "
         "(then every /v1 call needs it), or pass --allow-unauthenticated."
     )
+
+
+def _key_store_flag(settings: ServerSettings) -> str:
+    """The flag that points the ``keys`` command at this server's keys."""
+    if settings.metadata_url is not None:
+        return "--metadata-url URL"  # the URL may hold a password: not echoed
+    return f"--storage-path {settings.storage_path}"
 
 
 def refuse_held_folder(settings: ServerSettings, holder: FolderHolder) -> str:

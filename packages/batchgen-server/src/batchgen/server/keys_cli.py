@@ -1,7 +1,8 @@
 """``batchgen-server keys …``: create, list and revoke API keys, and change a tenant's limits.
 
-It writes the same metadata database a running server reads (``--storage-path``), and a running
-server sees every change on its next request: a revoked key stops working at once.
+It writes the same metadata database a running server reads (``--storage-path``, or
+``--metadata-url`` for replicas sharing PostgreSQL), and a running server sees every change on its
+next request (replicas within half a second): a revoked key stops working then.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from batchgen.core.tenancy import TenantLimits, reserved_tenant_problem
-from batchgen.server.api_keys import KeyStore, check_tenant_name
+from batchgen.server.api_keys import check_tenant_name, open_key_store
 from batchgen.server.settings import ServerSettings
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 1
+EXIT_UNAVAILABLE = 3
 
 
 def _non_negative_int(text: str) -> int:
@@ -56,6 +58,11 @@ def _add_storage(parser: argparse.ArgumentParser) -> None:
         "--storage-path",
         default=default,
         help=f"the server's storage folder, where its metadata database is (default: {default})",
+    )
+    parser.add_argument(
+        "--metadata-url",
+        help="the PostgreSQL database replicas share (postgresql://USER:PASSWORD@HOST:PORT/DB), as "
+        "given to their --metadata-url; instead of --storage-path",
     )
 
 
@@ -143,8 +150,12 @@ def _limit(value: int | None) -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
-    store_path = Path(args.storage_path) / "metadata.sqlite3"
-    store = KeyStore(store_path)
+    where = "the shared database" if args.metadata_url else str(Path(args.storage_path) / "metadata.sqlite3")
+    try:
+        store = open_key_store(Path(args.storage_path), args.metadata_url)
+    except Exception as exc:  # an unreachable database, a missing driver: said plainly, no traceback
+        print(f"batchgen-server keys: cannot open the keys in {where}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     try:
         if args.command == "create":
             given = any(
@@ -160,7 +171,7 @@ def main(argv: Sequence[str]) -> int:
                 args.tenant, admin=args.admin, limits=_limits(args) if given else None
             )
             kind = "admin key" if args.admin else "key"
-            print(f"Created {kind} {key_id} for tenant '{args.tenant}' in {store_path}.")
+            print(f"Created {kind} {key_id} for tenant '{args.tenant}' in {where}.")
             print("Keep it secret; it is shown only now. The key:")
             print(key)
         elif args.command == "list":

@@ -11,9 +11,11 @@ import attrs
 from batchgen.core.backends import Backend, BackendSpec, backend_spec
 from batchgen.core.backends.served_models import ServedModel
 from batchgen.core.execution.result_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResultCacheSettings
+from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files.chunked_uploads import DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_UPLOAD_EXPIRY_S
 from batchgen.core.service import ServiceSettings
 from batchgen.core.url_redaction import redacted_repr
+from batchgen.core.work.shards import DEFAULT_LEASE_S
 from batchgen.server.model_specs import ModelEntry, check_unique_names
 from batchgen.server.priority import AUTO, ApiNice
 
@@ -87,6 +89,12 @@ class ServerSettings:
     allow_unauthenticated: bool = False
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    #: Several replicas sharing the work (``execution.shared_storage``; docs/replicas.md): the
+    #: PostgreSQL database and the folder they all mount; neither: one process on --storage-path.
+    metadata_url: str | None = attrs.field(default=None, repr=False)  # it may hold a password
+    blob_url: str | None = None
+    replica_id: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
     models: tuple[ModelEntry, ...] = attrs.field(default=(), converter=_entries)
     default_embeddings: bool = True
     embedding_options: Mapping[str, Any] = attrs.field(factory=dict, repr=redacted_repr)
@@ -112,6 +120,20 @@ class ServerSettings:
             result_cache=ResultCacheSettings(
                 self.result_cache_tenant, self.result_cache_max_bytes, self.result_cache_max_entries
             ),
+            shared=self.shared_storage(),
+        )
+
+    def shared_storage(self) -> SharedStorage | None:
+        """Where the replicas share their state, or None for one process on its own folder;
+        ValueError when only one of the two URLs is given, or either is not one the server takes."""
+        if self.metadata_url is None and self.blob_url is None:
+            return None
+        if self.metadata_url is None or self.blob_url is None:
+            raise ValueError("--metadata-url and --blob-url go together: replicas share both")
+        if self.replica_id is None:
+            return SharedStorage(self.metadata_url, self.blob_url, lease_s=self.lease_s)
+        return SharedStorage(
+            self.metadata_url, self.blob_url, replica_id=self.replica_id, lease_s=self.lease_s
         )
 
     def build_backend(self) -> Backend:

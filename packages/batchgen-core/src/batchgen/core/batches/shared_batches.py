@@ -19,6 +19,11 @@ needs:
   client never sees an ended batch change.
 - ``cancel(batch)``: the work stopped on every replica (each runner drops the batch's shards within
   its watch interval) and the batch ended ``cancelled`` with the lines committed by then.
+- ``expire_due()``: the running batches past their completion window stopped the same way, and
+  ended ``failed`` with ``batch_failed`` saying it timed out (the user guide), or ``expired``
+  (OpenAI's convention), the lines committed by then kept. The ledger keeps why a batch was
+  stopped (the first stop wins), so a cancel and an expiry at the same moment end it one way on
+  every replica.
 
 A result file of a shared batch has no file of its own: its ``path`` names the batch's committed
 segments of one kind (``segment_path``), which a reader reads through the segment store.
@@ -33,8 +38,10 @@ import attrs
 
 from batchgen.core.batches.lifecycle import advance
 from batchgen.core.clock import now
-from batchgen.core.models import OUTPUT_PURPOSE, Batch, BatchStatus, FileObject, RequestCounts
+from batchgen.core.files.content import SegmentContent
+from batchgen.core.models import OUTPUT_PURPOSE, Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts
 from batchgen.core.storage import MetadataStore
+from batchgen.core.storage.interfaces import IdempotencyRecord
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.work.intake import IntakeLimits
 from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
@@ -45,6 +52,8 @@ __all__ = ["SEGMENTS_SCHEME", "SharedBatches", "result_file_id", "segment_path",
 
 logger = logging.getLogger(__name__)
 
+#: Why the ledger stopped a batch: a caller cancelled it, or its completion window ran out.
+CANCELLED_BY_CALLER, EXPIRED_WINDOW = "cancelled", "expired"
 #: How the ``path`` of a shared batch's result file begins: ``segments://BATCH/KIND``.
 SEGMENTS_SCHEME = "segments://"
 
@@ -79,28 +88,40 @@ class SharedBatches:
         *,
         calls: MetadataCalls | None = None,
         limits: IntakeLimits | None = None,
-        separate_error_file: bool = False,
+        openai_convention: bool = False,
         shard_lines: int = SHARD_LINES,
     ) -> None:
+        """``openai_convention``: error lines go to an error file, and a batch past its window
+        ends ``expired`` (OpenAI's Batch API); else the user guide's: with the output, ``failed``."""
         self._metadata = metadata
         self._calls = calls or MetadataCalls(metadata)
         self._ledger = ledger
         self._segments = segments
         self._limits = limits
-        self._separate_error_file = separate_error_file
+        self._openai_convention = openai_convention
         self._shard_lines = shard_lines
 
-    async def share(self, batch: Batch) -> Batch:
+    async def share(
+        self,
+        batch: Batch,
+        *,
+        idempotency: IdempotencyRecord | None = None,
+        limits: IntakeLimits | None = None,
+    ) -> Batch:
         """Admit a new batch (``validating``, its ``request_counts.total`` its lines) and record
-        it ``in_progress`` with its output file: ``IntakeFull`` when it does not fit now."""
+        it ``in_progress`` with its output file (and ``idempotency``, its key, in the same step):
+        ``IntakeFull`` when it does not fit now. ``limits`` replace the ones given at start for
+        this batch (its tenant's own)."""
         lines = batch.request_counts.total
         await self._ledger.add_batch(
-            batch.id, lines, self._shard_lines, tenant=batch.owner, limits=self._limits
+            batch.id, lines, self._shard_lines, tenant=batch.owner, limits=limits or self._limits
         )
         output = self._result_file(batch, OUTPUT)
         started = attrs.evolve(advance(batch, BatchStatus.IN_PROGRESS, now=now()), output_file_id=output.id)
         try:  # the batch's row and its output file's in one step: both or neither
-            await self._calls(self._metadata.insert_batch, started, input_file=output)
+            await self._calls(
+                self._metadata.insert_batch, started, idempotency=idempotency, input_file=output
+            )
         except BaseException:
             try:
                 await self._ledger.cancel(batch.id)
@@ -129,16 +150,36 @@ class SharedBatches:
     async def cancel(self, batch: Batch) -> Batch:
         """Stop the batch's work everywhere and end it ``cancelled`` (a batch that ended already
         is returned as it ended)."""
-        await self._ledger.cancel(batch.id)
+        await self._ledger.cancel(batch.id, CANCELLED_BY_CALLER)
         return await self.view(batch)
+
+    async def expire_due(self) -> None:
+        """End the running batches past their completion window (any replica may; see the module)."""
+        moment = now()
+        for batch in await self._calls(self._metadata.active_batches):
+            if batch.expires_at <= moment:
+                await self._ledger.cancel(batch.id, EXPIRED_WINDOW)
+                await self.view(batch)
 
     async def _ended(self, batch: Batch, work: BatchWork, ended_at: float) -> Batch:
         moment = int(ended_at)
+        if work.status == "cancelled" and work.stop_reason == EXPIRED_WINDOW:
+            if self._openai_convention:
+                return advance(batch, BatchStatus.EXPIRED, now=moment)
+            message = (
+                f"The batch timed out: it did not finish within its completion window of "
+                f"{batch.completion_window} ({batch.expires_at - batch.created_at} s). "
+                f"{work.completed + work.failed} of {work.line_count} requests finished "
+                f"({work.completed} completed, {work.failed} failed); their lines are kept in the output file."
+            )
+            return advance(
+                batch, BatchStatus.FAILED, now=moment, error=BatchErrorInfo("batch_failed", message)
+            )
         if work.status == "cancelled":
             if batch.status is not BatchStatus.CANCELLING:
                 batch = advance(batch, BatchStatus.CANCELLING, now=moment)
             return advance(batch, BatchStatus.CANCELLED, now=moment)
-        if self._separate_error_file and work.failed:
+        if self._openai_convention and work.failed:  # error lines apart
             errors = self._result_file(batch, ERRORS)
             await self._record_once(errors)
             batch = attrs.evolve(batch, error_file_id=errors.id)
@@ -169,10 +210,16 @@ class SharedBatches:
             owner=batch.owner,
         )
 
-    async def result_size(self, file: FileObject) -> int:
-        """How many bytes of a shared batch's result file are committed now (a running batch's
-        keep growing); a file that is not a shared batch's is as recorded."""
+    async def content(self, file: FileObject) -> SegmentContent | None:
+        """A shared batch's result file's committed bytes (a running batch's keep growing); None
+        for a file that is not one."""
         named = segments_of(file.path)
         if named is None:
-            return file.bytes
-        return self._segments.size(await self._ledger.segments(*named))
+            return None
+        return SegmentContent.of(self._segments, await self._ledger.segments(*named))
+
+    async def sized(self, file: FileObject) -> FileObject:
+        """The file with its size now: a shared batch's result file, as many bytes as are
+        committed; any other file as recorded."""
+        content = await self.content(file)
+        return file if content is None else attrs.evolve(file, bytes=content.size)

@@ -20,6 +20,7 @@ import attrs
 from batchgen.core.clock import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.files.batch_file import LineRouter, validate_batch_file
+from batchgen.core.files.content import DiskContent
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
@@ -284,10 +285,10 @@ class FileCatalogue:
         await self._calls(self._metadata.delete_file, file_id)
         self._blobs.remove(file.path)
 
-    async def content(self, file_id: str, caller: Caller = EMBEDDED) -> tuple[Path, int]:
-        """The file's path and how many bytes of it to read now (an output file keeps growing)."""
+    async def content(self, file_id: str, caller: Caller = EMBEDDED) -> DiskContent:
+        """The file's bytes on disk, as many as there are now (an output file keeps growing)."""
         file = await self.get(file_id, caller)
-        return Path(file.path), file.bytes
+        return DiskContent(file.id, Path(file.path), file.bytes)
 
     async def delete_expired(self) -> None:
         """Delete files past their expiry that no live batch needs."""

@@ -4,6 +4,10 @@
 {root}/incremental/{batch_id}.jsonl       a batch's output file, appended as requests finish
 {root}/incremental/{batch_id}.errors.jsonl  a batch's error file
 {root}/staging/                           uploads being received, moved into files/ when valid
+
+Replicas sharing one folder each stage in a folder of their own (``staging_dir``, inside the
+shared folder so a valid upload is moved into files/ by a rename): a replica clearing what its
+last run left half received never touches another's uploads in progress.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from batchgen.core.storage.result_files import FinishedLines, OutputWriter, read
 class LocalBlobStore:
     """Uploads, result files and staged uploads as plain files under ``root``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, staging_dir: Path | None = None) -> None:
         self.root = root
         self.files_dir = root / "files"
         self.incremental_dir = root / "incremental"
-        self.staging_dir = root / "staging"
+        self.staging_dir = staging_dir or root / "staging"
         for folder in (self.files_dir, self.incremental_dir, self.staging_dir):
             folder.mkdir(parents=True, exist_ok=True)
 

@@ -1,7 +1,7 @@
 """Work shared by several replicas: a batch's lines cut into shards, leased and fenced.
 
-The single-process server does not use this package: it owns its batches by holding the storage
-folder's lock. Several replicas instead share a ledger in Postgres:
+A single process does not use this package: it owns its batches by holding the storage folder's
+lock. Replicas (a service with ``ServiceSettings.shared``) instead share a ledger in Postgres:
 
 ``shards``            the pure part: how a batch's lines are cut into shards, and the types the
                       ledger hands out (a ``Lease`` carries the epoch that fences its commits).

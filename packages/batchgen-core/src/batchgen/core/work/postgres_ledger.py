@@ -3,8 +3,9 @@
 Three tables (created by ``create_schema``, idempotent):
 
 ``batch_work``      one row per batch the replicas share: ``running``, ``cancelled`` or
-                    ``finished`` (and when it stopped running, ``ended_at``); its tenant; the
-                    counters of committed lines; the next segment number.
+                    ``finished`` (and when it stopped running, ``ended_at``, and why a cancelled
+                    one was, ``stop_reason``); its tenant; the counters of committed lines; the
+                    next segment number.
 ``batch_shards``    one row per shard: ``pending``, ``leased`` (to ``owner_id`` until
                     ``lease_expires_at``) or ``done``; its ``epoch``, raised at every lease; the
                     lines committed so far (``done_lines``).
@@ -49,6 +50,7 @@ from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.work.intake import IntakeFull, IntakeHeld, IntakeLimits
 from batchgen.core.work.shards import (
     ERRORS,
+    MAX_LEASE_S,
     OUTPUT,
     SHARD_LINES,
     Lease,
@@ -62,9 +64,6 @@ from batchgen.core.work.shards import (
 __all__ = ["BatchWork", "CommitRefused", "LineCommittedTwice", "PostgresShardLedger"]
 
 RUNNING, CANCELLED, FINISHED = "running", "cancelled", "finished"
-#: The longest lease the ledger hands out (a day): a longer one would keep a dead replica's
-#: shards from everyone else for longer than any batch's window.
-MAX_LEASE_S = 86_400.0
 
 #: Serialises concurrent ``create_schema`` calls of replicas starting together.
 _SCHEMA_LOCK = 0x6261_7463_6867_656E  # "batchgen"
@@ -91,6 +90,7 @@ CREATE TABLE IF NOT EXISTS batch_work (
 );
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'default';
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS ended_at timestamptz;
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS stop_reason text;
 CREATE INDEX IF NOT EXISTS batch_work_running ON batch_work (tenant) WHERE status = 'running';
 CREATE TABLE IF NOT EXISTS batch_shards (
     batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
@@ -196,6 +196,8 @@ class BatchWork:
     #: When it stopped running (finished or cancelled), on the database's clock: the same moment
     #: for every replica that reads it (Unix seconds); None while it runs.
     ended_at: float | None = None
+    #: Why a cancelled batch was stopped (``cancel``'s ``reason``): the first stop's, for everyone.
+    stop_reason: str | None = None
 
 
 class PostgresShardLedger:
@@ -290,14 +292,14 @@ class PostgresShardLedger:
                 )
         return True
 
-    async def cancel(self, batch_id: str) -> bool:
+    async def cancel(self, batch_id: str, reason: str = "cancelled") -> bool:
         """Stop a running batch: no more claims or commits, and its owners lose their shards at
-        their next renewal. False if it was not running."""
+        their next renewal. False if it was not running (then an earlier stop's ``reason`` stays)."""
         rows = await self._rows(
-            "UPDATE batch_work SET status = 'cancelled', ended_at = clock_timestamp() "
+            "UPDATE batch_work SET status = 'cancelled', ended_at = clock_timestamp(), stop_reason = %(reason)s "
             "WHERE batch_id = %(batch)s AND status = 'running' "
             "RETURNING batch_id",
-            {"batch": batch_id},
+            {"batch": batch_id, "reason": reason},
         )
         return bool(rows)
 
@@ -326,7 +328,8 @@ class PostgresShardLedger:
     async def batch(self, batch_id: str) -> BatchWork | None:
         rows = await self._rows(
             "SELECT w.batch_id, w.status, w.line_count, w.completed, w.failed, count(s.shard_no), "
-            "count(s.shard_no) FILTER (WHERE s.state = 'done'), extract(epoch FROM w.ended_at)::float8 "
+            "count(s.shard_no) FILTER (WHERE s.state = 'done'), extract(epoch FROM w.ended_at)::float8, "
+            "w.stop_reason "
             "FROM batch_work w LEFT JOIN batch_shards s USING (batch_id) WHERE w.batch_id = %(batch)s "
             "GROUP BY w.batch_id",
             {"batch": batch_id},

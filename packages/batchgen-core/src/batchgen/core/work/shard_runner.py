@@ -43,21 +43,17 @@ from collections.abc import Awaitable, Callable
 import attrs
 
 from batchgen.core.work.postgres_ledger import (
-    MAX_LEASE_S,
     CommitRefused,
     LineCommittedTwice,
     PostgresShardLedger,
 )
 from batchgen.core.work.segment_store import SegmentStore, segment_key
-from batchgen.core.work.shards import SEGMENT_KINDS, Lease, SegmentPart
+from batchgen.core.work.shards import DEFAULT_LEASE_S, MAX_LEASE_S, SEGMENT_KINDS, Lease, SegmentPart
 
 __all__ = ["DEFAULT_LEASE_S", "ORPHAN_GRACE_S", "LineResult", "ShardRunner", "collect_orphans"]
 
 logger = logging.getLogger(__name__)
 
-#: How long a lease lasts unless renewed, by default: what a dead replica's shards wait before
-#: another replica takes them (renewed every third of it).
-DEFAULT_LEASE_S = 10.0
 #: How old an uncommitted segment must be before ``collect_orphans`` deletes it: far longer than a
 #: write takes to be committed, so only the segments of writers that died or were fenced out go.
 ORPHAN_GRACE_S = 3600.0

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "ERRORS",
+    "MAX_LEASE_S",
     "OUTPUT",
     "SEGMENT_KINDS",
     "SHARD_LINES",
@@ -33,6 +35,13 @@ __all__ = [
 
 #: Lines per shard (the last shard of a batch holds the rest).
 SHARD_LINES = 512
+
+#: How long a lease lasts unless renewed, by default: what a dead replica's shards wait before
+#: another replica takes them (renewed every third of it).
+DEFAULT_LEASE_S = 10.0
+#: The longest lease the ledger hands out (a day): a longer one would keep a dead replica's
+#: shards from everyone else for longer than any batch's window.
+MAX_LEASE_S = 86_400.0
 
 #: What a segment holds: result lines, or error lines (the output and error files).
 SegmentKind = str

@@ -6,14 +6,12 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-from anyio import AsyncFile
 from litestar import Controller, HttpMethod, Request, Response, delete, post, route
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 
-from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.errors import InvalidRequest, PayloadTooLarge
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
 from batchgen.server.errors import error_response
@@ -22,7 +20,6 @@ from batchgen.server.uploads import receive_upload
 
 #: Multipart framing allowed on top of the file itself before an upload is refused unread.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
-CHUNK_BYTES = 256 * 1024
 
 
 _RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
@@ -63,20 +60,6 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
         raise RangeNotSatisfiable(f"range start {start} is past the end of the {size}-byte file")
     stop = size if not last else min(_bound(last) + 1, size)
     return start, stop
-
-
-async def _stream_from(stream: AsyncFile[bytes], length: int) -> AsyncIterator[bytes]:
-    """Up to ``length`` bytes of an open file from its current position, then close it."""
-    remaining = length
-    try:
-        while remaining > 0:
-            chunk = await stream.read(min(CHUNK_BYTES, remaining))
-            if not chunk:
-                break
-            remaining -= len(chunk)
-            yield chunk
-    finally:
-        await stream.aclose()
 
 
 async def _no_bytes() -> AsyncIterator[bytes]:
@@ -188,7 +171,8 @@ class FilesController(Controller):
 async def _content_response(
     file_id: str, request: Request[Any, Any, Any], service: BatchService, caller: Caller, *, body: bool
 ) -> Stream | Response[dict[str, Any]]:
-    path, size = await service.file_content(file_id, caller=caller)
+    content = await service.file_bytes(file_id, caller=caller)
+    size = content.size
     try:
         wanted = byte_range(request.headers.get("range"), size)
     except RangeNotSatisfiable as exc:
@@ -208,10 +192,5 @@ async def _content_response(
     headers["Content-Length"] = str(stop - start)
     chunks = _no_bytes()
     if body and stop > start:
-        try:
-            stream = await anyio.open_file(path, "rb")
-        except FileNotFoundError as exc:  # deleted since its size was read
-            raise NotFound(f"No file with id '{file_id}'.") from exc
-        await stream.seek(start)
-        chunks = _stream_from(stream, stop - start)
+        chunks = await content.open(start, stop)  # opened before the response starts
     return Stream(chunks, status_code=status, media_type="application/octet-stream", headers=headers)

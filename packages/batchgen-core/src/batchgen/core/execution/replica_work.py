@@ -1,0 +1,89 @@
+"""One replica's share of the work, when several replicas share a database and a folder.
+
+``ReplicaWork`` is what a ``BatchService`` runs in that mode, instead of resuming batches of its
+own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answer through, and a
+``ShardRunner`` that claims shards of any replica's batches and runs their lines with a
+``LineRunner`` on this replica's models. ``run`` works until ``stop``, which lets the leases go at
+once so another replica takes them without waiting for them to run out.
+"""
+
+from __future__ import annotations
+
+from batchgen.core.backends.served_models import ModelSet
+from batchgen.core.batches.shared_batches import SharedBatches
+from batchgen.core.execution.replica_lines import LineRunner
+from batchgen.core.execution.shared_storage import SharedStorage
+from batchgen.core.files.batch_inputs import BatchInputs
+from batchgen.core.requests.parameters import ServerDefaults
+from batchgen.core.storage import MetadataStore
+from batchgen.core.storage.metadata_calls import MetadataCalls
+from batchgen.core.work.intake import IntakeLimits
+from batchgen.core.work.postgres_ledger import PostgresShardLedger
+from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.shard_runner import ShardRunner
+
+__all__ = ["ReplicaWork"]
+
+
+class ReplicaWork:
+    """The ledger, the shared batches and the shard runner of one replica (see the module)."""
+
+    def __init__(
+        self,
+        shared: SharedStorage,
+        metadata: MetadataStore,
+        calls: MetadataCalls,
+        models: ModelSet,
+        *,
+        defaults: ServerDefaults,
+        max_attempts: int,
+        separate_error_file: bool,
+        intake_capacity: int | None,
+    ) -> None:
+        self.ledger = PostgresShardLedger(shared.metadata_url)
+        self.segments = SegmentFiles(shared.folder)
+        self.batches = SharedBatches(
+            metadata,
+            self.ledger,
+            self.segments,
+            calls=calls,
+            limits=IntakeLimits(capacity=intake_capacity),
+            openai_convention=separate_error_file,
+        )
+        self.inputs = BatchInputs(metadata, calls)
+        lines = LineRunner(
+            models,
+            self.inputs,
+            defaults=defaults,
+            max_attempts=max_attempts,
+            separate_error_file=separate_error_file,
+        )
+        self.runner = ShardRunner(
+            self.ledger,
+            self.segments,
+            lines,
+            replica_id=shared.replica_id,
+            max_shards=shared.max_shards,
+            concurrency=shared.concurrency,
+            ttl_s=shared.lease_s,
+        )
+
+    async def open(self) -> None:
+        """Connect to the ledger and make its tables (idempotent: every replica does it)."""
+        await self.ledger.open()
+        try:
+            await self.ledger.create_schema()
+        except BaseException:
+            await self.ledger.close()
+            raise
+
+    async def run(self) -> None:
+        """Run shards until ``stop``; the unfinished ones are released then."""
+        await self.runner.run()
+
+    def stop(self) -> None:
+        self.runner.stop()
+
+    async def close(self) -> None:
+        self.inputs.close()
+        await self.ledger.close()

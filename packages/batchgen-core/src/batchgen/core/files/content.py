@@ -1,0 +1,103 @@
+"""A stored file's bytes as a reader gets them: from a file on disk, or from committed segments.
+
+``GET /v1/files/{id}/content`` asks the service for a ``FileContent``: its ``size`` now (a running
+batch's output keeps growing), and ``open(start, stop)``, which opens the bytes ``[start, stop)``
+at once (``NotFound`` for a file deleted meanwhile, so nothing fails once a response has started)
+and hands them over in chunks as they are read.
+
+- ``DiskContent``: an uploaded file, or a single process's result file, read from its path.
+- ``SegmentContent``: a shared batch's result file, the committed segments of one kind read
+  through the segment store (``work.segment_store``), in commit order; the manifest is taken when
+  the content is asked for, so the bytes a reader is told about never move.
+
+Reads run in worker threads: a large file, or a segment on a slow shared mount, never holds the
+event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import attrs
+
+from batchgen.core.errors import NotFound
+from batchgen.core.work.segment_store import SegmentStore
+from batchgen.core.work.shards import Segment
+
+__all__ = ["CHUNK_BYTES", "DiskContent", "FileContent", "SegmentContent"]
+
+#: The most bytes one chunk of a file's content holds.
+CHUNK_BYTES = 256 * 1024
+
+
+class FileContent(Protocol):
+    """A file's bytes: how many there are now, and a way to read a range of them."""
+
+    @property
+    def size(self) -> int: ...
+
+    async def open(self, start: int, stop: int) -> AsyncIterator[bytes]:
+        """The bytes ``[start, stop)``, opened now and read as they are iterated."""
+        ...
+
+
+@attrs.frozen
+class DiskContent:
+    """A file on disk (``file_id`` names it in the NotFound of a file deleted meanwhile)."""
+
+    file_id: str
+    path: Path
+    size: int
+
+    async def open(self, start: int, stop: int) -> AsyncIterator[bytes]:
+        try:
+            stream = await anyio.open_file(self.path, "rb")
+        except FileNotFoundError as exc:  # deleted since its size was read
+            raise NotFound(f"No file with id '{self.file_id}'.") from exc
+        await stream.seek(start)
+        return _chunks_of(stream, stop - start)
+
+
+async def _chunks_of(stream: anyio.AsyncFile[bytes], length: int) -> AsyncIterator[bytes]:
+    remaining = length
+    try:
+        while remaining > 0:
+            chunk = await stream.read(min(CHUNK_BYTES, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            yield chunk
+    finally:
+        await stream.aclose()
+
+
+@attrs.frozen
+class SegmentContent:
+    """A shared batch's result file: its committed ``segments`` of one kind, in commit order."""
+
+    store: SegmentStore
+    segments: Sequence[Segment]
+    size: int
+
+    @classmethod
+    def of(cls, store: SegmentStore, segments: Sequence[Segment]) -> SegmentContent:
+        return cls(store, tuple(segments), store.size(segments))
+
+    async def open(self, start: int, stop: int) -> AsyncIterator[bytes]:
+        pieces = self.store.read(self.segments, start, stop)  # a generator: nothing is read yet
+        return _chunks_from(pieces)
+
+
+async def _chunks_from(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    done = object()
+    try:
+        while (piece := await anyio.to_thread.run_sync(next, pieces, done)) is not done:
+            assert isinstance(piece, bytes)
+            yield piece
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,197 @@
+"""Several ``batchgen-server`` processes on one PostgreSQL and one shared folder: any serves any call.
+
+Real servers (``--metadata-url``, ``--blob-url``, the simulated backend) and the real ``openai``
+SDK: a file uploaded to one replica and a batch created there are polled on another to
+``completed`` and downloaded from a third, every request's line exactly once and the same bytes
+from each, a ``Range`` of them answered 206; a replica killed with SIGKILL while it holds shards
+of a 6,000-line batch, and a new one started, still end the batch with every line exactly once; a
+key made with ``batchgen-server keys create --metadata-url`` is accepted by every replica and,
+revoked, refused by every replica within 2 s. A server given only one of the two URLs, or an
+``s3://`` blob URL, refuses to start and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.helpers import chat_line, jsonl
+from tests.live import LiveServer, start_server
+
+pytestmark = pytest.mark.live
+
+
+def _replica(tmp_path: Path, url: str, name: str, *flags: str) -> LiveServer:
+    return start_server(
+        tmp_path / name,
+        "--metadata-url",
+        url,
+        "--blob-url",
+        f"file://{tmp_path / 'shared'}",
+        "--replica-id",
+        name,
+        "--lease-s",
+        "3",
+        *flags,
+    )
+
+
+@pytest.fixture
+def three(postgres_url: str, tmp_path: Path) -> Iterator[list[LiveServer]]:
+    servers: list[LiveServer] = []
+    try:
+        for name in ("a", "b", "c"):
+            servers.append(_replica(tmp_path, postgres_url, name, "--simulated-latency-s", "0.002"))
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _client(server: LiveServer, key: str = "unused") -> OpenAI:
+    return OpenAI(base_url=server.api_url, api_key=key, max_retries=0)
+
+
+def _wait_ended(client: OpenAI, batch_id: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch.model_dump()
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+
+
+def test_any_replica_answers_for_a_batch_made_on_another(three: list[LiveServer], tmp_path: Path) -> None:
+    first, second, third = (_client(server) for server in three)
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(jsonl(*(chat_line(f"r{i}", f"question {i}") for i in range(2500))))
+    uploaded = first.files.create(file=path.open("rb"), purpose="batch")
+    assert second.files.retrieve(uploaded.id).bytes == path.stat().st_size
+    batch = first.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    ended = _wait_ended(second, batch.id, 60)
+    assert ended["status"] == "completed" and ended["request_counts"]["completed"] == 2500
+    output = third.files.content(ended["output_file_id"]).content
+    assert output == first.files.content(ended["output_file_id"]).content
+    lines = [json.loads(line) for line in output.splitlines()]
+    assert Counter(line["custom_id"] for line in lines) == Counter(f"r{i}" for i in range(2500))
+    assert {line["response"]["status_code"] for line in lines} == {200}
+    part = httpx.get(
+        f"{three[1].api_url}/files/{ended['output_file_id']}/content", headers={"Range": "bytes=100-199"}
+    )
+    assert part.status_code == 206 and part.content == output[100:200]
+    assert part.headers["content-range"] == f"bytes 100-199/{len(output)}"
+    assert third.files.retrieve(ended["output_file_id"]).bytes == len(output)
+
+
+def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    servers = [_replica(tmp_path, postgres_url, name, "--simulated-latency-s", "0.02") for name in ("a", "b")]
+    try:
+        path = tmp_path / "input.jsonl"
+        path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(6000))))
+        client = _client(servers[1])
+        uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 500:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        servers[0].process.send_signal(signal.SIGKILL)  # with shards half done, nothing released
+        servers[0].process.wait()
+        servers.append(_replica(tmp_path, postgres_url, "a-again", "--simulated-latency-s", "0.02"))
+        ended = _wait_ended(_client(servers[2]), batch.id, 120)
+        assert ended["status"] == "completed"
+        output = client.files.content(ended["output_file_id"]).content
+        ids = Counter(json.loads(line)["custom_id"] for line in output.splitlines())
+        assert ids == Counter(f"r{i}" for i in range(6000))
+        assert ended["request_counts"]["completed"] == 6000
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _keys(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchgen.server.cli", "keys", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_key_made_for_the_shared_database_works_on_every_replica_until_revoked(
+    three: list[LiveServer], postgres_url: str
+) -> None:
+    made = _keys("create", "--tenant", "alpha", "--metadata-url", postgres_url)
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip().splitlines()[-1]
+    key_id = made.stdout.split("key ", 1)[1].split()[0]
+    deadline = time.monotonic() + 2.0  # a replica that has the key refuses a call without one
+    while not all(httpx.get(f"{s.api_url}/files").status_code == 401 for s in three):
+        assert time.monotonic() < deadline, "a replica did not see the new key within 2 s"
+        time.sleep(0.05)
+    assert all(
+        httpx.get(f"{s.api_url}/files", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        for s in three
+    )
+    assert _keys("revoke", key_id, "--metadata-url", postgres_url).returncode == 0
+    deadline = time.monotonic() + 2.0
+    while any(
+        httpx.get(f"{s.api_url}/files", headers={"Authorization": f"Bearer {key}"}).status_code != 401
+        for s in three
+    ):
+        assert time.monotonic() < deadline, "a replica still took the revoked key after 2 s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("--metadata-url", "postgresql://nobody@127.0.0.1:1/db"), "go together"),
+        (("--blob-url", "file:///tmp/shared"), "go together"),
+        (
+            ("--metadata-url", "postgresql://nobody@127.0.0.1:1/db", "--blob-url", "s3://bucket/prefix"),
+            "not supported",
+        ),
+        (("--metadata-url", "mysql://db", "--blob-url", "file:///tmp/shared"), "postgresql://"),
+        (
+            ("--metadata-url", "postgresql://x@h/db", "--blob-url", "file:///tmp/x", "--replica-id", "../up"),
+            "replica id",
+        ),
+    ],
+)
+def test_a_server_given_shared_storage_it_cannot_use_refuses_to_start(
+    tmp_path: Path, flags: tuple[str, ...], said: str
+) -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchgen.server.cli",
+            "--storage-path",
+            str(tmp_path),
+            "--backend",
+            "simulated",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and said in run.stderr, run.stderr
