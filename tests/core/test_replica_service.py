@@ -164,5 +164,5 @@ async def test_a_tenants_limits_hold_across_replicas(replicas: list[BatchService
         for n, lines in enumerate((40_000, 10_000))
     ]
     await second.create_batch(files[0].id, "/v1/chat/completions", caller=queued)
-    with pytest.raises(IntakeFull, match="tenant 'beta' has [0-9]+ unfinished requests of its 41000"):
+    with pytest.raises(IntakeFull, match=r"tenant 'beta' has [0-9]+ unfinished requests of its 41000"):
         await first.create_batch(files[1].id, "/v1/chat/completions", caller=queued)

@@ -81,6 +81,20 @@ def _runner(ledger: PostgresShardLedger, segments: SegmentFiles, line_s: float =
     return ShardRunner(ledger, segments, run_line, replica_id="runner", commit_interval_s=0.05, poll_s=0.05)
 
 
+async def _until_committed(ledger: PostgresShardLedger, batch_id: str, lines: int) -> None:
+    with anyio.fail_after(30):
+        while (work := await ledger.batch(batch_id)) is None or work.completed + work.failed < lines:
+            await asyncio.sleep(0.05)
+
+
+async def _committed_lines(ledger: PostgresShardLedger, segments: SegmentFiles, batch_id: str) -> int:
+    """How many output and error lines of the batch a reader gets."""
+    committed = 0
+    for kind in (OUTPUT, ERRORS):
+        committed += len(b"".join(segments.read(await ledger.segments(batch_id, kind))).splitlines())
+    return committed
+
+
 async def _until_ended(view: SharedBatches, batch: Batch) -> Batch:
     with anyio.fail_after(30):
         while not (batch := await view.view(batch)).status.is_terminal:
@@ -144,9 +158,7 @@ async def test_a_cancel_on_one_replica_ends_the_batch_cancelled_on_both(
     try:
         batch = await replicas.views[0].share(_new_batch("batch_cancel", 2000))
         task = asyncio.create_task(runner.run())
-        with anyio.fail_after(30):
-            while (work := await ledger.batch(batch.id)) is None or work.completed + work.failed < 50:
-                await asyncio.sleep(0.05)
+        await _until_committed(ledger, batch.id, 50)
         cancelled = await replicas.views[1].cancel(batch)
         await asyncio.sleep(1.0)  # the runner drops the batch's shards; nothing commits after the cancel
         runner.stop()
@@ -155,12 +167,8 @@ async def test_a_cancel_on_one_replica_ends_the_batch_cancelled_on_both(
         assert cancelled == other and cancelled.status is BatchStatus.CANCELLED
         assert cancelled.cancelling_at == cancelled.cancelled_at
         counts = cancelled.request_counts
-        committed = [
-            line
-            for kind in (OUTPUT, ERRORS)
-            for line in b"".join(segments.read(await ledger.segments(batch.id, kind))).splitlines()
-        ]
-        assert 50 <= counts.completed + counts.failed == len(committed) < 2000
+        committed = await _committed_lines(ledger, segments, batch.id)
+        assert 50 <= counts.completed + counts.failed == committed < 2000
     finally:
         replicas.close()
 
@@ -246,9 +254,7 @@ async def test_a_batch_past_its_window_ends_the_same_on_every_replica_with_its_l
     try:
         late = await replicas.views[0].share(_new_batch(f"batch_late_{openai}", 2000))  # its window is past
         task = asyncio.create_task(runner.run())
-        with anyio.fail_after(30):
-            while (work := await ledger.batch(late.id)) is None or work.completed + work.failed < 50:
-                await asyncio.sleep(0.05)
+        await _until_committed(ledger, late.id, 50)
         await asyncio.gather(*(view.expire_due() for view in replicas.views))
         await asyncio.sleep(1.0)
         runner.stop()
@@ -256,9 +262,7 @@ async def test_a_batch_past_its_window_ends_the_same_on_every_replica_with_its_l
         ended = [await view.view(late) for view in replicas.views]
         assert ended[0] == ended[1] and ended[0].status is status
         counts = ended[0].request_counts
-        committed = 0
-        for kind in (OUTPUT, ERRORS):
-            committed += len(b"".join(segments.read(await ledger.segments(late.id, kind))).splitlines())
+        committed = await _committed_lines(ledger, segments, late.id)
         assert 50 <= counts.completed + counts.failed == committed < 2000
         if not openai:
             assert ended[0].error is not None and ended[0].error.code == "batch_failed"

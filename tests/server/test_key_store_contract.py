@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
 
 import psycopg
 import pytest
@@ -22,25 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.tenancy import Caller, TenantLimits
-from batchgen.server.api_keys import KeyRecord, KeyStore, TenantRecord
+from batchgen.server.api_keys import ApiKeys, KeyStore
 from batchgen.server.postgres_api_keys import PostgresKeyStore
 from tests.live import free_port
 
-
-class Store(Protocol):
-    on_reload: Callable[[dict[str, TenantLimits]], object] | None
-
-    def create_key(
-        self, tenant: str, *, admin: bool = False, limits: TenantLimits | None = None
-    ) -> tuple[str, str]: ...
-    def set_limits(self, tenant: str, limits: TenantLimits) -> None: ...
-    def revoke(self, key_id: str) -> bool: ...
-    def list_keys(self) -> list[KeyRecord]: ...
-    def tenants(self) -> list[TenantRecord]: ...
-    def has_keys(self) -> bool: ...
-    def authenticate(self, presented: str, *, refresh: bool = True) -> Caller | None: ...
-    def save_last_use(self, *, wait: bool = False) -> bool: ...
-    def close(self) -> None: ...
+#: What both stores offer the server and the ``keys`` command.
+Store = ApiKeys
 
 
 Opener = Callable[[], Store]
