@@ -3,7 +3,8 @@
 Real servers (``--metadata-url``, ``--blob-url``, the simulated backend) and the real ``openai``
 SDK: a file uploaded to one replica and a batch created there are polled on another to
 ``completed`` and downloaded from a third, every request's line exactly once and the same bytes
-from each, a ``Range`` of them answered 206; a replica killed with SIGKILL while it holds shards
+from each, a ``Range`` of them answered 206, each line committed by exactly one replica (their
+``/health``); each replica's ``/metrics`` has its own series, as docs/operations.md lists them; a replica killed with SIGKILL while it holds shards
 of a 6,000-line batch, and a new one started, still end the batch with every line exactly once; a
 key made with ``batchgen-server keys create --metadata-url`` is accepted by every replica and,
 revoked, refused by every replica within 2 s. A server given only one of the two URLs, or an
@@ -13,6 +14,7 @@ revoked, refused by every replica within 2 s. A server given only one of the two
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import chat_line, jsonl
 from tests.live import LiveServer, start_server
@@ -94,6 +97,23 @@ def test_any_replica_answers_for_a_batch_made_on_another(three: list[LiveServer]
     assert part.status_code == 206 and part.content == output[100:200]
     assert part.headers["content-range"] == f"bytes 100-199/{len(output)}"
     assert third.files.retrieve(ended["output_file_id"]).bytes == len(output)
+    reports = [httpx.get(f"{server.base_url}/health").json()["replica"] for server in three]
+    assert [report["id"] for report in reports] == ["a", "b", "c"]
+    assert sum(report["lines_committed"] for report in reports) == 2500  # each line committed once
+    assert all(report["commits_refused"] == 0 and report["problems"] == [] for report in reports)
+
+
+def test_a_replicas_metrics_are_its_own_and_documented(three: list[LiveServer]) -> None:
+    families = {
+        family.name: family
+        for family in text_string_to_metric_families(httpx.get(f"{three[2].base_url}/metrics").text)
+        if family.name.startswith("batchgen_replica_")
+    }
+    operations = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    documented = set(re.findall(r"^\| `(batchgen_replica_[a-z_]+)` \|", operations, flags=re.MULTILINE))
+    exported = {sample.name for family in families.values() for sample in family.samples}
+    assert exported == documented and len(documented) == 4
+    assert {sample.labels["replica"] for family in families.values() for sample in family.samples} == {"c"}
 
 
 def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(

@@ -390,6 +390,7 @@ class BatchService:
             max_attempts=self.settings.max_request_attempts,
             separate_error_file=self.settings.error_file == "openai",
             intake_capacity=self.settings.max_intake_capacity,
+            slots=self.settings.max_pool_size,
         )
         await replica.open()
         self.replica, self._replica_done = replica, anyio.Event()
@@ -1131,7 +1132,9 @@ class BatchService:
         """``GET /health``'s body: the status, and with several models each model's state.
 
         With several models the service is healthy while at least one model is; the others are
-        listed as unavailable with the reason, and only their batches are refused.
+        listed as unavailable with the reason, and only their batches are refused. A replica adds
+        its share of the work: its id, the shards it holds, the lines it committed, the leases it
+        lost and the commits refused to it.
         """
         report = self.health().to_dict()
         if len(self.model_set) > 1 and self._parts is not None and not self.supervisor.crashed:
@@ -1139,6 +1142,8 @@ class BatchService:
             if report["status"] == "healthy" and not all(state.healthy for state in states.values()):
                 report["status"] = "degraded"
             report["models"] = {name: state.to_dict() for name, state in states.items()}
+        if self.replica is not None:
+            report["replica"] = self.replica.report()
         return report
 
     def accepted_model_names(self) -> tuple[str, ...]:

@@ -200,6 +200,7 @@ class ServiceCollector(Collector):
             value=service.batches_at_risk(),
         )
         yield from self._outbox()
+        yield from self._replica()
         yield from self._upstreams()
         yield from result_cache_metrics(service)
 
@@ -222,6 +223,34 @@ class ServiceCollector(Collector):
             "Webhook messages waiting for delivery (or a retry).",
             value=pending,
         )
+
+    def _replica(self) -> Iterator[Metric]:
+        """A replica's share of the shared work (``--metadata-url``), labelled with its id."""
+        replica = self._service.replica
+        if replica is None:
+            return
+        runner, labels = replica.runner, [replica.replica_id]
+        held = GaugeMetricFamily(
+            "batchgen_replica_shards_held", "Shards this replica holds a lease on now.", labels=["replica"]
+        )
+        held.add_metric(labels, len(runner.held))
+        yield held
+        for name, documentation, value in (
+            ("batchgen_replica_lines_committed", "Lines this replica committed.", runner.lines_committed),
+            (
+                "batchgen_replica_leases_lost",
+                "Leases this replica lost (run out, taken over, or its batch cancelled or ended).",
+                runner.leases_lost + runner.shards_cancelled,
+            ),
+            (
+                "batchgen_replica_commits_refused",
+                "Commits the ledger refused to this replica (its lease was no longer its own).",
+                runner.commits_refused,
+            ),
+        ):
+            counter = CounterMetricFamily(name, documentation, labels=["replica"])
+            counter.add_metric(labels, value)
+            yield counter
 
     def _upstreams(self) -> Iterator[Metric]:
         upstreams = getattr(self._service.backend, "upstreams", None)

@@ -3,8 +3,9 @@
 ``ReplicaWork`` is what a ``BatchService`` runs in that mode, instead of resuming batches of its
 own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answer through, and a
 ``ShardRunner`` that claims shards of any replica's batches and runs their lines with a
-``LineRunner`` on this replica's models. ``run`` works until ``stop``, which lets the leases go at
-once so another replica takes them without waiting for them to run out.
+``LineRunner`` on this replica's models, as many at once as the service has slots. ``run`` works
+until ``stop``, which lets the leases go at once so another replica takes them without waiting for
+them to run out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from batchgen.core.work.intake import IntakeLimits
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shard_runner import ShardRunner
+from batchgen.core.work.shards import SHARD_LINES
 
 __all__ = ["ReplicaWork"]
 
@@ -39,7 +41,11 @@ class ReplicaWork:
         max_attempts: int,
         separate_error_file: bool,
         intake_capacity: int | None,
+        slots: int,
     ) -> None:
+        """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``),
+        with enough shards held to fill them."""
+        self.replica_id = shared.replica_id
         self.ledger = PostgresShardLedger(shared.metadata_url)
         self.segments = SegmentFiles(shared.folder)
         self.batches = SharedBatches(
@@ -63,8 +69,8 @@ class ReplicaWork:
             self.segments,
             lines,
             replica_id=shared.replica_id,
-            max_shards=shared.max_shards,
-            concurrency=shared.concurrency,
+            max_shards=max(shared.max_shards, -(-slots // SHARD_LINES) + 1),
+            concurrency=slots,
             ttl_s=shared.lease_s,
         )
 
@@ -83,6 +89,20 @@ class ReplicaWork:
 
     def stop(self) -> None:
         self.runner.stop()
+
+    def report(self) -> dict[str, object]:
+        """What ``/health`` says of this replica's share of the work."""
+        runner = self.runner
+        return {
+            "id": self.replica_id,
+            "owner": runner.owner_id,
+            "shards_held": len(runner.held),
+            "lines_committed": runner.lines_committed,
+            "leases_lost": runner.leases_lost,
+            "shards_cancelled": runner.shards_cancelled,
+            "commits_refused": runner.commits_refused,
+            "problems": runner.problems,
+        }
 
     async def close(self) -> None:
         self.inputs.close()

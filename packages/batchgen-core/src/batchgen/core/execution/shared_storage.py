@@ -67,9 +67,8 @@ class SharedStorage:
     replica_id: str = attrs.field(factory=lambda: socket.gethostname()[:64], validator=_check_replica_id)
     #: How long a shard stays with a replica that stopped renewing it (a dead one's wait).
     lease_s: float = attrs.field(default=DEFAULT_LEASE_S, validator=_check_lease)
-    #: Shards one replica runs at once, and lines at once over all of them.
+    #: The fewest shards one replica runs at once (more when its slots need more lines to fill).
     max_shards: int = 4
-    concurrency: int = 256
 
     @property
     def folder(self) -> Path:
