@@ -3,7 +3,8 @@
 ``ReplicaWork`` is what a ``BatchService`` runs in that mode, instead of resuming batches of its
 own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answer through, and a
 ``ShardRunner`` that claims shards of any replica's batches and runs their lines with a
-``LineRunner`` on this replica's models, as many at once as the service has slots. ``run`` works
+``LineRunner`` on this replica's models, as many at once as the service has slots (at most
+``MAX_REPLICA_SLOTS``). ``run`` works
 until ``stop``, which lets the leases go at once so another replica takes them without waiting for
 them to run out.
 """
@@ -24,7 +25,12 @@ from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shard_runner import ShardRunner
 from batchgen.core.work.shards import SHARD_LINES
 
-__all__ = ["ReplicaWork"]
+__all__ = ["MAX_REPLICA_SLOTS", "ReplicaWork"]
+
+#: The most lines one replica runs at once, whatever ``--max-pool-size`` allows: each line in flight
+#: is a task on the event loop that also renews the leases, and a replica holding thousands of
+#: lines would hold most of a batch's shards while the other replicas wait.
+MAX_REPLICA_SLOTS = 256
 
 
 class ReplicaWork:
@@ -43,8 +49,9 @@ class ReplicaWork:
         intake_capacity: int | None,
         slots: int,
     ) -> None:
-        """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``),
-        with enough shards held to fill them."""
+        """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``,
+        at most ``MAX_REPLICA_SLOTS``), with enough shards held to fill them."""
+        slots = max(1, min(slots, MAX_REPLICA_SLOTS))
         self.replica_id = shared.replica_id
         self.ledger = PostgresShardLedger(shared.metadata_url)
         self.segments = SegmentFiles(shared.folder)
