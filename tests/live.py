@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -75,9 +76,14 @@ def dtype_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def start_server(
-    storage_path: Path, *flags: str, timeout_s: float = 60.0, ready: tuple[int, ...] = (200,)
+    storage_path: Path,
+    *flags: str,
+    timeout_s: float = 60.0,
+    ready: tuple[int, ...] = (200,),
+    environ: Mapping[str, str] | None = None,
 ) -> LiveServer:
-    """Start ``batchgen-server`` with ``flags`` and wait until /health answers."""
+    """Start ``batchgen-server`` with ``flags`` (and ``environ`` added to this process's
+    environment) and wait until /health answers."""
     port = free_port()
     storage_path.mkdir(parents=True, exist_ok=True)
     log_path = storage_path.parent / f"server-{port}.log"
@@ -100,7 +106,7 @@ def start_server(
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **(environ or {}), "PYTHONUNBUFFERED": "1"},
     )
     server = LiveServer(process, f"http://127.0.0.1:{port}", storage_path, log_path)
     try:

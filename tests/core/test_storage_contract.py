@@ -1,14 +1,19 @@
 """The storage contract: what every MetadataStore, BlobStore and ResultWriter must do.
 
 Each test takes a ``storage`` fixture parametrised over the implementations: SQLite with the
-local filesystem, and a real PostgreSQL (a database of its own per test, ``postgres_url``) with
-the local filesystem, the metadata several servers share. A new implementation is added to
-``IMPLEMENTATIONS`` and is done when this module passes for it unchanged.
+local filesystem; a real PostgreSQL (a database of its own per test, ``postgres_url``) with the
+local filesystem, the metadata several servers share over a folder they all mount; and PostgreSQL
+with a real S3 server (SeaweedFS, a prefix of its own per test), where each replica keeps its own
+copies of the files it reads. ``open_replica_blobs`` opens another view of the same blobs. A new
+implementation is added to ``IMPLEMENTATIONS`` and is done when this module passes for it unchanged.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -18,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.errors import InvalidRequest, StorageUnavailable
+from batchgen.core.ids import new_object_id
 from batchgen.core.models import (
     Batch,
     BatchErrorInfo,
@@ -37,6 +43,7 @@ from batchgen.core.storage import (
 from batchgen.core.storage.faults import storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
 from tests.database_lock import locked_elsewhere, postgres_locked_elsewhere
+from tests.seaweedfs import SeaweedServer
 
 
 @attrs.define
@@ -47,6 +54,9 @@ class Storage:
     open_metadata: Callable[[], MetadataStore]
     open_blobs: Callable[[], BlobStore]
     lock_elsewhere: Callable[[], AbstractContextManager[object]]
+    #: Another view of the same blobs: another replica's (the same object store with a storage
+    #: folder of its own), or the same folder opened again (one process, or a shared mount).
+    open_replica_blobs: Callable[[], BlobStore]
 
 
 def _sqlite_local(request: pytest.FixtureRequest, root: Path) -> Storage:
@@ -54,6 +64,7 @@ def _sqlite_local(request: pytest.FixtureRequest, root: Path) -> Storage:
         open_metadata=lambda: SQLiteMetadataStore(root / "metadata.sqlite3"),
         open_blobs=lambda: LocalBlobStore(root),
         lock_elsewhere=lambda: locked_elsewhere(root / "metadata.sqlite3"),
+        open_replica_blobs=lambda: LocalBlobStore(root),
     )
 
 
@@ -65,15 +76,32 @@ def _postgres_local(request: pytest.FixtureRequest, root: Path) -> Storage:
         open_metadata=lambda: PostgresMetadataStore(url),
         open_blobs=lambda: LocalBlobStore(root),
         lock_elsewhere=lambda: postgres_locked_elsewhere(url),
+        open_replica_blobs=lambda: LocalBlobStore(root),
+    )
+
+
+def _postgres_s3(request: pytest.FixtureRequest, root: Path) -> Storage:
+    from batchgen.core.storage.object_blobs import ObjectBlobStore
+    from batchgen.core.storage.postgres_metadata import PostgresMetadataStore
+
+    url: str = request.getfixturevalue("postgres_url")
+    seaweed: SeaweedServer = request.getfixturevalue("seaweed_server")
+    blob_url = seaweed.url(f"contract-{time.time_ns()}")
+    return Storage(
+        open_metadata=lambda: PostgresMetadataStore(url),
+        open_blobs=lambda: ObjectBlobStore.from_url(blob_url, root, seaweed.environ),
+        lock_elsewhere=lambda: postgres_locked_elsewhere(url),
+        open_replica_blobs=lambda: ObjectBlobStore.from_url(blob_url, root / "replica", seaweed.environ),
     )
 
 
 IMPLEMENTATIONS: dict[str, Callable[[pytest.FixtureRequest, Path], Storage]] = {
     "sqlite+local": _sqlite_local,
     "postgres+local": _postgres_local,
+    "postgres+s3": _postgres_s3,
 }
 #: Implementations that start a server of their own (so their tests are ``live``).
-_LIVE = frozenset({"postgres+local"})
+_LIVE = frozenset({"postgres+local", "postgres+s3"})
 
 
 @pytest.fixture(
@@ -362,6 +390,63 @@ def test_blob_paths_are_distinct_and_staging_is_cleared(storage: Storage) -> Non
     storage.open_blobs().clear_staging()
     assert not any(path.exists() for path in staged)
     blobs.remove(staged[0])  # removing what is gone is harmless
+
+
+def _stored(blobs: BlobStore, file_id: str, data: bytes) -> Path:
+    """An upload of ``data`` as a validated file is stored: in place, then published."""
+    staging = blobs.new_staging_path()
+    staging.write_bytes(data)
+    path = blobs.upload_path(file_id)
+    os.replace(staging, path)
+    blobs.publish(path)
+    return path
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=4096))
+def test_a_published_file_reads_the_same_on_every_replica(storage: Storage, data: bytes) -> None:
+    blobs = storage.open_blobs()
+    file_id = new_object_id("file-")
+    path = _stored(blobs, file_id, data)
+    blobs.publish(path)  # publishing again (a retried completion) is harmless
+    assert blobs.readable(str(path)).read_bytes() == data
+    assert storage.open_replica_blobs().readable(str(path)).read_bytes() == data
+
+
+def test_a_file_larger_than_one_upload_part_reads_back_whole(storage: Storage) -> None:
+    data = os.urandom(1 << 16) * 180  # 11.25 MiB: more than two of the store's 5 MiB parts
+    path = _stored(storage.open_blobs(), new_object_id("file-"), data)
+    assert storage.open_replica_blobs().readable(str(path)).read_bytes() == data
+
+
+def test_replicas_reading_a_file_at_once_all_read_it_whole(storage: Storage) -> None:
+    data = b"".join(b'{"custom_id":"r%d"}\n' % n for n in range(20000))
+    path = _stored(storage.open_blobs(), new_object_id("file-"), data)
+    replica = storage.open_replica_blobs()
+    with ThreadPoolExecutor(8) as pool:
+        copies = list(pool.map(lambda _: replica.readable(str(path)).read_bytes(), range(8)))
+    assert copies == [data] * 8
+
+
+def test_a_removed_file_is_gone_for_a_replica_that_had_not_read_it(storage: Storage) -> None:
+    blobs = storage.open_blobs()
+    path = _stored(blobs, new_object_id("file-"), b'{"custom_id":"a"}\n')
+    replica = storage.open_replica_blobs()
+    replica.remove(str(path))  # deleted through another replica than the one that stored it
+    replica.remove(str(path))  # twice is harmless
+    with pytest.raises(FileNotFoundError):
+        replica.readable(str(path)).read_bytes()
+
+
+def test_a_replica_starting_again_keeps_no_copy_of_a_removed_file(storage: Storage) -> None:
+    blobs = storage.open_blobs()
+    path = _stored(blobs, new_object_id("file-"), b'{"custom_id":"a"}\n')
+    assert storage.open_replica_blobs().readable(str(path)).read_bytes() == b'{"custom_id":"a"}\n'
+    blobs.remove(path)
+    again = storage.open_replica_blobs()
+    again.clear_staging()  # what a start does
+    with pytest.raises(FileNotFoundError):
+        again.readable(str(path)).read_bytes()
 
 
 def test_result_lines_are_appended_synced_and_read_back(storage: Storage) -> None:

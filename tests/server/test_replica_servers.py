@@ -1,4 +1,7 @@
-"""Several ``batchgen-server`` processes on one PostgreSQL and one shared folder: any serves any call.
+"""Several ``batchgen-server`` processes on one PostgreSQL and one blob store: any serves any call.
+
+The blob store is a shared folder (``file://``) or a real S3 server (SeaweedFS, ``s3://``); the
+tests that upload, run and download run over both.
 
 Real servers (``--metadata-url``, ``--blob-url``, the simulated backend) and the real ``openai``
 SDK: a file uploaded to one replica and a batch created there are polled on another to
@@ -7,8 +10,8 @@ from each, a ``Range`` of them answered 206, each line committed by exactly one 
 ``/health``); each replica's ``/metrics`` has its own series, as docs/operations.md lists them; a replica killed with SIGKILL while it holds shards
 of a 6,000-line batch, and a new one started, still end the batch with every line exactly once; a
 key made with ``batchgen-server keys create --metadata-url`` is accepted by every replica and,
-revoked, refused by every replica within 2 s. A server given only one of the two URLs, or an
-``s3://`` blob URL, refuses to start and says why.
+revoked, refused by every replica within 2 s. A server given only one of the two URLs, or a blob
+URL it cannot use (credentials in an ``s3://`` URL, another scheme), refuses to start and says why.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 from openai import OpenAI
@@ -30,31 +34,49 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import chat_line, jsonl
 from tests.live import LiveServer, start_server
+from tests.seaweedfs import SeaweedServer
 
 pytestmark = pytest.mark.live
 
 
-def _replica(tmp_path: Path, url: str, name: str, *flags: str) -> LiveServer:
+@attrs.frozen
+class _Blobs:
+    """Where the replicas of one test keep file contents: a shared folder, or an S3 prefix."""
+
+    url: str
+    environ: dict[str, str]
+
+
+@pytest.fixture(params=["folder", "s3"])
+def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> _Blobs:
+    if request.param == "folder":
+        return _Blobs(f"file://{tmp_path / 'shared'}", {})
+    seaweed: SeaweedServer = request.getfixturevalue("seaweed_server")
+    return _Blobs(seaweed.url(f"servers-{time.time_ns()}"), seaweed.environ)
+
+
+def _replica(tmp_path: Path, url: str, blobs: _Blobs, name: str, *flags: str) -> LiveServer:
     return start_server(
         tmp_path / name,
         "--metadata-url",
         url,
         "--blob-url",
-        f"file://{tmp_path / 'shared'}",
+        blobs.url,
         "--replica-id",
         name,
         "--lease-s",
         "3",
         *flags,
+        environ=blobs.environ,
     )
 
 
 @pytest.fixture
-def three(postgres_url: str, tmp_path: Path) -> Iterator[list[LiveServer]]:
+def three(postgres_url: str, tmp_path: Path, blobs: _Blobs) -> Iterator[list[LiveServer]]:
     servers: list[LiveServer] = []
     try:
         for name in ("a", "b", "c"):
-            servers.append(_replica(tmp_path, postgres_url, name, "--simulated-latency-s", "0.002"))
+            servers.append(_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.002"))
         yield servers
     finally:
         for server in servers:
@@ -81,6 +103,7 @@ def test_any_replica_answers_for_a_batch_made_on_another(three: list[LiveServer]
     path.write_bytes(jsonl(*(chat_line(f"r{i}", f"question {i}") for i in range(2500))))
     uploaded = first.files.create(file=path.open("rb"), purpose="batch")
     assert second.files.retrieve(uploaded.id).bytes == path.stat().st_size
+    assert third.files.content(uploaded.id).content == path.read_bytes()  # from the store, not a's disk
     batch = first.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
@@ -117,9 +140,11 @@ def test_a_replicas_metrics_are_its_own_and_documented(three: list[LiveServer]) 
 
 
 def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
-    postgres_url: str, tmp_path: Path
+    postgres_url: str, tmp_path: Path, blobs: _Blobs
 ) -> None:
-    servers = [_replica(tmp_path, postgres_url, name, "--simulated-latency-s", "0.02") for name in ("a", "b")]
+    servers = [
+        _replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02") for name in ("a", "b")
+    ]
     try:
         path = tmp_path / "input.jsonl"
         path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(6000))))
@@ -134,7 +159,7 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
             time.sleep(0.1)
         servers[0].process.send_signal(signal.SIGKILL)  # with shards half done, nothing released
         servers[0].process.wait()
-        servers.append(_replica(tmp_path, postgres_url, "a-again", "--simulated-latency-s", "0.02"))
+        servers.append(_replica(tmp_path, postgres_url, blobs, "a-again", "--simulated-latency-s", "0.02"))
         ended = _wait_ended(_client(servers[2]), batch.id, 120)
         assert ended["status"] == "completed"
         output = client.files.content(ended["output_file_id"]).content
@@ -186,9 +211,10 @@ def test_a_key_made_for_the_shared_database_works_on_every_replica_until_revoked
         (("--metadata-url", "postgresql://nobody@127.0.0.1:1/db"), "go together"),
         (("--blob-url", "file:///tmp/shared"), "go together"),
         (
-            ("--metadata-url", "postgresql://nobody@127.0.0.1:1/db", "--blob-url", "s3://bucket/prefix"),
-            "not supported",
+            ("--metadata-url", "postgresql://nobody@127.0.0.1:1/db", "--blob-url", "s3://me:pw@bucket/p"),
+            "AWS_ACCESS_KEY_ID",
         ),
+        (("--metadata-url", "postgresql://x@h/db", "--blob-url", "http://store/bucket"), "s3://BUCKET"),
         (("--metadata-url", "mysql://db", "--blob-url", "file:///tmp/shared"), "postgresql://"),
         (
             ("--metadata-url", "postgresql://x@h/db", "--blob-url", "file:///tmp/x", "--replica-id", "../up"),

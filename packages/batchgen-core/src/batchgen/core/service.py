@@ -139,6 +139,17 @@ def _open_shared_metadata(shared: SharedStorage, _path: Path) -> MetadataStore:
     return PostgresMetadataStore(shared.metadata_url)
 
 
+def _open_shared_blobs(shared: SharedStorage, storage_path: Path) -> BlobStore:
+    """The shared folder's files, or the object store's with this replica's copies and staging
+    under its own ``storage_path``."""
+    folder = shared.folder
+    if folder is not None:
+        return LocalBlobStore(folder, staging_dir=shared.staging_dir)
+    from batchgen.core.storage.object_blobs import ObjectBlobStore  # obstore: only here
+
+    return ObjectBlobStore.from_url(shared.blob_url, storage_path)
+
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -298,7 +309,7 @@ class BatchService:
         if shared is not None:  # the database and the folder every replica shares
             open_metadata = open_metadata or functools.partial(_open_shared_metadata, shared)
             if blobs is None:
-                blobs = LocalBlobStore(shared.folder, staging_dir=shared.staging_dir)
+                blobs = _open_shared_blobs(shared, settings.storage_path)
         self._open_metadata = open_metadata or SQLiteMetadataStore
         self.blobs: BlobStore = blobs if blobs is not None else LocalBlobStore(settings.storage_path)
         #: This replica's share of the work, while it runs with ``settings.shared``.
@@ -386,6 +397,7 @@ class BatchService:
             parts.metadata,
             parts.calls,
             self.model_set,
+            self.blobs,
             defaults=ServerDefaults(max_tokens=self.settings.default_max_tokens),
             max_attempts=self.settings.max_request_attempts,
             separate_error_file=self.settings.error_file == "openai",

@@ -298,8 +298,10 @@ def build_parser(
     )
     add(
         "--blob-url",
-        help="with --metadata-url: file:///FOLDER, a folder every replica mounts at the same path, "
-        "holding uploaded files and committed output",
+        help="with --metadata-url: where the replicas keep uploaded files and committed output: "
+        "s3://BUCKET/PREFIX?endpoint=URL&region=NAME, an S3-compatible object store (credentials "
+        "from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), or file:///FOLDER, a folder every "
+        "replica mounts at the same path",
     )
     add(
         "--replica-id",

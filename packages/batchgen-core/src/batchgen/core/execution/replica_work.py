@@ -1,4 +1,4 @@
-"""One replica's share of the work, when several replicas share a database and a folder.
+"""One replica's share of the work, when several replicas share a database and a blob store.
 
 ``ReplicaWork`` is what a ``BatchService`` runs in that mode, instead of resuming batches of its
 own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answer through, and a
@@ -17,11 +17,11 @@ from batchgen.core.execution.replica_lines import LineRunner
 from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files.batch_inputs import BatchInputs
 from batchgen.core.requests.parameters import ServerDefaults
-from batchgen.core.storage import MetadataStore
+from batchgen.core.storage import BlobStore, MetadataStore
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.work.intake import IntakeLimits
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
-from batchgen.core.work.segment_files import SegmentFiles
+from batchgen.core.work.segment_store import open_segment_store
 from batchgen.core.work.shard_runner import ShardRunner
 from batchgen.core.work.shards import SHARD_LINES
 
@@ -42,6 +42,7 @@ class ReplicaWork:
         metadata: MetadataStore,
         calls: MetadataCalls,
         models: ModelSet,
+        blobs: BlobStore,
         *,
         defaults: ServerDefaults,
         max_attempts: int,
@@ -54,7 +55,7 @@ class ReplicaWork:
         slots = max(1, min(slots, MAX_REPLICA_SLOTS))
         self.replica_id = shared.replica_id
         self.ledger = PostgresShardLedger(shared.metadata_url)
-        self.segments = SegmentFiles(shared.folder)
+        self.segments = open_segment_store(shared.blob_url)
         self.batches = SharedBatches(
             metadata,
             self.ledger,
@@ -63,7 +64,7 @@ class ReplicaWork:
             limits=IntakeLimits(capacity=intake_capacity),
             openai_convention=separate_error_file,
         )
-        self.inputs = BatchInputs(metadata, calls)
+        self.inputs = BatchInputs(metadata, calls, readable=blobs.readable)
         lines = LineRunner(
             models,
             self.inputs,

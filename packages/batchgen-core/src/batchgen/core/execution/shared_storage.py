@@ -1,11 +1,18 @@
 """Where replicas meet: the settings of a service that shares its state with other replicas.
 
 ``SharedStorage`` names ``metadata_url`` (``postgresql://…``: the files, batches, idempotency keys,
-work shards and output manifest) and ``blob_url`` (``file:///folder``: a folder every replica
-mounts at the same path, holding the uploaded files under ``files/``, each replica's uploads being
-received under ``staging/REPLICA/``, and the committed output under ``segments/``). Reading them
-needs neither psycopg nor a connection: a service that is given them opens the database itself
-(``replica_work``).
+work shards and output manifest) and ``blob_url``, where the contents of files live:
+
+- ``file:///folder``: a folder every replica mounts at the same path, holding the uploaded files
+  under ``files/``, each replica's uploads being received under ``staging/REPLICA/``, and the
+  committed output under ``segments/``;
+- ``s3://BUCKET/PREFIX?endpoint=...&region=...``: an S3-compatible object store, holding the
+  uploaded files as ``files/`` objects and the output as ``segments/`` objects; each replica
+  receives uploads and keeps copies of the files it reads in its own storage folder
+  (``storage.object_blobs``).
+
+Reading them needs neither psycopg nor obstore nor a connection: a service that is given them
+opens the database and the store itself (``replica_work``).
 """
 
 from __future__ import annotations
@@ -44,16 +51,21 @@ def _check_lease(_instance: object, _attribute: object, lease_s: float) -> None:
         raise ValueError(f"a lease lasts more than 0 and at most {MAX_LEASE_S:g} seconds, not {lease_s!r}")
 
 
-def shared_folder(blob_url: str) -> Path:
-    """The folder a ``file:///folder`` blob URL names; ValueError for any other URL."""
+def shared_folder(blob_url: str) -> Path | None:
+    """The folder a ``file:///folder`` blob URL names, None for an ``s3://`` one; ValueError for
+    any other URL."""
     parts = urlsplit(blob_url)
     if parts.scheme == "s3":
-        raise ValueError(
-            "file contents in an object store (s3://) are not supported by the service yet; "
-            "use file:///folder, a folder every replica mounts at the same path"
-        )
+        if not parts.hostname or parts.username or parts.password:
+            raise ValueError(
+                "an s3:// blob URL is s3://BUCKET/PREFIX?endpoint=...&region=..., with the credentials "
+                "in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, not in the URL"
+            )
+        return None
     if parts.scheme != "file" or parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-        raise ValueError(f"a blob URL is file:///absolute/folder, not {blob_url!r}")
+        raise ValueError(
+            f"a blob URL is file:///absolute/folder or s3://BUCKET/PREFIX?endpoint=..., not {blob_url!r}"
+        )
     return Path(unquote(parts.path))
 
 
@@ -71,9 +83,13 @@ class SharedStorage:
     max_shards: int = 4
 
     @property
-    def folder(self) -> Path:
+    def folder(self) -> Path | None:
+        """The shared folder, or None when the contents live in an object store."""
         return shared_folder(self.blob_url)
 
     @property
-    def staging_dir(self) -> Path:
-        return self.folder / "staging" / self.replica_id
+    def staging_dir(self) -> Path | None:
+        """Where this replica receives uploads in the shared folder (None for an object store:
+        then uploads are received in the replica's own storage folder)."""
+        folder = self.folder
+        return None if folder is None else folder / "staging" / self.replica_id

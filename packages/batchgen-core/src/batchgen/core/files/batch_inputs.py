@@ -4,8 +4,9 @@ A replica running shared work (``work.shard_runner``) is handed lines as (batch 
 ``BatchInputs.open(batch_id)`` finds the batch and its input file in the metadata store, indexes
 the file (``batch_file.index_batch_file``: line ``n`` is the file's ``n``-th request line, blank
 lines skipped, as the ledger counts them) in a worker thread and keeps it open, so that reading a
-line is one ``pread``. The input file's ``path`` must name the same file on every replica: the
-contents live in a folder every replica mounts at the same place.
+line is one ``pread``. The input file's recorded ``path`` is made a local one by ``readable``: the
+same path when the contents live in a folder every replica mounts at the same place, a copy
+fetched from the object store when they live there.
 
 Many lines of a shard ask for the same batch at once; they share one opening (one metadata call,
 one index), and the ``max_open`` inputs used last stay open (a batch's record, as kept here, is
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 
 import anyio
 import attrs
@@ -91,12 +93,16 @@ class BatchInputs:
         calls: MetadataCalls | None = None,
         *,
         max_open: int = DEFAULT_MAX_OPEN,
+        readable: Callable[[str], str | os.PathLike[str]] = str,
     ) -> None:
+        """``readable(path)`` turns a file's recorded ``path`` into a local one holding its bytes
+        (``BlobStore.readable``: a copy fetched from an object store); it runs in a worker thread."""
         if max_open < 1:
             raise ValueError(f"max_open must be at least 1, not {max_open!r}")
         self._store = store
         self._calls = calls or MetadataCalls(store)
         self._max_open = max_open
+        self._readable = readable
         self._open: OrderedDict[str, BatchInput] = OrderedDict()
         self._opening: dict[str, asyncio.Future[BatchInput]] = {}
 
@@ -119,14 +125,18 @@ class BatchInputs:
         file = await self._calls(self._store.get_file, batch.input_file_id)
         if file is None:
             raise InputGone(f"the input file {batch.input_file_id} of batch {batch_id} is gone")
-        index = await anyio.to_thread.run_sync(index_batch_file, file.path, False)
-        fd = os.open(file.path, os.O_RDONLY)
-        opened = BatchInput(batch, file.path, index, fd)
+        path, index = await anyio.to_thread.run_sync(self._index, file.path)
+        fd = os.open(path, os.O_RDONLY)
+        opened = BatchInput(batch, path, index, fd)
         self._open[batch_id] = opened
         while len(self._open) > self._max_open:
             _, oldest = self._open.popitem(last=False)
             oldest.close()  # a line read from it meanwhile has its bytes already: reads never yield
         return opened
+
+    def _index(self, recorded_path: str) -> tuple[str, LineIndex]:
+        path = os.fspath(self._readable(recorded_path))
+        return path, index_batch_file(path, False)
 
     def forget(self, batch_id: str) -> None:
         """Close the batch's input (it ended): the next ``open`` reads its record again."""

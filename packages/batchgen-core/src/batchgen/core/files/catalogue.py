@@ -25,6 +25,7 @@ from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
 from batchgen.core.storage import BlobStore, MetadataStore
+from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.tenancy import EMBEDDED, Caller
 
@@ -140,6 +141,7 @@ class FileCatalogue:
         except BaseException:
             self._blobs.remove(staging_path)
             raise
+        await self._publish(path)
         file = self.file_record(
             file_id=file_id,
             path=path,
@@ -166,9 +168,25 @@ class FileCatalogue:
                 idempotency=self._ledger.entry(idempotency_key, "file", call, created, caller.tenant),
             )
         except BaseException:
-            self._blobs.remove(path)  # no row points at it: an upload that fails leaves nothing
+            await self._discard(path)  # no row points at it: an upload that fails leaves nothing
             raise
         return file
+
+    async def _publish(self, path: Path) -> None:
+        """Make a file in place at ``path`` readable by every replica (nothing to do unless its
+        contents go to an object store); on a failure nothing of it is left."""
+        try:
+            with storage_faults_as_errors("store the file"):
+                await anyio.to_thread.run_sync(self._blobs.publish, path)
+        except BaseException:
+            await self._discard(path)
+            raise
+
+    async def _discard(self, path: str | os.PathLike[str]) -> None:
+        """Delete a stored file's contents (off the event loop: an object store is a network
+        call away), even while the caller is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._blobs.remove, path)
 
     # --- records of stored files (uploads, the Uploads API's assembled files, retries' inputs) ---
     def file_record(
@@ -202,7 +220,9 @@ class FileCatalogue:
         )
 
     async def register(self, file: FileObject) -> None:
-        """Record a file made elsewhere (the Uploads API's assembled file)."""
+        """Record a file made elsewhere (the Uploads API's assembled file), in place at its path."""
+        with storage_faults_as_errors("store the file"):
+            await anyio.to_thread.run_sync(self._blobs.publish, Path(file.path))
         await self._calls(self._metadata.insert_file, file)
 
     async def file_of(self, file_id: str) -> FileObject | None:
@@ -283,19 +303,26 @@ class FileCatalogue:
                 "cancel the batch or wait for it to end first."
             )
         await self._calls(self._metadata.delete_file, file_id)
-        self._blobs.remove(file.path)
+        await self._discard(file.path)
 
     async def content(self, file_id: str, caller: Caller = EMBEDDED) -> DiskContent:
         """The file's bytes on disk, as many as there are now (an output file keeps growing)."""
         file = await self.get(file_id, caller)
-        return DiskContent(file.id, Path(file.path), file.bytes)
+        if file.purpose == OUTPUT_PURPOSE:  # a result file grows in place: it is never published
+            return DiskContent(file.id, Path(file.path), file.bytes)
+        with storage_faults_as_errors("read the file"):
+            try:
+                path = await anyio.to_thread.run_sync(self._blobs.readable, file.path)
+            except FileNotFoundError:
+                raise NotFound(f"The contents of file '{file_id}' are gone.") from None
+        return DiskContent(file.id, path, file.bytes)
 
     async def delete_expired(self) -> None:
         """Delete files past their expiry that no live batch needs."""
         for file in await self._calls(self._metadata.expired_files, now()):
             if self._in_use(await self._calls(self._metadata.batches_using_file, file.id)) is None:
                 await self._calls(self._metadata.delete_file, file.id)
-                self._blobs.remove(file.path)
+                await self._discard(file.path)
 
     @staticmethod
     def _with_live_size(file: FileObject) -> FileObject:

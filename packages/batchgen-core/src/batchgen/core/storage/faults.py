@@ -5,7 +5,8 @@ another connection holds locked) from a bug.
 (``SQLITE_BUSY`` and ``SQLITE_LOCKED`` included: another process holding a write lock past the
 store's short busy timeout), or a PostgreSQL error of the same kinds (a lock not granted within
 the store's lock timeout, a statement timed out, the server unreachable, restarting or out of
-disk; told by SQLSTATE, and only when psycopg is loaded at all), into a ``StorageUnavailable``
+disk; told by SQLSTATE, and only when psycopg is loaded at all), or an object store's error
+other than an answer about one object (the store down or refusing; only when obstore is loaded), into a ``StorageUnavailable``
 with the reason and a ``Retry-After``; anything else is not a storage fault and stays as it is. ``storage_faults_as_errors`` does that for a block of code: the service's calls raise
 ``StorageUnavailable`` instead of a raw ``OSError`` or ``sqlite3.OperationalError``.
 """
@@ -84,6 +85,24 @@ def _postgres_fault(exc: BaseException) -> tuple[str, bool, bool] | None:
     return None
 
 
+def _object_store_fault(exc: BaseException) -> str | None:
+    """The reason when ``exc`` is an obstore error saying the object store cannot serve now (it
+    is down, refuses the credentials, or keeps failing past the client's retries)."""
+    errors = sys.modules.get("obstore.exceptions")
+    if errors is None or not isinstance(exc, errors.BaseError):
+        return None
+    answers = (
+        errors.NotFoundError,
+        errors.AlreadyExistsError,
+        errors.PreconditionError,
+        errors.NotModifiedError,
+    )
+    if isinstance(exc, answers):  # the store answered about one object: not a fault of the store
+        return None
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"the object store cannot serve now ({first_line[:300]})"
+
+
 def _sqlite_code(exc: sqlite3.Error) -> int | None:
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(code, int) and code & 0xFF in _SQLITE_REASONS:
@@ -109,6 +128,8 @@ def storage_fault(exc: BaseException, action: str = "use the storage") -> Storag
                 disk_full=False,
                 retry_after_s=LOCKED_RETRY_AFTER_S,
             )
+    elif (object_store := _object_store_fault(exc)) is not None:
+        reason, disk_full = object_store, False
     elif (postgres := _postgres_fault(exc)) is not None:
         reason, busy, disk_full = postgres
         if busy:

@@ -181,6 +181,14 @@ class BlobStore(Protocol):
     def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete a file's contents; a missing one is harmless."""
 
+    def publish(self, path: Path) -> None:
+        """Make a validated upload, in place at ``upload_path``, readable by every replica (a put
+        to the object store; nothing for a local folder). It may wait on the network."""
+
+    def readable(self, path: str) -> Path:
+        """A local path holding the bytes of the stored file recorded at ``path`` (a copy fetched
+        from the object store; the path itself for a local folder). It may wait on the network."""
+
     def open_result_writer(self, path: Path) -> ResultWriter:
         """A writer appending to ``path`` (opened on its first line)."""
 

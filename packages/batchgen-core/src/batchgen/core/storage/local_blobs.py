@@ -49,10 +49,15 @@ class LocalBlobStore:
             with contextlib.suppress(FileNotFoundError):
                 leftover.unlink()
 
-    @staticmethod
-    def remove(path: str | os.PathLike[str]) -> None:
+    def remove(self, path: str | os.PathLike[str]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    def publish(self, path: Path) -> None:
+        """Nothing to do: a file in place under ``files/`` is where every reader looks."""
+
+    def readable(self, path: str) -> Path:
+        return Path(path)
 
     @staticmethod
     def open_result_writer(path: Path) -> OutputWriter:
