@@ -2,8 +2,8 @@
 
 ``PostgresServer.start`` runs ``initdb`` on a fresh folder and ``pg_ctl start`` on a free port of
 127.0.0.1 (its socket in that folder too); ``new_database`` gives each test a database of its
-own; ``restart`` (``pg_ctl restart -m immediate``, a crash for the clients) and ``stop`` are the
-faults and the end. ``initdb`` refuses to run as root, so as root both run as the ``postgres``
+own; ``restart`` (``pg_ctl restart -m immediate``, a crash for the clients), ``crash`` and
+``resume`` (down for as long as a test likes) and ``stop`` are the faults and the end. ``initdb`` refuses to run as root, so as root both run as the ``postgres``
 user (``runuser``), on a folder that user owns. Nothing is pre-provisioned: the binaries are the
 Debian package's (``/usr/lib/postgresql/<version>/bin``), or wherever ``BATCHGEN_PG_BIN`` says.
 """
@@ -120,6 +120,15 @@ class PostgresServer:
     def restart(self) -> None:
         """``pg_ctl restart -m immediate``: the server dies without a clean shutdown and comes back."""
         self._pg_ctl("restart", "-m", "immediate")
+
+    def crash(self) -> None:
+        """``pg_ctl stop -m immediate``: the server dies without a clean shutdown (``resume``
+        starts it again)."""
+        self._pg_ctl("stop", "-m", "immediate")
+
+    def resume(self) -> None:
+        """Start the server again on the same folder and port, after ``crash``."""
+        self._pg_ctl("start")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Fast shutdown (SIGINT to the postmaster, as ``pg_ctl stop -m fast`` sends), waiting for

@@ -8,7 +8,9 @@ and hands them over in chunks as they are read.
 - ``DiskContent``: an uploaded file, or a single process's result file, read from its path.
 - ``SegmentContent``: a shared batch's result file, the committed segments of one kind read
   through the segment store (``work.segment_store``), in commit order; the manifest is taken when
-  the content is asked for, so the bytes a reader is told about never move.
+  the content is asked for, so the bytes a reader is told about never move. The first piece is
+  read by ``open``: a store that is down is a ``StorageUnavailable`` (503) before the response
+  starts, not a response cut off at its first byte.
 
 Reads run in worker threads: a large file, or a segment on a slow shared mount, never holds the
 event loop.
@@ -24,6 +26,7 @@ import anyio
 import attrs
 
 from batchgen.core.errors import NotFound
+from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.work.segment_store import SegmentStore
 from batchgen.core.work.shards import Segment
 
@@ -87,17 +90,34 @@ class SegmentContent:
         return cls(store, tuple(segments), store.size(segments))
 
     async def open(self, start: int, stop: int) -> AsyncIterator[bytes]:
+        """The bytes ``start`` .. ``stop``, the first piece read already: a store that cannot be
+        read now raises ``StorageUnavailable`` here, before a response has begun."""
         pieces = self.store.read(self.segments, start, stop)  # a generator: nothing is read yet
-        return _chunks_from(pieces)
+        try:
+            with storage_faults_as_errors("read the file"):
+                first = await anyio.to_thread.run_sync(next, pieces, _DONE)
+        except BaseException:
+            _close(pieces)
+            raise
+        return _chunks_from(first, pieces)
 
 
-async def _chunks_from(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
-    done = object()
+#: What ``next`` gives for a generator that has no more pieces.
+_DONE = object()
+
+
+async def _chunks_from(first: object, pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    piece = first
     try:
-        while (piece := await anyio.to_thread.run_sync(next, pieces, done)) is not done:
+        while piece is not _DONE:
             assert isinstance(piece, bytes)
             yield piece
+            piece = await anyio.to_thread.run_sync(next, pieces, _DONE)
     finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            close()
+        _close(pieces)
+
+
+def _close(pieces: Iterator[bytes]) -> None:
+    close = getattr(pieces, "close", None)
+    if close is not None:
+        close()
