@@ -189,6 +189,27 @@ class LedgerMachine(RuleBasedStateMachine):
             shard.epoch, shard.owner, shard.expired = lease.epoch, replica, False
             self.held[replica][(*lease.key, lease.epoch)] = lease
 
+    @rule(replica=st.sampled_from(REPLICAS), limit=st.integers(1, 3))
+    def take_over(self, replica: str, limit: int) -> None:
+        """A replica holding all it may claim takes over only leases that ran out: never a
+        pending shard, never a live lease, never a finished batch's."""
+        expired = {
+            (batch_id, number)
+            for batch_id, batch in self.batches.items()
+            if batch.status == "running"
+            for number, shard in batch.shards.items()
+            if not shard.done and shard.owner is not None and shard.expired
+        }
+        leases = self.run(self.ledger.take_over(replica, limit, HOUR_S))
+        assert len(leases) == min(limit, len(expired))
+        assert {lease.key for lease in leases} <= expired
+        for lease in leases:
+            shard = self.batches[lease.batch_id].shards[lease.shard.shard_no]
+            assert lease.epoch == shard.epoch + 1
+            assert lease.done_lines == shard.done_lines
+            shard.epoch, shard.owner, shard.expired = lease.epoch, replica, False
+            self.held[replica][(*lease.key, lease.epoch)] = lease
+
     @rule(replica=st.sampled_from(REPLICAS))
     def expire(self, replica: str) -> None:
         """The replica stops renewing long enough for its leases to run out (the database's

@@ -157,6 +157,24 @@ WHERE s.batch_id = p.batch_id AND s.shard_no = p.shard_no
 RETURNING s.batch_id, s.shard_no, s.first_line, s.n_lines, s.epoch, s.done_lines
 """
 
+#: Only leases that ran out unrenewed (their owner died, or was cut off), the oldest first: what
+#: a replica with every shard it may claim already held still takes over (``take_over``).
+_TAKE_OVER = """
+WITH picked AS (
+    SELECT s.batch_id, s.shard_no FROM batch_shards s JOIN batch_work w USING (batch_id)
+    WHERE w.status = 'running' AND s.state = 'leased' AND s.lease_expires_at <= clock_timestamp()
+    ORDER BY s.lease_expires_at, s.batch_id, s.shard_no
+    LIMIT %(limit)s
+    FOR UPDATE OF s SKIP LOCKED
+)
+UPDATE batch_shards s
+SET owner_id = %(owner)s, epoch = s.epoch + 1, attempts = s.attempts + 1,
+    lease_expires_at = clock_timestamp() + %(ttl)s * interval '1 second'
+FROM picked p
+WHERE s.batch_id = p.batch_id AND s.shard_no = p.shard_no
+RETURNING s.batch_id, s.shard_no, s.first_line, s.n_lines, s.epoch, s.done_lines
+"""
+
 _RENEW = """
 UPDATE batch_shards s SET lease_expires_at = clock_timestamp() + %(ttl)s * interval '1 second'
 FROM batch_work w
@@ -344,6 +362,21 @@ class PostgresShardLedger:
         if limit < 1:
             return []
         rows = await self._rows(_CLAIM, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
+        return sorted(
+            (
+                Lease(batch, ShardRange(shard, first, count), owner_id, epoch, frozenset(done))
+                for batch, shard, first, count, epoch, done in rows
+            ),
+            key=lambda lease: lease.key,
+        )
+
+    async def take_over(self, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
+        """Lease to ``owner_id`` up to ``limit`` shards whose leases ran out unrenewed (and no
+        pending ones), the longest expired first, each at a new epoch."""
+        _check_ttl(ttl_s)
+        if limit < 1:
+            return []
+        rows = await self._rows(_TAKE_OVER, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
         return sorted(
             (
                 Lease(batch, ShardRange(shard, first, count), owner_id, epoch, frozenset(done))

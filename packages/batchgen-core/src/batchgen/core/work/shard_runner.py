@@ -4,9 +4,12 @@ The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a seg
 (``SegmentFiles`` or ``S3Segments``):
 
 - **claim** up to ``max_shards`` shards whenever it holds fewer (polling every ``poll_s`` while
-  there is nothing to claim);
-- **run** each leased shard's remaining lines through ``run_line`` (at most ``concurrency`` at once
-  over all shards), buffering the finished lines;
+  there is nothing to claim), and, holding that many, **take over** up to ``max_taken_over`` more
+  whose leases ran out unrenewed (a dead replica's), so its work starts again one lease after
+  the death, not once a shard held here ends;
+- **run** each leased shard's remaining lines through ``run_line``, at most ``concurrency`` at once
+  over all shards, a free slot going to the shard with the fewest lines running
+  (``shard_slots.ShardSlots``), buffering the finished lines;
 - **commit** a shard's buffer as one output and one error segment every ``commit_lines`` lines or
   ``commit_interval_s`` seconds, and when the shard's last line is done: segment files first
   (durable), then the fenced commit; a refused commit (the lease was lost) drops the shard at once;
@@ -48,6 +51,7 @@ from batchgen.core.work.postgres_ledger import (
     PostgresShardLedger,
 )
 from batchgen.core.work.segment_store import SegmentStore, segment_key
+from batchgen.core.work.shard_slots import ShardSlots
 from batchgen.core.work.shards import DEFAULT_LEASE_S, MAX_LEASE_S, SEGMENT_KINDS, Lease, SegmentPart
 
 __all__ = ["DEFAULT_LEASE_S", "ORPHAN_GRACE_S", "LineResult", "ShardRunner", "collect_orphans"]
@@ -98,6 +102,7 @@ class ShardRunner:
         *,
         replica_id: str,
         max_shards: int = 4,
+        max_taken_over: int | None = None,
         concurrency: int = 16,
         ttl_s: float = DEFAULT_LEASE_S,
         commit_lines: int = 256,
@@ -117,6 +122,9 @@ class ShardRunner:
         #: any replica takes them over, itself included).
         self.owner_id = f"{replica_id}/{secrets.token_hex(4)}"
         self.max_shards = max_shards
+        #: Shards whose leases ran out unrenewed that it takes over beyond ``max_shards``: a
+        #: dead replica's work starts again after its lease, not once a held shard ends.
+        self.max_taken_over = max_shards if max_taken_over is None else max_taken_over
         self.ttl_s = ttl_s
         self.commit_lines = commit_lines
         self.commit_interval_s = commit_interval_s
@@ -124,7 +132,7 @@ class ShardRunner:
         self.watch_s = watch_s
         #: How long one claim, renewal or release may take before it counts as failed.
         self.call_timeout_s = ttl_s / 3
-        self._slots = asyncio.Semaphore(concurrency)
+        self._slots = ShardSlots(concurrency)
         self._held: dict[tuple[str, int], _HeldShard] = {}
         self._stopping = asyncio.Event()
         #: Monitoring: leases lost to expiry, takeover or cancel, and commits refused.
@@ -161,21 +169,21 @@ class ShardRunner:
         try:
             while not self._stopping.is_set():
                 room = self.max_shards - len(self._held)
+                rescue = self.max_shards + self.max_taken_over - len(self._held)
+                claim: Awaitable[list[Lease]] | None = None
+                if room > 0:
+                    claim = self.ledger.claim(self.owner_id, room, self.ttl_s)
+                elif rescue > 0:  # every shard it may claim is held: only what a dead replica left
+                    claim = self.ledger.take_over(self.owner_id, rescue, self.ttl_s)
                 sent = time.monotonic()
                 try:
-                    leases = (
-                        await asyncio.wait_for(
-                            self.ledger.claim(self.owner_id, room, self.ttl_s), self.call_timeout_s
-                        )
-                        if room > 0
-                        else []
-                    )
+                    leases = [] if claim is None else await asyncio.wait_for(claim, self.call_timeout_s)
                 except Exception as error:  # the database is away: try again after a poll interval
                     logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
                     self._failed("ledger", error)
                     leases = []
                 else:
-                    if room > 0:
+                    if claim is not None:
                         self._problems.pop("ledger", None)
                 answered = time.monotonic()
                 for lease in leases:
@@ -267,7 +275,7 @@ class ShardRunner:
     async def _run_shard(self, shard: _HeldShard) -> None:
         lease = shard.lease
         try:
-            pending = {asyncio.create_task(self._run_one(lease.batch_id, line)) for line in lease.remaining}
+            pending = {asyncio.create_task(self._run_one(lease.key, line)) for line in lease.remaining}
             last_commit = time.monotonic()
             try:
                 while pending:
@@ -305,9 +313,12 @@ class ShardRunner:
             with contextlib.suppress(Exception):
                 await self.ledger.release(lease)
 
-    async def _run_one(self, batch_id: str, line: int) -> tuple[int, LineResult]:
-        async with self._slots:
-            return line, await self.run_line(batch_id, line)
+    async def _run_one(self, shard: tuple[str, int], line: int) -> tuple[int, LineResult]:
+        await self._slots.acquire(shard)
+        try:
+            return line, await self.run_line(shard[0], line)
+        finally:
+            self._slots.release(shard)
 
     async def _commit(self, shard: _HeldShard) -> bool:
         """Write the shard's buffer as segments and commit them; False (the lines kept, to be
