@@ -5,6 +5,9 @@
 - ``OutputWriter``: append-only result files, and ``read_finished_lines`` to read them back;
 - ``postgres_metadata.PostgresMetadataStore``: the same metadata in PostgreSQL (the ``postgres``
   extra; imported from its module, so the package loads without psycopg);
+- ``object_blobs.ObjectBlobStore``: uploaded files as objects in an S3-compatible store, read
+  through local copies (the ``s3`` extra; imported from its module), and ``s3_objects``, which
+  makes an ``s3://`` URL an obstore client;
 - ``metadata_calls.MetadataCalls``: how the service calls a metadata store (in place, or in worker
   threads for one across a network);
 - ``metadata_rows``: the rows both metadata stores keep, and their mapping to the models;

@@ -13,8 +13,11 @@ lock. Replicas (a service with ``ServiceSettings.shared``) instead share a ledge
                       committed bytes by range, orphans; ``open_segment_store(url)``.
 ``segment_files``     ``SegmentFiles``: segments as files on a filesystem every replica mounts.
 ``s3_segments``       ``S3Segments``: segments as objects in an S3-compatible store (obstore).
-``shard_runner``      ``ShardRunner``: one replica's loop: claim, run lines, commit segments,
-                      renew, drop lost shards, release at stop.
+``shard_slots``       ``ShardSlots``: the lines a replica runs at once, shared fairly by the
+                      shards it holds (a free slot goes to the one with the fewest running).
+``shard_runner``      ``ShardRunner``: one replica's loop: claim (and take over what dead
+                      replicas left), run lines, commit segments, renew, drop lost shards,
+                      release at stop.
 
 The function a replica runs each line with, on its served models, is above this package:
 ``execution.replica_lines.LineRunner``.

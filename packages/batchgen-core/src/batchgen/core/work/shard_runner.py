@@ -3,8 +3,8 @@
 The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a segment store
 (``SegmentFiles`` or ``S3Segments``):
 
-- **claim** up to ``max_shards`` shards whenever it holds fewer (polling every ``poll_s`` while
-  there is nothing to claim), and, holding that many, **take over** up to ``max_taken_over`` more
+- **claim** up to ``max_shards`` shards whenever it holds fewer (at once when a held shard ends,
+  and every ``poll_s`` while there is nothing to claim), and, holding that many, **take over** up to ``max_taken_over`` more
   whose leases ran out unrenewed (a dead replica's), so its work starts again one lease after
   the death, not once a shard held here ends;
 - **run** each leased shard's remaining lines through ``run_line``, at most ``concurrency`` at once
@@ -135,6 +135,9 @@ class ShardRunner:
         self._slots = ShardSlots(concurrency)
         self._held: dict[tuple[str, int], _HeldShard] = {}
         self._stopping = asyncio.Event()
+        #: Set when a held shard ends or is dropped: room to claim another, without waiting for
+        #: the next poll.
+        self._room = asyncio.Event()
         #: Monitoring: leases lost to expiry, takeover or cancel, and commits refused.
         self.leases_lost = 0
         self.shards_cancelled = 0
@@ -168,6 +171,7 @@ class ShardRunner:
         watch = asyncio.create_task(self._watch_stops(), name=f"{self.owner_id}-watch")
         try:
             while not self._stopping.is_set():
+                self._room.clear()  # a shard that ends from now on wakes the wait below
                 room = self.max_shards - len(self._held)
                 rescue = self.max_shards + self.max_taken_over - len(self._held)
                 claim: Awaitable[list[Lease]] | None = None
@@ -192,9 +196,13 @@ class ShardRunner:
                     shard.task = asyncio.create_task(
                         self._run_shard(shard), name=f"{self.owner_id}-{lease.key}"
                     )
-                if not leases:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stopping.wait(), self.poll_s)
+                if not leases:  # until the next poll, or a shard held here ends or is dropped
+                    waits = [asyncio.ensure_future(event.wait()) for event in (self._stopping, self._room)]
+                    try:
+                        await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for wait in waits:
+                            wait.cancel()
         finally:
             heartbeat.cancel()
             watch.cancel()
@@ -269,19 +277,31 @@ class ShardRunner:
     def _drop(self, shard: _HeldShard) -> None:
         if self._held.get(shard.lease.key) is shard:
             del self._held[shard.lease.key]
+            self._room.set()  # the claim loop may take another shard now
         if shard.task is not None and shard.task is not asyncio.current_task():
             shard.task.cancel()
 
     async def _run_shard(self, shard: _HeldShard) -> None:
         lease = shard.lease
         try:
-            pending = {asyncio.create_task(self._run_one(lease.key, line)) for line in lease.remaining}
+            # each line's task reports to the queue as it ends: one wait per line, not a wait
+            # over every task of the shard each time one ends
+            ended: asyncio.Queue[asyncio.Task[tuple[int, LineResult]]] = asyncio.Queue()
+            pending: set[asyncio.Task[tuple[int, LineResult]]] = set()
+            for line in lease.remaining:
+                task = asyncio.create_task(self._run_one(lease.key, line))
+                task.add_done_callback(ended.put_nowait)
+                pending.add(task)
             last_commit = time.monotonic()
             try:
                 while pending:
-                    done, pending = await asyncio.wait(
-                        pending, timeout=self.commit_interval_s, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    wait_s = self.commit_interval_s - (time.monotonic() - last_commit)
+                    done = []
+                    with contextlib.suppress(TimeoutError):
+                        done.append(await asyncio.wait_for(ended.get(), max(wait_s, 0.001)))
+                    while not ended.empty():
+                        done.append(ended.get_nowait())
+                    pending.difference_update(done)
                     shard.buffer.extend(task.result() for task in done)
                     due = time.monotonic() - last_commit >= self.commit_interval_s
                     if shard.unsure is not None or (
