@@ -158,6 +158,8 @@ def test_the_page_arrives_with_the_servers_state_in_it(api_factory: ApiFactory) 
         "running on the engine: 0 · admitted, waiting for the engine: 0"
     )
     assert "exponentially weighted over 30 s" in _text(page, "tokens-note")
+    # one process: no replicas to list, and the table of them stays hidden
+    assert "replicas" not in pool and '<section id="replicas" hidden>' in page
 
 
 def test_with_api_keys_the_page_holds_health_but_no_tenants_data(tmp_path: Path) -> None:

@@ -347,9 +347,18 @@ class PoolStatus:
     requests_per_second: float = 0.0
     tokens_per_second: float = 0.0
     rate_time_constant_s: float = 30.0
+    #: With several replicas: every live replica's report of its share of the work (its id,
+    #: shards held, lines committed, leases lost, health, how many seconds ago it reported);
+    #: None, and left out of ``to_dict``, for a single process.
+    replicas: tuple[dict[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        figures = attrs.asdict(self)
+        if self.replicas is None:
+            del figures["replicas"]
+        else:
+            figures["replicas"] = [dict(report) for report in self.replicas]
+        return figures
 
 
 @attrs.frozen

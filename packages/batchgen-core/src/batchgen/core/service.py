@@ -1043,6 +1043,7 @@ class BatchService:
             requests_per_second=round(requests_rate, 3),
             tokens_per_second=round(tokens_rate, 2),
             rate_time_constant_s=counted.throughput.time_constant_s,
+            replicas=None if self.replica is None else tuple(self.replica.fleet),
         )
 
     @property

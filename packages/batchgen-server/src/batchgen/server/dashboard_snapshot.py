@@ -2,7 +2,8 @@
 
 The page must not open on "checking…" and "loading…" while its script makes its first calls, so
 ``GET /`` carries what those calls would answer: health (always: ``/health`` is open), and, while
-the server has no API keys, the pool status and the first page of batches. It is there twice: as
+the server has no API keys, the pool status (on a replica, every replica's share of the work) and
+the first page of batches. It is there twice: as
 text in the HTML (health, the pool figures, the batch rows), so the first paint holds it even
 before the script runs, and as JSON in a ``<script type="application/json">`` element (data, not
 code: the page's Content-Security-Policy still runs no inline script), from which the script draws
@@ -177,4 +178,28 @@ def batch_rows(snapshot: Snapshot) -> str:
             f'<tr data-batch-id="{html.escape(batch["id"])}" data-status="{html.escape(batch["status"])}"'
             f"{at_risk}>{tds}</tr>"
         )
+    return "".join(rows)
+
+
+def replica_rows(pool: dict[str, Any] | None) -> str:
+    """The replicas table's rows (every replica's share of the work, as the script draws them);
+    empty for a single process, whose page hides the table."""
+    rows = []
+    for report in (pool or {}).get("replicas") or ():
+        healthy = bool(report.get("healthy"))
+        health = "healthy" if healthy else "unhealthy: " + "; ".join(map(str, report.get("problems") or ()))
+        cells = [
+            ("Replica", f"<code>{html.escape(str(report.get('id', '')))}</code>"),
+            (
+                "Health",
+                f'<span class="status {"completed" if healthy else "failed"}">{html.escape(health)}</span>',
+            ),
+            ("Shards held", _n(report.get("shards_held", 0))),
+            ("Lines committed", _n(report.get("lines_committed", 0))),
+            ("Leases lost", _n(report.get("leases_lost", 0))),
+            ("Commits refused", _n(report.get("commits_refused", 0))),
+            ("Reported", f"{float(report.get('seen_s_ago', 0)):.0f}s ago"),
+        ]
+        tds = "".join(f'<td data-label="{label}">{content}</td>' for label, content in cells)
+        rows.append(f'<tr data-replica-id="{html.escape(str(report.get("id", "")))}">{tds}</tr>')
     return "".join(rows)

@@ -6,10 +6,15 @@ own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answe
 ``LineRunner`` on this replica's models, as many at once as the service has slots (at most
 ``MAX_REPLICA_SLOTS``). ``run`` works
 until ``stop``, which lets the leases go at once so another replica takes them without waiting for
-them to run out.
+them to run out; meanwhile every replica saves its report (``report``: its share of the work) in
+the ledger and reads everyone's (``fleet``), which the pool status and the dashboard show.
 """
 
 from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
 
 from batchgen.core.backends.served_models import ModelSet
 from batchgen.core.batches.shared_batches import SharedBatches
@@ -31,6 +36,10 @@ __all__ = ["MAX_REPLICA_SLOTS", "ReplicaWork"]
 #: is a task on the event loop that also renews the leases, and a replica holding thousands of
 #: lines would hold most of a batch's shards while the other replicas wait.
 MAX_REPLICA_SLOTS = 256
+#: How often a replica saves its report for the others and reads theirs.
+REPORT_EVERY_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaWork:
@@ -54,6 +63,9 @@ class ReplicaWork:
         at most ``MAX_REPLICA_SLOTS``), with enough shards held to fill them."""
         slots = max(1, min(slots, MAX_REPLICA_SLOTS))
         self.replica_id = shared.replica_id
+        #: Every live replica's last report (this one's included), read from the ledger every
+        #: ``REPORT_EVERY_S``: what ``/v1/pool/status`` and the dashboard list.
+        self.fleet: list[dict[str, Any]] = []
         self.ledger = PostgresShardLedger(shared.metadata_url)
         self.segments = open_segment_store(shared.blob_url)
         self.batches = SharedBatches(
@@ -92,8 +104,25 @@ class ReplicaWork:
             raise
 
     async def run(self) -> None:
-        """Run shards until ``stop``; the unfinished ones are released then."""
-        await self.runner.run()
+        """Run shards until ``stop``; the unfinished ones are released then. Meanwhile, share
+        this replica's report with the others and read theirs (``fleet``)."""
+        sharing = asyncio.create_task(self._share_reports(), name=f"{self.replica_id}-reports")
+        try:
+            await self.runner.run()
+        finally:
+            sharing.cancel()
+            await asyncio.gather(sharing, return_exceptions=True)
+
+    async def _share_reports(self) -> None:
+        """Every ``REPORT_EVERY_S``: save this replica's report in the ledger and read every
+        live replica's (reports older than three leases are of replicas gone)."""
+        while True:
+            try:
+                await self.ledger.report_replica(self.runner.owner_id, self.replica_id, self.report())
+                self.fleet = await self.ledger.replica_reports(3 * self.runner.ttl_s)
+            except Exception:  # the ledger is away: the runner reports that in the health
+                logger.debug("%s could not share its report", self.replica_id, exc_info=True)
+            await asyncio.sleep(REPORT_EVERY_S)
 
     def stop(self) -> None:
         self.runner.stop()
@@ -104,6 +133,7 @@ class ReplicaWork:
         return {
             "id": self.replica_id,
             "owner": runner.owner_id,
+            "healthy": runner.healthy,
             "shards_held": len(runner.held),
             "lines_committed": runner.lines_committed,
             "leases_lost": runner.leases_lost,

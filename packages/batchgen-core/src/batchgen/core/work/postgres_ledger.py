@@ -1,6 +1,6 @@
 """PostgresShardLedger: who runs which shard of which batch, and which output exists, in Postgres.
 
-Three tables (created by ``create_schema``, idempotent):
+Four tables (created by ``create_schema``, idempotent):
 
 ``batch_work``      one row per batch the replicas share: ``running``, ``cancelled`` or
                     ``finished`` (and when it stopped running, ``ended_at``, and why a cancelled
@@ -10,6 +10,8 @@ Three tables (created by ``create_schema``, idempotent):
                     ``lease_expires_at``) or ``done``; its ``epoch``, raised at every lease; the
                     lines committed so far (``done_lines``).
 ``batch_segments``  the manifest: every committed segment, numbered in commit order per batch.
+``replica_reports`` what each running replica last said of its work (shards held, lines
+                    committed, leases lost), when: what every replica's dashboard lists.
 
 Rules the SQL keeps, whatever the replicas do:
 
@@ -39,11 +41,12 @@ and the connections are in autocommit mode, with explicit transactions where a c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
 import attrs
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from batchgen.core.models import DEFAULT_TENANT
@@ -107,6 +110,12 @@ CREATE TABLE IF NOT EXISTS batch_shards (
 );
 CREATE INDEX IF NOT EXISTS batch_shards_open ON batch_shards (batch_id) WHERE state <> 'done';
 CREATE INDEX IF NOT EXISTS batch_shards_owner ON batch_shards (owner_id) WHERE state = 'leased';
+CREATE TABLE IF NOT EXISTS replica_reports (
+    owner_id text PRIMARY KEY,
+    replica_id text NOT NULL,
+    report jsonb NOT NULL,
+    seen_at timestamptz NOT NULL
+);
 CREATE TABLE IF NOT EXISTS batch_segments (
     batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
     seq bigint NOT NULL,
@@ -384,6 +393,33 @@ class PostgresShardLedger:
             ),
             key=lambda lease: lease.key,
         )
+
+    # --- replicas' reports ------------------------------------------------------------------
+
+    async def report_replica(self, owner_id: str, replica_id: str, report: Mapping[str, Any]) -> None:
+        """Save what a replica says of its work now (its ``/health`` replica block), stamped with
+        the database's clock; reports not renewed for a day are deleted on the way."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                "INSERT INTO replica_reports (owner_id, replica_id, report, seen_at) "
+                "VALUES (%(owner)s, %(replica)s, %(report)s, clock_timestamp()) "
+                "ON CONFLICT (owner_id) DO UPDATE SET report = EXCLUDED.report, seen_at = EXCLUDED.seen_at",
+                {"owner": owner_id, "replica": replica_id, "report": Jsonb(dict(report))},
+            )
+            await conn.execute(
+                "DELETE FROM replica_reports WHERE seen_at < clock_timestamp() - interval '1 day'"
+            )
+
+    async def replica_reports(self, within_s: float) -> list[dict[str, Any]]:
+        """Every replica's last report made in the last ``within_s`` seconds, by replica id, each
+        with ``seen_s_ago`` (on the database's clock)."""
+        rows = await self._rows(
+            "SELECT report, EXTRACT(EPOCH FROM clock_timestamp() - seen_at)::float8 FROM replica_reports "
+            "WHERE seen_at > clock_timestamp() - %(within)s * interval '1 second' "
+            "ORDER BY replica_id, owner_id",
+            {"within": within_s},
+        )
+        return [{**report, "seen_s_ago": round(max(0.0, age), 1)} for report, age in rows]
 
     async def renew(self, owner_id: str, ttl_s: float) -> dict[tuple[str, int], int]:
         """Extend every live lease of ``owner_id`` on a running batch by ``ttl_s`` seconds; the

@@ -89,6 +89,8 @@ def render_page(service: BatchService, snapshot: snapshots.Snapshot | None = Non
         tokens_note=html.escape(tokens_note(pool)),
         requests_note=html.escape(_rate_note(pool, "ended requests")),
         batch_rows=snapshots.batch_rows(snapshot),
+        replica_rows=snapshots.replica_rows(pool),
+        replicas_hidden="" if pool is not None and pool.get("replicas") else " hidden",
         snapshot=snapshot.to_json(),
     )
 

@@ -273,10 +273,38 @@
     context.globalAlpha = 1;
   }
 
+  // --- the replicas (GET /v1/pool/status: replicas, only on a server that is one of several) ---
+
+  function drawReplicas(pool) {
+    const reports = pool.replicas;
+    $("replicas").hidden = !Array.isArray(reports) || reports.length === 0;
+    if ($("replicas").hidden) return;
+    const rows = reports.map((report) => {
+      const healthy = Boolean(report.healthy);
+      const health = healthy ? "healthy" : `unhealthy: ${(report.problems || []).join("; ")}`;
+      const cells = [
+        ["Replica", element("code", {}, String(report.id))],
+        ["Health", element("span", { class: `status ${healthy ? "completed" : "failed"}` }, health)],
+        ["Shards held", (report.shards_held || 0).toLocaleString()],
+        ["Lines committed", (report.lines_committed || 0).toLocaleString()],
+        ["Leases lost", (report.leases_lost || 0).toLocaleString()],
+        ["Commits refused", (report.commits_refused || 0).toLocaleString()],
+        ["Reported", `${Math.round(report.seen_s_ago || 0)}s ago`],
+      ];
+      return element(
+        "tr",
+        { "data-replica-id": String(report.id) },
+        ...cells.map(([label, content]) => element("td", { "data-label": label }, content)),
+      );
+    });
+    $("replica-rows").replaceChildren(...rows);
+  }
+
   function drawPool(pool) {
     gauge("intake-fill", "intake-text", pool.intake_pool_size, pool.intake_pool_capacity, "requests queued");
     engineGauge(pool);
     $("active-batches").textContent = pool.active_batches.toLocaleString();
+    drawReplicas(pool);
     addSample(pool);
   }
 
