@@ -7,7 +7,8 @@ is cancelled from the other, and ends ``cancelled`` on both with the lines commi
 Idempotency-Key repeated on the other replica returns the same batch; a batch past the shared
 intake is refused with 429's error and nothing recorded, and a tenant's limits on running batches
 and queued requests hold across replicas. Neither replica resumes anything on its
-own at start: a third replica started later takes shards of the running batch.
+own at start: a third replica started later takes shards of the running batch. A replica deletes
+the segments no commit lists once they are past the grace period, and only those.
 """
 
 from __future__ import annotations
@@ -166,3 +167,32 @@ async def test_a_tenants_limits_hold_across_replicas(replicas: list[BatchService
     await second.create_batch(files[0].id, "/v1/chat/completions", caller=queued)
     with pytest.raises(IntakeFull, match=r"tenant 'beta' has [0-9]+ unfinished requests of its 41000"):
         await first.create_batch(files[1].id, "/v1/chat/completions", caller=queued)
+
+
+@pytest.mark.anyio
+async def test_a_replica_deletes_the_segments_no_commit_lists_and_keeps_the_committed(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a dead or fenced-out replica wrote and never committed is collected: a replica
+    sweeps the store (here every 0.2 s, for segments older than 0.5 s) and deletes exactly the
+    objects the manifest does not list."""
+    from batchgen.core.execution import replica_work
+
+    monkeypatch.setattr(replica_work, "COLLECT_EVERY_S", 0.2)
+    monkeypatch.setattr(replica_work, "ORPHAN_GRACE_S", 0.5)
+    orphan = tmp_path / "shared" / "segments" / "batch_gone" / "output" / "0" / "1-0.jsonl"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b'{"custom_id": "never committed"}\n')
+    settings = _settings(tmp_path, postgres_url, "a")
+    async with BatchService(settings, SimulatedBackend(latency_s=0.001)) as service:
+        file = await service.create_file(jsonl(*(chat_line(f"r{i}") for i in range(600))))
+        batch = await service.create_batch(file.id, "/v1/chat/completions")
+        with anyio.fail_after(60):
+            ended = await service.wait_for_batch(batch.id, poll_interval=0.1)
+            assert service.replica is not None
+            while orphan.exists():
+                await anyio.sleep(0.1)
+        assert service.replica.orphans_collected >= 1
+        assert ended.output_file_id is not None
+        output = await _read(service, ended.output_file_id)  # the committed segments are all there
+        assert len(output.splitlines()) == 600

@@ -182,6 +182,11 @@ class LedgerMachine(RuleBasedStateMachine):
         assert {lease.key for lease in leases} <= claimable
         if limit == 1 and leases:
             assert self._turn(leases[0].batch_id) == fair
+        self._hold(replica, leases)
+
+    def _hold(self, replica: str, leases: list[Lease]) -> None:
+        """Check newly leased shards against the model (the next epoch, the lines done so far)
+        and record them as the replica's."""
         for lease in leases:
             shard = self.batches[lease.batch_id].shards[lease.shard.shard_no]
             assert lease.epoch == shard.epoch + 1
@@ -203,12 +208,7 @@ class LedgerMachine(RuleBasedStateMachine):
         leases = self.run(self.ledger.take_over(replica, limit, HOUR_S))
         assert len(leases) == min(limit, len(expired))
         assert {lease.key for lease in leases} <= expired
-        for lease in leases:
-            shard = self.batches[lease.batch_id].shards[lease.shard.shard_no]
-            assert lease.epoch == shard.epoch + 1
-            assert lease.done_lines == shard.done_lines
-            shard.epoch, shard.owner, shard.expired = lease.epoch, replica, False
-            self.held[replica][(*lease.key, lease.epoch)] = lease
+        self._hold(replica, leases)
 
     @rule(replica=st.sampled_from(REPLICAS))
     def expire(self, replica: str) -> None:

@@ -7,13 +7,16 @@ own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answe
 ``MAX_REPLICA_SLOTS``). ``run`` works
 until ``stop``, which lets the leases go at once so another replica takes them without waiting for
 them to run out; meanwhile every replica saves its report (``report``: its share of the work) in
-the ledger and reads everyone's (``fleet``), which the pool status and the dashboard show.
+the ledger and reads everyone's (``fleet``), which the pool status and the dashboard show, and
+deletes, once an hour, the segments of replicas that died or were fenced out before committing
+them (older than ``ORPHAN_GRACE_S``, never served).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import Any
 
 from batchgen.core.backends.served_models import ModelSet
@@ -27,7 +30,7 @@ from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.work.intake import IntakeLimits
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
 from batchgen.core.work.segment_store import open_segment_store
-from batchgen.core.work.shard_runner import ShardRunner
+from batchgen.core.work.shard_runner import ORPHAN_GRACE_S, ShardRunner, collect_orphans
 from batchgen.core.work.shards import SHARD_LINES
 
 __all__ = ["MAX_REPLICA_SLOTS", "ReplicaWork"]
@@ -38,6 +41,8 @@ __all__ = ["MAX_REPLICA_SLOTS", "ReplicaWork"]
 MAX_REPLICA_SLOTS = 256
 #: How often a replica saves its report for the others and reads theirs.
 REPORT_EVERY_S = 2.0
+#: How often a replica deletes the segments no commit lists (``work.shard_runner.collect_orphans``).
+COLLECT_EVERY_S = 3600.0
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,10 @@ class ReplicaWork:
         #: Every live replica's last report (this one's included), read from the ledger every
         #: ``REPORT_EVERY_S``: what ``/v1/pool/status`` and the dashboard list.
         self.fleet: list[dict[str, Any]] = []
+        #: How often this replica deletes orphaned segments, and how old they must be.
+        self.collect_every_s = COLLECT_EVERY_S
+        self.orphan_grace_s = ORPHAN_GRACE_S
+        self.orphans_collected = 0
         self.ledger = PostgresShardLedger(shared.metadata_url)
         self.segments = open_segment_store(shared.blob_url)
         self.batches = SharedBatches(
@@ -106,12 +115,33 @@ class ReplicaWork:
     async def run(self) -> None:
         """Run shards until ``stop``; the unfinished ones are released then. Meanwhile, share
         this replica's report with the others and read theirs (``fleet``)."""
-        sharing = asyncio.create_task(self._share_reports(), name=f"{self.replica_id}-reports")
+        helpers = [
+            asyncio.create_task(self._share_reports(), name=f"{self.replica_id}-reports"),
+            asyncio.create_task(self._collect_orphans(), name=f"{self.replica_id}-orphans"),
+        ]
         try:
             await self.runner.run()
         finally:
-            sharing.cancel()
-            await asyncio.gather(sharing, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+
+    async def _collect_orphans(self) -> None:
+        """Every ``collect_every_s`` (the first time at a random point of the first interval, so
+        replicas started together do not list the store together): delete the segments no commit
+        lists that are older than ``orphan_grace_s``, written by replicas that died or were fenced
+        out before committing. Never served, so any replica may delete them."""
+        await asyncio.sleep(random.uniform(0, self.collect_every_s))
+        while True:
+            try:
+                deleted = await collect_orphans(self.ledger, self.segments, self.orphan_grace_s)
+            except Exception:  # the store or the database is away: the next round tries again
+                logger.warning("%s could not collect orphaned segments", self.replica_id, exc_info=True)
+            else:
+                self.orphans_collected += deleted
+                if deleted:
+                    logger.info("%s deleted %d orphaned segments", self.replica_id, deleted)
+            await asyncio.sleep(self.collect_every_s)
 
     async def _share_reports(self) -> None:
         """Every ``REPORT_EVERY_S``: save this replica's report in the ledger and read every

@@ -367,25 +367,18 @@ class PostgresShardLedger:
 
     async def claim(self, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
         """Lease up to ``limit`` shards to ``owner_id`` for ``ttl_s`` seconds of the database's clock."""
-        _check_ttl(ttl_s)
-        if limit < 1:
-            return []
-        rows = await self._rows(_CLAIM, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
-        return sorted(
-            (
-                Lease(batch, ShardRange(shard, first, count), owner_id, epoch, frozenset(done))
-                for batch, shard, first, count, epoch, done in rows
-            ),
-            key=lambda lease: lease.key,
-        )
+        return await self._lease(_CLAIM, owner_id, limit, ttl_s)
 
     async def take_over(self, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
         """Lease to ``owner_id`` up to ``limit`` shards whose leases ran out unrenewed (and no
         pending ones), the longest expired first, each at a new epoch."""
+        return await self._lease(_TAKE_OVER, owner_id, limit, ttl_s)
+
+    async def _lease(self, sql: str, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
         _check_ttl(ttl_s)
         if limit < 1:
             return []
-        rows = await self._rows(_TAKE_OVER, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
+        rows = await self._rows(sql, {"owner": owner_id, "limit": limit, "ttl": ttl_s})
         return sorted(
             (
                 Lease(batch, ShardRange(shard, first, count), owner_id, epoch, frozenset(done))
