@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import chat_line, jsonl
 from tests.live import LiveServer, start_server
 from tests.seaweedfs import SeaweedServer
+from tests.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.live
 
@@ -198,6 +199,42 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_shared_batchs_ending_is_sent_once_as_a_webhook_whichever_replica_ends_it(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """Two replicas with one webhook URL: a completed batch and a cancelled one each give one
+    event (one ``webhook-id``, sent by whichever replica's sender got it), naming the batch."""
+    blobs = _Blobs(f"file://{tmp_path / 'shared'}", {})
+    with WebhookReceiver() as receiver:
+        flags = ("--webhook-url", receiver.url, "--simulated-latency-s", "0.01")
+        servers = [_replica(tmp_path, postgres_url, blobs, name, *flags) for name in ("a", "b")]
+        try:
+            first, second = (_client(server) for server in servers)
+            path = tmp_path / "input.jsonl"
+            path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(1500))))
+            uploaded = first.files.create(file=path.open("rb"), purpose="batch")
+            done = first.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            assert _wait_ended(second, done.id, 60)["status"] == "completed"
+            stopped = second.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            first.batches.cancel(stopped.id)
+            assert _wait_ended(second, stopped.id, 30)["status"] == "cancelled"
+            receiver.wait_for_deliveries(2)
+            time.sleep(2.0)  # a second sender, or a second save of an ending, would show by now
+            events = [(delivered.headers["webhook-id"], delivered.event()) for delivered in receiver.received]
+        finally:
+            for server in servers:
+                server.stop()
+    by_id = {event_id: event for event_id, event in events}
+    assert len(by_id) == 2, events
+    assert sorted((event["type"], event["data"]["id"]) for event in by_id.values()) == sorted(
+        [("batch.completed", done.id), ("batch.cancelled", stopped.id)]
+    )
 
 
 def _keys(*arguments: str) -> subprocess.CompletedProcess[str]:

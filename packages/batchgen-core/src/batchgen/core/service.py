@@ -403,6 +403,7 @@ class BatchService:
             separate_error_file=self.settings.error_file == "openai",
             intake_capacity=self.settings.max_intake_capacity,
             slots=self.settings.max_pool_size,
+            webhooks=self.webhooks,
         )
         await replica.open()
         self.replica, self._replica_done = replica, anyio.Event()

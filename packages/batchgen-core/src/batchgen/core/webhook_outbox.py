@@ -124,13 +124,15 @@ class WebhookTargets:
             return (batch.metadata[METADATA_URL_KEY],)
         return self.urls
 
-    def messages(self, batch: Batch, now: int) -> Sequence[OutboxMessage]:
-        """The messages of ``batch``'s terminal event (none for another status, or with no URL)."""
+    def messages(self, batch: Batch, now: int, *, event_id: str | None = None) -> Sequence[OutboxMessage]:
+        """The messages of ``batch``'s terminal event (none for another status, or with no URL);
+        ``event_id`` names the event (by default a fresh id): replicas ending one shared batch
+        give the same, so the outbox keeps one message per target."""
         event_type = EVENT_TYPES.get(batch.status)
         targets = self.for_batch(batch)
         if event_type is None or not targets:
             return ()
-        event_id = new_object_id("evt_")
+        event_id = event_id or new_object_id("evt_")
         body = event_body(event_id, event_type, batch.id, now)
         return tuple(
             OutboxMessage(event_id, target, body, now, next_attempt_at=float(now)) for target in targets

@@ -16,7 +16,9 @@ needs:
   convention) or ``cancelled``. Whichever replica looks first saves the ending; every replica
   computes exactly the same record (the times are the ledger's ``ended_at``, on the database's
   clock, and the files' ids are made from the batch's), so a second save changes nothing and a
-  client never sees an ended batch change.
+  client never sees an ended batch change. The ending's webhook event is saved in the outbox in
+  the same write, with an id made from the batch's and its status, so the outbox keeps one
+  message per target however many replicas save the ending (any replica's sender delivers it).
 - ``cancel(batch)``: the work stopped on every replica (each runner drops the batch's shards within
   its watch interval) and the batch ended ``cancelled`` with the lines committed by then.
 - ``expire_due()``: the running batches past their completion window stopped the same way, and
@@ -43,12 +45,13 @@ from batchgen.core.models import OUTPUT_PURPOSE, Batch, BatchErrorInfo, BatchSta
 from batchgen.core.storage import MetadataStore
 from batchgen.core.storage.interfaces import IdempotencyRecord
 from batchgen.core.storage.metadata_calls import MetadataCalls
+from batchgen.core.webhook_outbox import WebhookTargets
 from batchgen.core.work.intake import IntakeLimits
 from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
 from batchgen.core.work.segment_store import SegmentStore
 from batchgen.core.work.shards import ERRORS, OUTPUT, SHARD_LINES
 
-__all__ = ["SEGMENTS_SCHEME", "SharedBatches", "result_file_id", "segment_path", "segments_of"]
+__all__ = ["SEGMENTS_SCHEME", "SharedBatches", "event_id", "result_file_id", "segment_path", "segments_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,11 @@ def segments_of(path: str) -> tuple[str, str] | None:
     return (batch_id, kind) if batch_id and kind in (OUTPUT, ERRORS) else None
 
 
+def event_id(batch: Batch) -> str:
+    """The id of a shared batch's terminal webhook event: the same on every replica that ends it."""
+    return "evt_" + hashlib.sha256(f"{batch.id}/{batch.status.value}".encode()).hexdigest()[:24]
+
+
 def result_file_id(batch_id: str, kind: str) -> str:
     """The id of a shared batch's result file: the same on every replica, and as hard to guess as
     the batch's own id (it is a hash of it)."""
@@ -90,9 +98,12 @@ class SharedBatches:
         limits: IntakeLimits | None = None,
         openai_convention: bool = False,
         shard_lines: int = SHARD_LINES,
+        webhooks: WebhookTargets | None = None,
     ) -> None:
         """``openai_convention``: error lines go to an error file, and a batch past its window
-        ends ``expired`` (OpenAI's Batch API); else the user guide's: with the output, ``failed``."""
+        ends ``expired`` (OpenAI's Batch API); else the user guide's: with the output, ``failed``.
+        ``webhooks``: where a batch's terminal event goes (saved in the outbox with the ending)."""
+        self._webhooks = webhooks or WebhookTargets()
         self._metadata = metadata
         self._calls = calls or MetadataCalls(metadata)
         self._ledger = ledger
@@ -144,7 +155,9 @@ class SharedBatches:
         if work.status == "running" or work.ended_at is None:
             return batch
         ended = await self._ended(batch, work, work.ended_at)
-        await self._calls(self._metadata.save_batch, ended)
+        # its webhook event in the same write: the same event, id and body, from every replica
+        outbox = self._webhooks.messages(ended, int(work.ended_at), event_id=event_id(ended))
+        await self._calls(self._metadata.save_batch, ended, outbox=outbox)
         return ended
 
     async def cancel(self, batch: Batch) -> Batch:

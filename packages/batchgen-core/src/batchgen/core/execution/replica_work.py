@@ -27,6 +27,7 @@ from batchgen.core.files.batch_inputs import BatchInputs
 from batchgen.core.requests.parameters import ServerDefaults
 from batchgen.core.storage import BlobStore, MetadataStore
 from batchgen.core.storage.metadata_calls import MetadataCalls
+from batchgen.core.webhook_outbox import WebhookTargets
 from batchgen.core.work.intake import IntakeLimits
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
 from batchgen.core.work.segment_store import open_segment_store
@@ -63,6 +64,7 @@ class ReplicaWork:
         separate_error_file: bool,
         intake_capacity: int | None,
         slots: int,
+        webhooks: WebhookTargets | None = None,
     ) -> None:
         """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``,
         at most ``MAX_REPLICA_SLOTS``), with enough shards held to fill them."""
@@ -84,6 +86,7 @@ class ReplicaWork:
             calls=calls,
             limits=IntakeLimits(capacity=intake_capacity),
             openai_convention=separate_error_file,
+            webhooks=webhooks,
         )
         self.inputs = BatchInputs(metadata, calls, readable=blobs.readable)
         lines = LineRunner(
