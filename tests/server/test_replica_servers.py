@@ -115,6 +115,9 @@ def test_any_replica_answers_for_a_batch_made_on_another(three: list[LiveServer]
     lines = [json.loads(line) for line in output.splitlines()]
     assert Counter(line["custom_id"] for line in lines) == Counter(f"r{i}" for i in range(2500))
     assert {line["response"]["status_code"] for line in lines} == {200}
+    usages = [line["response"]["body"]["usage"] for line in lines]  # the batch's usage sums its lines'
+    assert ended["usage"]["input_tokens"] == sum(usage["prompt_tokens"] for usage in usages) > 0
+    assert ended["usage"]["output_tokens"] == sum(usage["completion_tokens"] for usage in usages) > 0
     part = httpx.get(
         f"{three[1].api_url}/files/{ended['output_file_id']}/content", headers={"Range": "bytes=100-199"}
     )

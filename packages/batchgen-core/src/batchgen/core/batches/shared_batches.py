@@ -10,7 +10,8 @@ needs:
   ledger's work comes first, so a batch that does not fit (``IntakeFull``) records nothing; should
   the record then fail, the work is cancelled again (nothing runs for a batch nobody can see). The
   output file is recorded with it, so a client can read the lines committed so far.
-- ``view(batch)``: the batch as it stands now: its request counts are the ledger's committed lines,
+- ``view(batch)``: the batch as it stands now: its request counts are the ledger's committed lines
+  and its ``usage`` their tokens,
   and once the ledger says its work ended (every shard done, or cancelled) it is ended and saved
   so, ``completed`` (with an error file when there are error lines and they go apart, OpenAI's
   convention) or ``cancelled``. Whichever replica looks first saves the ending; every replica
@@ -41,7 +42,15 @@ import attrs
 from batchgen.core.batches.lifecycle import advance
 from batchgen.core.clock import now
 from batchgen.core.files.content import SegmentContent
-from batchgen.core.models import OUTPUT_PURPOSE, Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts
+from batchgen.core.models import (
+    OUTPUT_PURPOSE,
+    Batch,
+    BatchErrorInfo,
+    BatchStatus,
+    FileObject,
+    RequestCounts,
+    Usage,
+)
 from batchgen.core.storage import MetadataStore
 from batchgen.core.storage.interfaces import IdempotencyRecord
 from batchgen.core.storage.metadata_calls import MetadataCalls
@@ -151,7 +160,10 @@ class SharedBatches:
         if work is None:
             return batch
         counts = RequestCounts(total=work.line_count, completed=work.completed, failed=work.failed)
-        batch = attrs.evolve(batch, request_counts=counts)
+        usage = Usage(
+            work.prompt_tokens, work.completion_tokens, prefix_cached_tokens=work.prefix_cached_tokens
+        )
+        batch = attrs.evolve(batch, request_counts=counts, usage=usage)
         if work.status == "running" or work.ended_at is None:
             return batch
         ended = await self._ended(batch, work, work.ended_at)

@@ -140,7 +140,13 @@ class LineRunner:
         model_name = route.backend_model or route.model.public_name
         endpoint = batch_input.batch.endpoint
         line = output_line(custom_id, request.request_id, endpoint, model_name, result, now(), body)
-        return LineResult(OUTPUT, line)
+        return LineResult(
+            OUTPUT,
+            line,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            prefix_cached_tokens=result.reported_cached_tokens,
+        )
 
     def _error(self, batch_input: BatchInput, custom_id: str, code: str, message: str) -> LineResult:
         return LineResult(self._error_kind, error_line(custom_id, code, message, batch_input.batch.endpoint))

@@ -4,8 +4,8 @@ Four tables (created by ``create_schema``, idempotent):
 
 ``batch_work``      one row per batch the replicas share: ``running``, ``cancelled`` or
                     ``finished`` (and when it stopped running, ``ended_at``, and why a cancelled
-                    one was, ``stop_reason``); its tenant; the counters of committed lines; the
-                    next segment number.
+                    one was, ``stop_reason``); its tenant; the counters of committed lines and of
+                    their tokens; the next segment number.
 ``batch_shards``    one row per shard: ``pending``, ``leased`` (to ``owner_id`` until
                     ``lease_expires_at``) or ``done``; its ``epoch``, raised at every lease; the
                     lines committed so far (``done_lines``).
@@ -94,6 +94,9 @@ CREATE TABLE IF NOT EXISTS batch_work (
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'default';
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS ended_at timestamptz;
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS stop_reason text;
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS prompt_tokens bigint NOT NULL DEFAULT 0;
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS completion_tokens bigint NOT NULL DEFAULT 0;
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS prefix_cached_tokens bigint NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS batch_work_running ON batch_work (tenant) WHERE status = 'running';
 CREATE TABLE IF NOT EXISTS batch_shards (
     batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
@@ -225,6 +228,10 @@ class BatchWork:
     ended_at: float | None = None
     #: Why a cancelled batch was stopped (``cancel``'s ``reason``): the first stop's, for everyone.
     stop_reason: str | None = None
+    #: The tokens of the committed answers, and of their prompts those prefix caches served.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_cached_tokens: int = 0
 
 
 class PostgresShardLedger:
@@ -356,7 +363,7 @@ class PostgresShardLedger:
         rows = await self._rows(
             "SELECT w.batch_id, w.status, w.line_count, w.completed, w.failed, count(s.shard_no), "
             "count(s.shard_no) FILTER (WHERE s.state = 'done'), extract(epoch FROM w.ended_at)::float8, "
-            "w.stop_reason "
+            "w.stop_reason, w.prompt_tokens, w.completion_tokens, w.prefix_cached_tokens "
             "FROM batch_work w LEFT JOIN batch_shards s USING (batch_id) WHERE w.batch_id = %(batch)s "
             "GROUP BY w.batch_id",
             {"batch": batch_id},
@@ -459,9 +466,19 @@ class PostgresShardLedger:
             failed = sum(len(part.lines) for part in parts if part.kind == ERRORS)
             cursor = await conn.execute(
                 "UPDATE batch_work SET completed = completed + %(completed)s, failed = failed + %(failed)s, "
-                "segments = segments + %(parts)s WHERE batch_id = %(batch)s AND status = 'running' "
-                "RETURNING segments",
-                {**params, "completed": completed, "failed": failed, "parts": len(parts)},
+                "segments = segments + %(parts)s, prompt_tokens = prompt_tokens + %(prompt)s, "
+                "completion_tokens = completion_tokens + %(completion)s, "
+                "prefix_cached_tokens = prefix_cached_tokens + %(cached)s "
+                "WHERE batch_id = %(batch)s AND status = 'running' RETURNING segments",
+                {
+                    **params,
+                    "completed": completed,
+                    "failed": failed,
+                    "parts": len(parts),
+                    "prompt": sum(part.prompt_tokens for part in parts),
+                    "completion": sum(part.completion_tokens for part in parts),
+                    "cached": sum(part.prefix_cached_tokens for part in parts),
+                },
             )
             counted = await cursor.fetchone()
             if counted is None:

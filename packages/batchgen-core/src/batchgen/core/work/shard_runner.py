@@ -70,6 +70,11 @@ class LineResult:
 
     kind: str
     data: bytes
+    #: The tokens of the answer (an output line's ``usage``; none for an error line), and of its
+    #: prompt those the engine's prefix cache served: added to the batch's ``usage`` on commit.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_cached_tokens: int = 0
 
 
 #: Runs line ``line`` of batch ``batch_id`` and says what it produced.
@@ -366,7 +371,18 @@ class ShardRunner:
                 shard.segments_written += 1
                 data = b"".join(result.data for _, result in lines)
                 size = await asyncio.to_thread(self.segments.write, key, data)
-                parts.append(SegmentPart(kind, key, size, tuple(line for line, _ in lines)))
+                results = [result for _, result in lines]
+                parts.append(
+                    SegmentPart(
+                        kind,
+                        key,
+                        size,
+                        tuple(line for line, _ in lines),
+                        prompt_tokens=sum(result.prompt_tokens for result in results),
+                        completion_tokens=sum(result.completion_tokens for result in results),
+                        prefix_cached_tokens=sum(result.prefix_cached_tokens for result in results),
+                    )
+                )
             await self.ledger.commit(lease, parts)
         except CommitRefused:
             raise

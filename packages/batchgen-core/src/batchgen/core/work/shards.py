@@ -107,6 +107,10 @@ class SegmentPart:
     object_key: str
     size: int
     lines: tuple[int, ...]
+    #: The tokens of its lines' answers, added to the batch's usage by the commit.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_cached_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in SEGMENT_KINDS:
