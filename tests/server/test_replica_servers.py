@@ -32,6 +32,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchgen.core.work.segment_store import open_segment_store
 from tests.helpers import chat_line, jsonl
 from tests.live import LiveServer, start_server
 from tests.seaweedfs import SeaweedServer
@@ -98,7 +99,9 @@ def _wait_ended(client: OpenAI, batch_id: str, timeout_s: float) -> dict:
         time.sleep(0.2)
 
 
-def test_any_replica_answers_for_a_batch_made_on_another(three: list[LiveServer], tmp_path: Path) -> None:
+def test_any_replica_answers_for_a_batch_made_on_another(
+    three: list[LiveServer], tmp_path: Path, blobs: _Blobs
+) -> None:
     first, second, third = (_client(server) for server in three)
     path = tmp_path / "input.jsonl"
     path.write_bytes(jsonl(*(chat_line(f"r{i}", f"question {i}") for i in range(2500))))
@@ -129,6 +132,16 @@ def test_any_replica_answers_for_a_batch_made_on_another(three: list[LiveServer]
     # each line committed once (a lease lost under load on a small machine may refuse a late
     # commit, which then counts nowhere: still once)
     assert sum(report["lines_committed"] for report in reports) == 2500, reports
+    # deleted on one replica: gone from all, and its segments from the store
+    store = open_segment_store(blobs.url, blobs.environ)
+    prefix = f"segments/{batch.id}/output/"
+    before = list(store.keys())
+    assert any(key.startswith(prefix) for key in before)
+    first.files.delete(ended["output_file_id"])
+    gone = httpx.get(f"{three[2].api_url}/files/{ended['output_file_id']}/content")
+    assert gone.status_code == 404
+    after = list(store.keys())
+    assert not any(key.startswith(prefix) for key in after)
 
 
 def test_every_replica_shows_every_replicas_work_in_its_pool_status_and_dashboard(

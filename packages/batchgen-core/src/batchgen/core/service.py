@@ -627,7 +627,15 @@ class BatchService:
 
     @_storage_call("delete the file")
     async def delete_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> None:
+        if self.replica is None:
+            await self.parts.files.delete(file_id, caller)
+            return
+        file = await self.parts.files.record(file_id, caller)
         await self.parts.files.delete(file_id, caller)
+        try:  # a shared batch's result file: its segments go too
+            await self.replica.batches.forget(file)
+        except Exception:  # the record is gone: the orphan sweep deletes the segments later
+            logger.warning("the segments of file %s were not deleted now", file_id, exc_info=True)
 
     @_storage_call("read the file")
     async def file_content(self, file_id: str, *, caller: Caller = EMBEDDED) -> tuple[Path, int]:

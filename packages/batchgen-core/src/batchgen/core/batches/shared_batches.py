@@ -29,7 +29,8 @@ needs:
   every replica.
 
 A result file of a shared batch has no file of its own: its ``path`` names the batch's committed
-segments of one kind (``segment_path``), which a reader reads through the segment store.
+segments of one kind (``segment_path``), which a reader reads through the segment store; once the
+file is deleted, ``forget`` takes those segments out of the manifest and the store.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
+import anyio
 import attrs
 
 from batchgen.core.batches.lifecycle import advance
@@ -242,6 +244,15 @@ class SharedBatches:
         if named is None:
             return None
         return SegmentContent.of(self._segments, await self._ledger.segments(*named))
+
+    async def forget(self, file: FileObject) -> int:
+        """After a shared batch's result file was deleted: its segments out of the manifest and
+        out of the store (what this fails to delete, the orphan sweep collects); how many went."""
+        named = segments_of(file.path)
+        if named is None:
+            return 0
+        keys = await self._ledger.forget_segments(*named)
+        return await anyio.to_thread.run_sync(self._segments.collect, keys)
 
     async def sized(self, file: FileObject) -> FileObject:
         """The file with its size now: a shared batch's result file, as many bytes as are

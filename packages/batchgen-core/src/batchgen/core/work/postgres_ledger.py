@@ -528,6 +528,15 @@ class PostgresShardLedger:
             for b, k, shard, seq, epoch, key, size, lines in rows
         ]
 
+    async def forget_segments(self, batch_id: str, kind: str) -> list[str]:
+        """Take a batch's committed segments of one ``kind`` out of the manifest (its result file
+        was deleted); their object keys, for the caller to delete from the store."""
+        rows = await self._rows(
+            "DELETE FROM batch_segments WHERE batch_id = %(batch)s AND kind = %(kind)s RETURNING object_key",
+            {"batch": batch_id, "kind": kind},
+        )
+        return sorted(key for (key,) in rows)
+
     async def committed_keys(self) -> set[str]:
         """Every object key the manifest lists (what segment collection must keep)."""
         return {key for (key,) in await self._rows("SELECT object_key FROM batch_segments")}
