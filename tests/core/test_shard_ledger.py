@@ -562,3 +562,29 @@ async def test_tenants_take_turns_before_their_batches_do(postgres_url: str) -> 
         assert set(claimed) == {"batch_a0", "batch_a1", "batch_a2", "batch_b"}
     finally:
         await ledger.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("heavy", "light", "claims", "expected"), [(3.0, 1.0, 8, 6), (2.0, 1.0, 9, 6), (1.0, 1.0, 8, 4)]
+)
+async def test_a_tenants_weight_is_its_share_of_the_claims(
+    postgres_url: str, heavy: float, light: float, claims: int, expected: int
+) -> None:
+    """Two tenants with one batch each: claimed one at a time, the shards go in proportion to the
+    tenants' weights (leases / weight decides whose turn it is), across every replica's claims."""
+    ledger = await _ledger(postgres_url)
+    try:
+        await ledger.add_batch("batch_heavy", 200, shard_lines=10, tenant="heavy", weight=heavy)
+        await ledger.add_batch("batch_light", 200, shard_lines=10, tenant="light", weight=light)
+        claimed = [
+            lease.batch_id
+            for n in range(claims)
+            for lease in await ledger.claim(f"replica-{n % 3}", 1, HOUR_S)
+        ]
+        assert claimed.count("batch_heavy") == expected, claimed
+        assert claimed.count("batch_light") == claims - expected
+        with pytest.raises(ValueError, match="weight"):
+            await ledger.add_batch("batch_free", 10, tenant="x", weight=0)
+    finally:
+        await ledger.close()

@@ -836,7 +836,9 @@ class BatchService:
             tenant_active=caller.limits.max_active_batches,
         )
         try:
-            shared = await replica.batches.share(batch, idempotency=entry, limits=limits)
+            shared = await replica.batches.share(
+                batch, idempotency=entry, limits=limits, weight=caller.limits.weight
+            )
         except GlobalIntakeFull as exc:
             raise IntakeFull(f"{exc} Retry later.", retry_after_s=SHARED_INTAKE_RETRY_AFTER_S) from None
         log_created(shared)

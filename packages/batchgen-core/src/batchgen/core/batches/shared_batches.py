@@ -129,14 +129,20 @@ class SharedBatches:
         *,
         idempotency: IdempotencyRecord | None = None,
         limits: IntakeLimits | None = None,
+        weight: float = 1.0,
     ) -> Batch:
         """Admit a new batch (``validating``, its ``request_counts.total`` its lines) and record
         it ``in_progress`` with its output file (and ``idempotency``, its key, in the same step):
         ``IntakeFull`` when it does not fit now. ``limits`` replace the ones given at start for
-        this batch (its tenant's own)."""
+        this batch (its tenant's own); ``weight`` is its tenant's share weight in the claims."""
         lines = batch.request_counts.total
         await self._ledger.add_batch(
-            batch.id, lines, self._shard_lines, tenant=batch.owner, limits=limits or self._limits
+            batch.id,
+            lines,
+            self._shard_lines,
+            tenant=batch.owner,
+            limits=limits or self._limits,
+            weight=weight,
         )
         output = self._result_file(batch, OUTPUT)
         started = attrs.evolve(advance(batch, BatchStatus.IN_PROGRESS, now=now()), output_file_id=output.id)

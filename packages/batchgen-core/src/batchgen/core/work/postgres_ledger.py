@@ -19,7 +19,8 @@ Rules the SQL keeps, whatever the replicas do:
 - A claim takes shards that are pending or whose lease has run out, ``FOR UPDATE SKIP LOCKED``,
   so two claimers never get one shard; it raises the shard's epoch. Tenants take turns, and a
   tenant's batches take turns: the next shard goes to the tenant whose running batches hold the
-  fewest live leases, and of its batches to the one holding the fewest (then the older batch).
+  fewest live leases for its weight (leases / weight: a tenant of weight 2 gets two shards to
+  another's one), and of its batches to the one holding the fewest (then the older batch).
   A small batch behind a huge one gets its shards at once and finishes first, and one tenant's
   many batches do not crowd out another's one.
 - A commit is one short transaction, fenced: it counts only while the committing lease is the
@@ -94,6 +95,7 @@ CREATE TABLE IF NOT EXISTS batch_work (
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'default';
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS ended_at timestamptz;
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS stop_reason text;
+ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS weight float8 NOT NULL DEFAULT 1 CHECK (weight > 0);
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS prompt_tokens bigint NOT NULL DEFAULT 0;
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS completion_tokens bigint NOT NULL DEFAULT 0;
 ALTER TABLE batch_work ADD COLUMN IF NOT EXISTS prefix_cached_tokens bigint NOT NULL DEFAULT 0;
@@ -141,7 +143,7 @@ WITH live AS (
     SELECT batch_id, count(*) FILTER (WHERE {_LIVE}) AS leased
     FROM batch_shards WHERE state <> 'done' GROUP BY batch_id
 ), tenant_live AS (
-    SELECT w.tenant, sum(live.leased) AS leased
+    SELECT w.tenant, sum(live.leased) AS leased, max(w.weight) AS weight
     FROM live JOIN batch_work w USING (batch_id) WHERE w.status = 'running' GROUP BY w.tenant
 ), ranked AS (
     SELECT s.batch_id, s.shard_no, w.created_no, w.tenant,
@@ -150,9 +152,9 @@ WITH live AS (
     WHERE w.status = 'running' AND {_CLAIMABLE}
 ), tenant_ranked AS (
     SELECT r.batch_id, r.shard_no, r.created_no, r.turn,
-           tenant_live.leased
-             + row_number() OVER (PARTITION BY r.tenant ORDER BY r.turn, r.created_no, r.shard_no)
-             AS tenant_turn
+           (tenant_live.leased
+             + row_number() OVER (PARTITION BY r.tenant ORDER BY r.turn, r.created_no, r.shard_no))
+             / tenant_live.weight AS tenant_turn
     FROM ranked r JOIN tenant_live USING (tenant)
 ), picked AS (
     SELECT s.batch_id, s.shard_no FROM batch_shards s JOIN tenant_ranked r USING (batch_id, shard_no)
@@ -288,13 +290,17 @@ class PostgresShardLedger:
         *,
         tenant: str = DEFAULT_TENANT,
         limits: IntakeLimits | None = None,
+        weight: float = 1.0,
     ) -> bool:
         """Share a batch of ``line_count`` lines of ``tenant``, cut into shards; False if it is
         there already (a second replica starting the same batch changes nothing).
 
         With ``limits``, the batch is admitted only if it fits what every replica together
         holds (``intake``), decided under one lock in the database: ``IntakeFull`` (nothing
-        recorded) when it does not fit now."""
+        recorded) when it does not fit now. ``weight`` is the tenant's share weight: a tenant of
+        weight 2 holds twice the leases of one of weight 1 while both have work."""
+        if not weight > 0:
+            raise ValueError(f"a tenant's weight is more than 0, not {weight!r}")
         shards = plan_shards(line_count, shard_lines)
         async with self._pool.connection() as conn, conn.transaction():
             if limits is not None:
@@ -308,9 +314,9 @@ class PostgresShardLedger:
                 if refused is not None:
                     raise IntakeFull(*refused, held)
             cursor = await conn.execute(
-                "INSERT INTO batch_work (batch_id, line_count, tenant) VALUES (%s, %s, %s) "
+                "INSERT INTO batch_work (batch_id, line_count, tenant, weight) VALUES (%s, %s, %s, %s) "
                 "ON CONFLICT (batch_id) DO NOTHING RETURNING batch_id",
-                (batch_id, line_count, tenant),
+                (batch_id, line_count, tenant, weight),
             )
             if await cursor.fetchone() is None:
                 return False
