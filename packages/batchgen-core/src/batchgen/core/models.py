@@ -353,11 +353,9 @@ class PoolStatus:
     replicas: tuple[dict[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        figures = attrs.asdict(self)
+        figures = attrs.asdict(self)  # copies of the replicas' reports too
         if self.replicas is None:
             del figures["replicas"]
-        else:
-            figures["replicas"] = [dict(report) for report in self.replicas]
         return figures
 
 

@@ -627,11 +627,9 @@ class BatchService:
 
     @_storage_call("delete the file")
     async def delete_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> None:
+        file = await self.parts.files.delete(file_id, caller)
         if self.replica is None:
-            await self.parts.files.delete(file_id, caller)
             return
-        file = await self.parts.files.record(file_id, caller)
-        await self.parts.files.delete(file_id, caller)
         try:  # a shared batch's result file: its segments go too
             await self.replica.batches.forget(file)
         except Exception:  # the record is gone: the orphan sweep deletes the segments later

@@ -139,6 +139,11 @@ def _finished_at(batch: dict[str, Any]) -> int | None:
     return None
 
 
+def _cells(cells: list[tuple[str, str]]) -> str:
+    """A table row's cells, each labelled for the narrow layout (where rows become cards)."""
+    return "".join(f'<td data-label="{label}">{content}</td>' for label, content in cells)
+
+
 def batch_rows(snapshot: Snapshot) -> str:
     """The batch table's rows, as the script draws them (it redraws them at once, in local time)."""
     if snapshot.batches is None:
@@ -172,7 +177,7 @@ def batch_rows(snapshot: Snapshot) -> str:
             ("Created", _clock(batch.get("created_at"))),
             ("Finished", _clock(_finished_at(batch))),
         ]
-        tds = "".join(f'<td data-label="{label}">{content}</td>' for label, content in cells)
+        tds = _cells(cells)
         at_risk = ' data-at-risk="true"' if batch.get("at_risk") is True else ""
         rows.append(
             f'<tr data-batch-id="{html.escape(batch["id"])}" data-status="{html.escape(batch["status"])}"'
@@ -200,6 +205,6 @@ def replica_rows(pool: dict[str, Any] | None) -> str:
             ("Commits refused", _n(report.get("commits_refused", 0))),
             ("Reported", f"{float(report.get('seen_s_ago', 0)):.0f}s ago"),
         ]
-        tds = "".join(f'<td data-label="{label}">{content}</td>' for label, content in cells)
+        tds = _cells(cells)
         rows.append(f'<tr data-replica-id="{html.escape(str(report.get("id", "")))}">{tds}</tr>')
     return "".join(rows)

@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlsplit
 
 import attrs
 
+from batchgen.core.storage.s3_objects import check_s3_url
 from batchgen.core.work.shards import DEFAULT_LEASE_S, MAX_LEASE_S
 
 __all__ = ["SharedStorage", "shared_folder"]
@@ -56,11 +57,7 @@ def shared_folder(blob_url: str) -> Path | None:
     any other URL."""
     parts = urlsplit(blob_url)
     if parts.scheme == "s3":
-        if not parts.hostname or parts.username or parts.password:
-            raise ValueError(
-                "an s3:// blob URL is s3://BUCKET/PREFIX?endpoint=...&region=..., with the credentials "
-                "in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, not in the URL"
-            )
+        check_s3_url(blob_url)  # the object store's own rules, without importing its client
         return None
     if parts.scheme != "file" or parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
         raise ValueError(

@@ -294,7 +294,8 @@ class FileCatalogue:
         )
         return [self._with_live_size(file) for file in files], has_more
 
-    async def delete(self, file_id: str, caller: Caller = EMBEDDED) -> None:
+    async def delete(self, file_id: str, caller: Caller = EMBEDDED) -> FileObject:
+        """Delete the file's record and contents; the record it was."""
         file = await self.record(file_id, caller)
         user = self._in_use(await self._calls(self._metadata.batches_using_file, file_id))
         if user is not None:
@@ -304,6 +305,7 @@ class FileCatalogue:
             )
         await self._calls(self._metadata.delete_file, file_id)
         await self._discard(file.path)
+        return file
 
     async def content(self, file_id: str, caller: Caller = EMBEDDED) -> DiskContent:
         """The file's bytes on disk, as many as there are now (an output file keeps growing)."""

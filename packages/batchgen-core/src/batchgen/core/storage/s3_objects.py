@@ -1,6 +1,7 @@
 """S3 locations: an ``s3://BUCKET/PREFIX?endpoint=...&region=...`` URL made into an obstore client.
 
-``open_s3_store(url)`` checks the URL and gives an ``S3Store`` rooted at the URL's prefix, with
+``check_s3_url(url)`` checks a URL without importing the client; ``open_s3_store(url)`` checks it
+and gives an ``S3Store`` rooted at the URL's prefix, with
 bounded retries and timeouts, and a description for logs and reprs. ``endpoint`` names a store
 other than AWS (``http://`` is allowed for one on a private network), ``region`` defaults to
 ``us-east-1``; the credentials come from ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` (and
@@ -23,7 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 if TYPE_CHECKING:
     from obstore.store import S3Config, S3Store
 
-__all__ = ["MAX_S3_URL", "RETRY_TIMEOUT", "open_s3_store"]
+__all__ = ["MAX_S3_URL", "RETRY_TIMEOUT", "check_s3_url", "open_s3_store"]
 
 #: A failed request is retried for at most this long before the call fails (and its caller reports
 #: itself unhealthy and tries again later): long enough to ride out a blip, short enough that an
@@ -34,11 +35,42 @@ MAX_S3_URL = 2048
 _QUERY_KEYS = frozenset({"endpoint", "region"})
 
 
+def check_s3_url(url: str) -> None:
+    """ValueError saying what is wrong with ``url`` if it is not an ``s3://`` URL the store
+    would take; nothing is imported or connected."""
+    _parse(url)
+
+
 def open_s3_store(url: str, environ: Mapping[str, str] | None = None) -> tuple[S3Store, str]:
     """The store an ``s3://`` URL names, rooted at its prefix, and its description
     (``s3://bucket/prefix``); ValueError saying what is wrong with any other URL. Credentials
     come from ``environ`` (by default the process's environment)."""
     environ = os.environ if environ is None else environ
+    bucket, prefix, config, allow_http = _parse(url)
+    if environ.get("AWS_ACCESS_KEY_ID"):
+        config["access_key_id"] = environ["AWS_ACCESS_KEY_ID"]
+    if environ.get("AWS_SECRET_ACCESS_KEY"):
+        config["secret_access_key"] = environ["AWS_SECRET_ACCESS_KEY"]
+    if environ.get("AWS_SESSION_TOKEN"):
+        config["session_token"] = environ["AWS_SESSION_TOKEN"]
+    from obstore.store import S3Store  # the s3 extra, imported only when an s3:// URL is given
+
+    store = S3Store(
+        bucket,
+        prefix=prefix,
+        config=config,
+        retry_config={"max_retries": 3, "retry_timeout": RETRY_TIMEOUT},
+        client_options={
+            "allow_http": allow_http,
+            "timeout": timedelta(seconds=30),
+            "connect_timeout": timedelta(seconds=5),
+        },
+    )
+    return store, f"s3://{bucket}/{prefix or ''}"
+
+
+def _parse(url: str) -> tuple[str, str | None, S3Config, bool]:
+    """The bucket, the prefix, the client settings and whether plain ``http://`` is allowed."""
     if len(url) > MAX_S3_URL:
         raise ValueError(f"an s3:// URL is at most {MAX_S3_URL} characters")
     parts = urlsplit(url)
@@ -62,24 +94,4 @@ def open_s3_store(url: str, environ: Mapping[str, str] | None = None) -> tuple[S
         config["endpoint"] = endpoint
         allow_http = scheme == "http"
         config["virtual_hosted_style_request"] = False
-    if environ.get("AWS_ACCESS_KEY_ID"):
-        config["access_key_id"] = environ["AWS_ACCESS_KEY_ID"]
-    if environ.get("AWS_SECRET_ACCESS_KEY"):
-        config["secret_access_key"] = environ["AWS_SECRET_ACCESS_KEY"]
-    if environ.get("AWS_SESSION_TOKEN"):
-        config["session_token"] = environ["AWS_SESSION_TOKEN"]
-    from obstore.store import S3Store  # the s3 extra, imported only when an s3:// URL is given
-
-    prefix = parts.path.strip("/") or None
-    store = S3Store(
-        parts.hostname,
-        prefix=prefix,
-        config=config,
-        retry_config={"max_retries": 3, "retry_timeout": RETRY_TIMEOUT},
-        client_options={
-            "allow_http": allow_http,
-            "timeout": timedelta(seconds=30),
-            "connect_timeout": timedelta(seconds=5),
-        },
-    )
-    return store, f"s3://{parts.hostname}/{prefix or ''}"
+    return parts.hostname, parts.path.strip("/") or None, config, allow_http
