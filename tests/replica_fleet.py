@@ -1,6 +1,6 @@
 """Real ``batchgen-server`` replicas for the failure tests, and what those tests check of them.
 
-``Fleet`` starts replicas by name on one PostgreSQL database and one blob store (a shared folder
+``Fleet`` (``running_fleet``: started, and stopped at the end) starts replicas by name on one PostgreSQL database and one blob store (a shared folder
 or an S3 prefix), the simulated backend at ``latency_s`` a request and ``slots`` lines each, and
 kills, restarts and reports on them. ``SegmentHashes`` watches a batch's committed segments from
 outside (the manifest in PostgreSQL, the objects in the store), hashing each one when it first
@@ -18,6 +18,8 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,20 @@ class Fleet:
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()
+
+
+@contextmanager
+def running_fleet(
+    url: str, root: Path, blobs: Blobs, *, lease_s: float, names: tuple[str, ...] = ("a", "b", "c")
+) -> Iterator[Fleet]:
+    """A fleet with the replicas ``names`` started, stopped at the end whatever happened."""
+    fleet = Fleet(url, root, blobs, lease_s=lease_s)
+    try:
+        for name in names:
+            fleet.start(name)
+        yield fleet
+    finally:
+        fleet.stop()
 
 
 def report(server: LiveServer) -> dict[str, Any]:

@@ -35,31 +35,19 @@ from tests.replica_fleet import (
     ended,
     every_line_once,
     report,
+    running_fleet,
 )
-from tests.seaweedfs import SeaweedServer
 
 pytestmark = pytest.mark.live
 
 LEASE_S = 3.0
 
 
-@pytest.fixture(params=["folder", "s3"])
-def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> Blobs:
-    if request.param == "folder":
-        return Blobs(f"file://{tmp_path / 'shared'}")
-    seaweed: SeaweedServer = request.getfixturevalue("seaweed_server")
-    return Blobs(seaweed.url(f"failures-{time.time_ns()}"), seaweed.environ)
-
-
 @pytest.fixture
 def fleet(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[Fleet]:
-    replicas = Fleet(postgres_url, tmp_path, blobs, lease_s=LEASE_S)
-    try:
-        for name in ("a", "b", "c"):
-            replicas.start(name)
+    """Three replicas over ``blobs`` (a shared folder, then S3: ``tests/server/conftest.py``)."""
+    with running_fleet(postgres_url, tmp_path, blobs, lease_s=LEASE_S) as replicas:
         yield replicas
-    finally:
-        replicas.stop()
 
 
 def test_replicas_killed_three_times_and_two_at_once_lose_no_line_and_double_none(

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,7 @@ from tests.replica_fleet import (
     downloads_grow,
     ended,
     every_line_once,
+    running_fleet,
 )
 from tests.seaweedfs import SeaweedServer
 
@@ -52,13 +54,9 @@ def store() -> Iterator[SeaweedServer]:
 
 @pytest.fixture
 def fleet(postgres_url: str, tmp_path: Path, store: SeaweedServer) -> Iterator[Fleet]:
-    replicas = Fleet(postgres_url, tmp_path, Blobs(store.url("outages"), store.environ), lease_s=LEASE_S)
-    try:
-        for name in ("a", "b", "c"):
-            replicas.start(name)
+    blobs = Blobs(store.url("outages"), store.environ)
+    with running_fleet(postgres_url, tmp_path, blobs, lease_s=LEASE_S) as replicas:
         yield replicas
-    finally:
-        replicas.stop()
 
 
 class _Unhealthy:
@@ -100,6 +98,14 @@ def _outage(
     return watch.said
 
 
+def _finished_exactly_once(fleet: Fleet, batch: dict[str, Any], hashes: SegmentHashes) -> None:
+    """After an outage, the batch ended with every line once, every segment hashed during the
+    run unchanged, and every replica healthy again."""
+    every_line_once(fleet, batch, LINES, "r")
+    assert hashes.unchanged() >= LINES // 512
+    assert all(health["status"] != "unhealthy" for health in fleet.health().values())
+
+
 def test_a_postgres_crash_mid_batch_is_reported_then_ridden_out_exactly_once(
     fleet: Fleet, postgres_server: PostgresServer, tmp_path: Path
 ) -> None:
@@ -112,9 +118,7 @@ def test_a_postgres_crash_mid_batch_is_reported_then_ridden_out_exactly_once(
         said = _outage(fleet, 2 * LEASE_S, postgres_server.crash, postgres_server.resume, lambda: None)
         assert set(said) == set(fleet.servers), f"not every replica said it was unhealthy: {said}"
         batch = ended(fleet, batch_id, seen, 180)
-    every_line_once(fleet, batch, LINES, "r")
-    assert hashes.unchanged() >= LINES // 512
-    assert all(health["status"] != "unhealthy" for health in fleet.health().values())
+    _finished_exactly_once(fleet, batch, hashes)
 
 
 def test_an_object_store_down_for_10_s_mid_batch_is_reported_then_ridden_out_exactly_once(
@@ -138,6 +142,4 @@ def test_an_object_store_down_for_10_s_mid_batch_is_reported_then_ridden_out_exa
         assert 503 in answers, answers  # the committed bytes are in the store that is down
         assert set(said) == set(fleet.servers), f"not every replica said it was unhealthy: {said}"
         batch = ended(fleet, batch_id, seen, 180)
-    every_line_once(fleet, batch, LINES, "r")
-    assert hashes.unchanged() >= LINES // 512
-    assert all(health["status"] != "unhealthy" for health in fleet.health().values())
+    _finished_exactly_once(fleet, batch, hashes)

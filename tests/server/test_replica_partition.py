@@ -21,7 +21,7 @@ import pytest
 from tests.live import LiveServer, start_server
 from tests.netns import Namespace
 from tests.postgres import PostgresServer
-from tests.replica_fleet import Blobs, Fleet, create, ended, every_line_once, report
+from tests.replica_fleet import Blobs, create, ended, every_line_once, report, running_fleet
 
 pytestmark = pytest.mark.live
 
@@ -59,10 +59,8 @@ def test_a_replica_cut_off_from_postgres_past_its_lease_loses_its_shards_and_no_
     namespace: Namespace, database: PostgresServer, tmp_path: Path
 ) -> None:
     url = database.new_database()
-    fleet = Fleet(url, tmp_path, Blobs(f"file://{tmp_path / 'shared'}"), lease_s=LEASE_S)
-    try:
-        fleet.start("a")
-        fleet.start("b")
+    blobs = Blobs(f"file://{tmp_path / 'shared'}")
+    with running_fleet(url, tmp_path, blobs, lease_s=LEASE_S, names=("a", "b")) as fleet:
         inside_url = database.url(url.rsplit("/", 1)[1], host=namespace.host_ip)
         cut: LiveServer = start_server(
             tmp_path / "cut",
@@ -102,5 +100,3 @@ def test_a_replica_cut_off_from_postgres_past_its_lease_loses_its_shards_and_no_
         reports = {name: report(server) for name, server in fleet.servers.items()}
         assert reports["cut"]["leases_lost"] >= 1, reports["cut"]
         assert sum(r["lines_committed"] for r in reports.values()) == LINES
-    finally:
-        fleet.stop()

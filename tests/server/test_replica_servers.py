@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
 import httpx
 import pytest
 from openai import OpenAI
@@ -35,29 +34,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchgen.core.work.segment_store import open_segment_store
 from tests.helpers import chat_line, jsonl
 from tests.live import LiveServer, start_server
-from tests.seaweedfs import SeaweedServer
+from tests.replica_fleet import Blobs
 from tests.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.live
 
 
-@attrs.frozen
-class _Blobs:
-    """Where the replicas of one test keep file contents: a shared folder, or an S3 prefix."""
-
-    url: str
-    environ: dict[str, str]
-
-
-@pytest.fixture(params=["folder", "s3"])
-def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> _Blobs:
-    if request.param == "folder":
-        return _Blobs(f"file://{tmp_path / 'shared'}", {})
-    seaweed: SeaweedServer = request.getfixturevalue("seaweed_server")
-    return _Blobs(seaweed.url(f"servers-{time.time_ns()}"), seaweed.environ)
-
-
-def _replica(tmp_path: Path, url: str, blobs: _Blobs, name: str, *flags: str) -> LiveServer:
+def _replica(tmp_path: Path, url: str, blobs: Blobs, name: str, *flags: str) -> LiveServer:
     return start_server(
         tmp_path / name,
         "--metadata-url",
@@ -74,7 +57,7 @@ def _replica(tmp_path: Path, url: str, blobs: _Blobs, name: str, *flags: str) ->
 
 
 @pytest.fixture
-def three(postgres_url: str, tmp_path: Path, blobs: _Blobs) -> Iterator[list[LiveServer]]:
+def three(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[LiveServer]]:
     servers: list[LiveServer] = []
     try:
         for name in ("a", "b", "c"):
@@ -100,7 +83,7 @@ def _wait_ended(client: OpenAI, batch_id: str, timeout_s: float) -> dict:
 
 
 def test_any_replica_answers_for_a_batch_made_on_another(
-    three: list[LiveServer], tmp_path: Path, blobs: _Blobs
+    three: list[LiveServer], tmp_path: Path, blobs: Blobs
 ) -> None:
     first, second, third = (_client(server) for server in three)
     path = tmp_path / "input.jsonl"
@@ -186,7 +169,7 @@ def test_a_replicas_metrics_are_its_own_and_documented(three: list[LiveServer]) 
 
 
 def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
-    postgres_url: str, tmp_path: Path, blobs: _Blobs
+    postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
     servers = [
         _replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02") for name in ("a", "b")
@@ -222,7 +205,7 @@ def test_a_shared_batchs_ending_is_sent_once_as_a_webhook_whichever_replica_ends
 ) -> None:
     """Two replicas with one webhook URL: a completed batch and a cancelled one each give one
     event (one ``webhook-id``, sent by whichever replica's sender got it), naming the batch."""
-    blobs = _Blobs(f"file://{tmp_path / 'shared'}", {})
+    blobs = Blobs(f"file://{tmp_path / 'shared'}")
     with WebhookReceiver() as receiver:
         flags = ("--webhook-url", receiver.url, "--simulated-latency-s", "0.01")
         servers = [_replica(tmp_path, postgres_url, blobs, name, *flags) for name in ("a", "b")]
