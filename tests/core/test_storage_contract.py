@@ -656,19 +656,19 @@ def test_a_write_under_another_process_lock_is_a_storage_fault_and_works_after(
         store.close()
 
 
-def test_a_retry_batch_and_its_new_input_file_are_recorded_together_or_not_at_all(
+def test_a_retry_batch_and_its_new_files_are_recorded_together_or_not_at_all(
     metadata: MetadataStore,
 ) -> None:
     metadata.insert_batch(_batch("batch_first"))
     retry = attrs.evolve(_batch("batch_retry", input_file_id="file-retry"), retry_of="batch_first")
-    metadata.insert_batch(retry, input_file=_file("file-retry"))
+    metadata.insert_batch(retry, files=(_file("file-retry"),))
     assert metadata.get_file("file-retry") == _file("file-retry")
     assert metadata.get_batch("batch_retry") == retry
     assert metadata.retries_of(["batch_first", "batch_retry"]) == {"batch_first": ("batch_retry",)}
     again = attrs.evolve(_batch("batch_retry", input_file_id="file-other"), retry_of="batch_first")
     with pytest.raises(Exception):  # noqa: B017 - the batch id exists: neither row is written
-        metadata.insert_batch(again, input_file=_file("file-other"))
-    assert metadata.get_file("file-other") is None
+        metadata.insert_batch(again, files=(_file("file-other"), _file("file-other-output")))
+    assert metadata.get_file("file-other") is None and metadata.get_file("file-other-output") is None
     second = attrs.evolve(_batch("batch_second", input_file_id="file-retry"), retry_of="batch_retry")
     metadata.insert_batch(second)
     assert metadata.retry_family("batch_first") == ["batch_first", "batch_retry", "batch_second"]

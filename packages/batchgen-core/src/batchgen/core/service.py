@@ -769,7 +769,7 @@ class BatchService:
                         param="input_file_id",
                     )
             self._check_tenant_limits(caller, file.line_count)
-            served = self._model_of_file(file, endpoint)
+            served = self._model_of_file(file, endpoint, await self._local_path(file))
             fits_ever = file.line_count <= self.intake_pool.capacity
             if self.replica is None and fits_ever and file.line_count > self.intake_pool.free:
                 raise IntakeFull(
@@ -797,7 +797,7 @@ class BatchService:
             )
             entry = parts.ledger.entry(idempotency_key, "batch", call, created, caller.tenant)
             if self.replica is not None:  # admitted against what every replica holds, and shared
-                return await self._share(self.replica, batch, entry, caller)
+                return await self._share(self.replica, batch, entry, caller, new_input)
             # Admission is atomic: the batch's places are held from now until the starter queues it
             # (or it ends first), so every batch answered here is queued in full. A batch larger than
             # the whole pool holds nothing; the starter fails it with capacity_exceeded.
@@ -810,7 +810,7 @@ class BatchService:
                     self.metadata.insert_batch,
                     batch,
                     idempotency=entry,
-                    input_file=new_input,
+                    files=() if new_input is None else (new_input,),
                 )
             except BaseException:
                 self.intake_pool.release(batch.id)
@@ -821,10 +821,16 @@ class BatchService:
             return active.snapshot()
 
     async def _share(
-        self, replica: ReplicaWork, batch: Batch, entry: IdempotencyRecord | None, caller: Caller
+        self,
+        replica: ReplicaWork,
+        batch: Batch,
+        entry: IdempotencyRecord | None,
+        caller: Caller,
+        new_input: FileObject | None,
     ) -> Batch:
         """Hand a new batch to every replica (``SharedBatches.share``), admitted against what all
-        of them hold: the intake, and the tenant's queued requests and running batches."""
+        of them hold: the intake, and the tenant's queued requests and running batches. A retry's
+        ``new_input`` is recorded with it."""
         from batchgen.core.work.intake import IntakeFull as GlobalIntakeFull
         from batchgen.core.work.intake import IntakeLimits
 
@@ -835,7 +841,7 @@ class BatchService:
         )
         try:
             shared = await replica.batches.share(
-                batch, idempotency=entry, limits=limits, weight=caller.limits.weight
+                batch, idempotency=entry, limits=limits, weight=caller.limits.weight, new_input=new_input
             )
         except GlobalIntakeFull as exc:
             raise IntakeFull(f"{exc} Retry later.", retry_after_s=SHARED_INTAKE_RETRY_AFTER_S) from None
@@ -872,11 +878,24 @@ class BatchService:
                     ),
                 )
 
-    def _model_of_file(self, file: FileObject, endpoint: str) -> ServedModel:
-        """The model a batch over ``file`` runs on; InvalidRequest if it cannot serve ``endpoint``
-        (the models changed since the upload), ServiceUnavailable while it is unhealthy."""
+    async def _local_path(self, file: FileObject) -> str:
+        """A local path holding a stored file's bytes: its own, or, for a replica whose files
+        live in an object store, its copy (fetched from the store when it has none). A file
+        whose bytes are gone gives its recorded path (reading it then fails as it would)."""
+        if self.replica is None:
+            return file.path
+        with storage_faults_as_errors("read the input file"):
+            try:
+                return os.fspath(await anyio.to_thread.run_sync(self.blobs.readable, file.path))
+            except FileNotFoundError:
+                return file.path
+
+    def _model_of_file(self, file: FileObject, endpoint: str, path: str) -> ServedModel:
+        """The model a batch over ``file`` (its bytes at ``path``) runs on; InvalidRequest if it
+        cannot serve ``endpoint`` (the models changed since the upload), ServiceUnavailable while
+        it is unhealthy."""
         try:
-            served = self.model_set.route(first_line_model(file.path)).model
+            served = self.model_set.route(first_line_model(path)).model
         except (InvalidRequest, OSError) as exc:
             message = exc.message if isinstance(exc, InvalidRequest) else str(exc)
             raise InvalidRequest(f"Line 1 of file '{file.id}': {message}", param="input_file_id") from None
@@ -939,7 +958,6 @@ class BatchService:
         caller: Caller = EMBEDDED,
     ) -> Batch:
         """A new batch over the lines of an ended batch that did not succeed (``batches.retry``)."""
-        self._refuse_when_shared("Retrying a batch")
         return await self.retries.retry(
             batch_id, request or RetryRequest(), idempotency_key=idempotency_key, caller=caller
         )
@@ -948,15 +966,7 @@ class BatchService:
     async def merged_results(self, batch_id: str, *, caller: Caller = EMBEDDED) -> FamilyIndex:
         """The best result so far of every request of a batch and its retries (``result_merge``);
         the caller reads it (``merged_chunks``, in a worker thread) and closes it."""
-        self._refuse_when_shared("Merged results")
         return (await self.retries.index(batch_id, caller))[1]
-
-    def _refuse_when_shared(self, what: str) -> None:
-        """InvalidRequest for a call that works on one process's result files only."""
-        if self.replica is not None:
-            raise InvalidRequest(
-                f"{what} is not available yet when several replicas share the work (--metadata-url)."
-            )
 
     @_storage_call("cancel the batch")
     async def cancel_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:

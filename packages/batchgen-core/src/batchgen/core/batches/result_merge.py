@@ -90,8 +90,11 @@ def _complete_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 class FamilyIndex:
     """The ranking of one family's result lines, on disk; use as a context manager (or ``close``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, scratch: Sequence[Path] = ()) -> None:
+        """A new index in a database at ``path``; ``scratch`` are files it owns (local copies of
+        result files held elsewhere), deleted with it."""
         self._path = path
+        self._scratch = tuple(scratch)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         for pragma in ("journal_mode=OFF", "synchronous=OFF", f"cache_size=-{_CACHE_KIB}"):
             self._db.execute(f"PRAGMA {pragma}")
@@ -103,13 +106,16 @@ class FamilyIndex:
         self._sources: list[Path] = []
 
     @classmethod
-    def build(cls, path: Path, input_path: Path, result_files: Sequence[Path]) -> FamilyIndex:
+    def build(
+        cls, path: Path, input_path: Path, result_files: Sequence[Path], scratch: Sequence[Path] = ()
+    ) -> FamilyIndex:
         """Index the input file at ``input_path`` and the family's ``result_files`` (each batch's
-        output then error file, the batches oldest first), in a new database at ``path``.
+        output then error file, the batches oldest first), in a new database at ``path``; the
+        ``scratch`` files go when the index does, built or not.
 
         A slow call (it reads every file once): run it in a worker thread.
         """
-        index = cls(path)
+        index = cls(path, scratch)
         try:
             index._add_input(input_path)
             for result_file in result_files:
@@ -203,10 +209,11 @@ class FamilyIndex:
                 os.close(fd)
 
     def close(self) -> None:
-        """Close the index and delete its file."""
+        """Close the index and delete its file and its scratch files."""
         self._db.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path)
+        for owned in (self._path, *self._scratch):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(owned)
 
     def __enter__(self) -> FamilyIndex:
         return self

@@ -12,6 +12,13 @@ on the batch and the call (same key, same call: the same retry batch). The new i
 record, the batch's row and the key are written in one transaction, so a crash leaves either a
 whole retry batch (its input file, its row, its key) or none of them.
 
+Replicas sharing a store retry shared batches the same way: a family member's result files are
+its committed segments, read into local copies that the index owns and deletes; the input file is
+read through this replica's copy of it (an object store's); the new input file is put in the blob
+store before its record is made with the batch's; and retries are made one at a time across the
+replicas as well as within each (a lock every replica sees, ``SharedLocks``), so two replicas never
+both retry the same lines.
+
 Refused: a batch that has not ended, or one of whose retries has not (409 ``batch_not_final``);
 one with nothing of the asked outcomes left (409 ``nothing_to_retry``); one whose input file, or
 a family member's result file, is gone (409 ``results_missing``).
@@ -19,8 +26,10 @@ a family member's result file, is gone (409 ``results_missing``).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +37,14 @@ import anyio
 import attrs
 
 from batchgen.core.batches.result_merge import FamilyIndex, Outcome
-from batchgen.core.errors import Conflict, InvalidRequest
+from batchgen.core.errors import Conflict, InvalidRequest, ServiceUnavailable
 from batchgen.core.files.batch_file import validate_batch_file
+from batchgen.core.files.content import FileContent
 from batchgen.core.idempotency import fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import Batch, BatchParameters, FileObject
+from batchgen.core.storage.faults import storage_faults_as_errors
+from batchgen.core.storage.interfaces import SharedLocks
 from batchgen.core.tenancy import EMBEDDED, Caller
 
 if TYPE_CHECKING:
@@ -40,6 +52,11 @@ if TYPE_CHECKING:
 
 __all__ = ["OUTCOMES", "BatchRetries", "RetryRequest", "with_retries"]
 
+#: The lock every replica sharing a store takes to make a retry, how long one waits for it, and
+#: how often it asks.
+RETRIES_LOCK = "batchgen:retries"
+SHARED_TURN_WAIT_S = 30.0
+SHARED_TURN_POLL_S = 0.05
 #: The outcomes a retry may ask for, by their API names.
 OUTCOMES: dict[str, Outcome] = {"failed": Outcome.FAILED, "not_run": Outcome.NOT_RUN}
 #: The batch-level fields a retry may set; those it leaves out are the original batch's.
@@ -114,36 +131,68 @@ class BatchRetries:
 
     async def index(self, batch_id: str, caller: Caller = EMBEDDED) -> tuple[list[Batch], FamilyIndex]:
         """The family of ``batch_id`` and its index (the caller closes it)."""
+        members, index, _input = await self._indexed(batch_id, caller)
+        return members, index
+
+    async def _indexed(self, batch_id: str, caller: Caller) -> tuple[list[Batch], FamilyIndex, Path]:
+        """The family of ``batch_id``, its index, and a local path to the batch's input file.
+
+        A shared batch's result files are held in committed segments, read into local copies
+        that the index owns (``FamilyIndex``'s scratch files); an input file kept in an object
+        store is read through this replica's copy of it (``BlobStore.readable``)."""
         service = self._service
         members = await self.family(batch_id, caller)
         root = members[0]
         calls = service.parts.calls
         input_file = await calls(service.metadata.get_file, root.input_file_id)
-        if input_file is None:
+        input_path = None if input_file is None else await self._readable(input_file)
+        if input_path is None:
             raise _conflict(
                 f"The input file '{root.input_file_id}' of batch '{root.id}' was deleted, so its "
                 "results cannot be matched to its requests.",
                 "results_missing",
             )
         result_files: list[Path] = []
-        for member in members:
-            for file_id, path in (
-                (member.output_file_id, service.blobs.output_path(member.id)),
-                (member.error_file_id, service.blobs.error_path(member.id)),
-            ):
-                if file_id is not None and await calls(service.metadata.get_file, file_id) is None:
-                    raise _conflict(
-                        f"The result file '{file_id}' of batch '{member.id}' was deleted or has expired, "
-                        "so the results it held are gone.",
-                        "results_missing",
-                    )
-                if file_id is not None:
+        copies: list[Path] = []
+        try:
+            for member in members:
+                for file_id, path in (
+                    (member.output_file_id, service.blobs.output_path(member.id)),
+                    (member.error_file_id, service.blobs.error_path(member.id)),
+                ):
+                    if file_id is None:
+                        continue
+                    if await calls(service.metadata.get_file, file_id) is None:
+                        raise _conflict(
+                            f"The result file '{file_id}' of batch '{member.id}' was deleted or has "
+                            "expired, so the results it held are gone.",
+                            "results_missing",
+                        )
+                    if service.replica is not None:  # committed segments: read into a local copy
+                        path = self._new_copy_path(copies)
+                        await _copy_content(await service.file_bytes(file_id), path)
                     result_files.append(path)
-        staging = service.blobs.new_staging_path()
-        index = await anyio.to_thread.run_sync(
-            FamilyIndex.build, staging, Path(input_file.path), result_files
-        )
-        return members, index
+            staging = service.blobs.new_staging_path()
+            index = await anyio.to_thread.run_sync(
+                FamilyIndex.build, staging, input_path, result_files, copies
+            )
+        except BaseException:
+            _delete(copies)
+            raise
+        return members, index, input_path
+
+    def _new_copy_path(self, copies: list[Path]) -> Path:
+        copies.append(self._service.blobs.new_staging_path())
+        return copies[-1]
+
+    async def _readable(self, file: FileObject) -> Path | None:
+        """A local path holding the stored file's bytes (fetched from an object store when this
+        replica has no copy), or None when they are gone."""
+        with storage_faults_as_errors("read the input file"):
+            try:
+                return Path(await anyio.to_thread.run_sync(self._service.blobs.readable, file.path))
+            except FileNotFoundError:
+                return None
 
     async def retry(
         self,
@@ -155,8 +204,29 @@ class BatchRetries:
     ) -> Batch:
         """A new batch over the lines of ``batch_id`` whose outcome so far is one of
         ``request.outcomes`` (see the module's docstring)."""
-        async with self._lock:
+        async with self._lock, self._every_replicas_turn():
             return await self._retry(batch_id, request, idempotency_key, caller)
+
+    @contextlib.asynccontextmanager
+    async def _every_replicas_turn(self) -> AsyncIterator[None]:
+        """With a store replicas share, their retries are made one at a time too: this waits
+        (up to ``SHARED_TURN_WAIT_S``, then ServiceUnavailable) for the lock they all see."""
+        store, calls = self._service.metadata, self._service.parts.calls
+        if not isinstance(store, SharedLocks):
+            yield
+            return
+        deadline = time.monotonic() + SHARED_TURN_WAIT_S
+        while (release := await calls(store.try_lock, RETRIES_LOCK)) is None:
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(
+                    "Another replica has been making a retry for too long; try again.", retry_after_s=1
+                )
+            await anyio.sleep(SHARED_TURN_POLL_S)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(release)
 
     async def _retry(
         self, batch_id: str, request: RetryRequest, idempotency_key: str | None, caller: Caller
@@ -174,7 +244,7 @@ class BatchRetries:
                 "(completed, failed, expired or cancelled) can be retried.",
                 "batch_not_final",
             )
-        members, index = await self.index(batch_id, caller)
+        members, index, input_path = await self._indexed(batch_id, caller)
         with index:
             running = [member for member in members[1:] if not member.status.is_terminal]
             if running:
@@ -194,7 +264,6 @@ class BatchRetries:
                     f"{' and '.join(sorted(request.outcomes))}.",
                     "nothing_to_retry",
                 )
-            input_path = Path((await service.get_file(original.input_file_id)).path)
             staging = service.blobs.new_staging_path()
             try:
                 await anyio.to_thread.run_sync(_copy_lines, input_path, index.input_spans(wanted), staging)
@@ -228,7 +297,7 @@ class BatchRetries:
             with anyio.CancelScope(shield=True):  # a cancelled call cleans up too
                 # no batch was made: nor its input
                 if await service.parts.calls(service.metadata.get_file, new_input.id) is None:
-                    service.blobs.remove(new_input.path)
+                    await anyio.to_thread.run_sync(service.blobs.remove, new_input.path)
             raise
 
     async def _placed_input(self, staging: Path, filename: str, owner: Caller) -> FileObject:
@@ -242,6 +311,13 @@ class BatchRetries:
             os.replace(staging, path)
         except BaseException:
             service.blobs.remove(staging)
+            raise
+        try:  # every replica can read it before its record exists (an object store's put)
+            with storage_faults_as_errors("store the retry's input file"):
+                await anyio.to_thread.run_sync(service.blobs.publish, path)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(service.blobs.remove, path)
             raise
         return service.parts.files.file_record(
             file_id=file_id,
@@ -264,6 +340,19 @@ def _settings_of(batch: Batch) -> dict[str, Any]:
         "output_order": batch.output_order,
         **batch.parameters.to_dict(),
     }
+
+
+async def _copy_content(content: FileContent, target: Path) -> None:
+    """Write all of ``content`` (a shared batch's committed segments) to ``target``."""
+    async with await anyio.open_file(target, "wb") as writer:
+        async for chunk in await content.open(0, content.size):
+            await writer.write(chunk)
+
+
+def _delete(paths: Iterable[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _copy_lines(source: Path, spans: Iterable[tuple[int, int]], target: Path) -> None:

@@ -130,11 +130,13 @@ class SharedBatches:
         idempotency: IdempotencyRecord | None = None,
         limits: IntakeLimits | None = None,
         weight: float = 1.0,
+        new_input: FileObject | None = None,
     ) -> Batch:
         """Admit a new batch (``validating``, its ``request_counts.total`` its lines) and record
-        it ``in_progress`` with its output file (and ``idempotency``, its key, in the same step):
-        ``IntakeFull`` when it does not fit now. ``limits`` replace the ones given at start for
-        this batch (its tenant's own); ``weight`` is its tenant's share weight in the claims."""
+        it ``in_progress`` with its output file (and ``idempotency``, its key, and a retry's
+        ``new_input`` file, in the same step): ``IntakeFull`` when it does not fit now. ``limits``
+        replace the ones given at start for this batch (its tenant's own); ``weight`` is its
+        tenant's share weight in the claims."""
         lines = batch.request_counts.total
         await self._ledger.add_batch(
             batch.id,
@@ -146,10 +148,9 @@ class SharedBatches:
         )
         output = self._result_file(batch, OUTPUT)
         started = attrs.evolve(advance(batch, BatchStatus.IN_PROGRESS, now=now()), output_file_id=output.id)
-        try:  # the batch's row and its output file's in one step: both or neither
-            await self._calls(
-                self._metadata.insert_batch, started, idempotency=idempotency, input_file=output
-            )
+        files = (output,) if new_input is None else (new_input, output)
+        try:  # the batch's row and its files' in one step: all or none
+            await self._calls(self._metadata.insert_batch, started, idempotency=idempotency, files=files)
         except BaseException:
             try:
                 await self._ledger.cancel(batch.id)

@@ -14,7 +14,7 @@ waits on one of its API paths.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -87,11 +87,11 @@ class MetadataStore(Protocol):
         batch: Batch,
         *,
         idempotency: IdempotencyRecord | None = None,
-        input_file: FileObject | None = None,
+        files: Sequence[FileObject] = (),
     ) -> None:
         """Record a new batch; its id must not exist yet. With ``idempotency``, as ``insert_file``.
-        With ``input_file`` (a retry's new input, a shared batch's output file), that file's
-        record is made in the same step."""
+        The records of ``files`` (a retry's new input, a shared batch's output file) are made in
+        the same step."""
 
     def save_batch(self, batch: Batch, *, outbox: Sequence[OutboxMessage] = ()) -> None:
         """Overwrite a recorded batch with this state, and add the ``outbox`` messages (its webhook
@@ -136,6 +136,14 @@ class MetadataStore(Protocol):
 
     def usage(self, owner: str | None = None) -> list[TenantUsage]:
         """Per owner (or for ``owner`` only): batches, finished requests and tokens, as saved."""
+
+
+@runtime_checkable
+class SharedLocks(Protocol):
+    """A metadata store several replicas share offers named locks that all of them see."""
+
+    def try_lock(self, name: str) -> Callable[[], None] | None:
+        """Take the lock ``name`` if no replica holds it: the function that lets it go, or None."""
 
 
 @runtime_checkable

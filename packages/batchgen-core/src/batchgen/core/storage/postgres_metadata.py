@@ -25,7 +25,7 @@ same row layout (``storage.metadata_rows``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -205,6 +205,30 @@ class PostgresMetadataStore:
     def close(self) -> None:
         self._pool.close()
 
+    def try_lock(self, name: str) -> Callable[[], None] | None:
+        """The lock ``name``, one for every replica on this database, if none holds it now: the
+        function that lets it go; None while another holds it. The lock is a session's advisory
+        lock, on a connection kept for it and closed to let it go, so a holder that dies (or
+        whose connection breaks) lets it go too, and it never outlives its holder in the pool."""
+        connection = self._pool.getconn()
+        try:
+            row = connection.execute(
+                "SELECT pg_try_advisory_lock(hashtextextended(%s, 0)) AS taken", [name]
+            ).fetchone()
+        except BaseException:
+            connection.close()
+            self._pool.putconn(connection)
+            raise
+        if row is None or not row["taken"]:
+            self._pool.putconn(connection)
+            return None
+
+        def release() -> None:
+            connection.close()  # the session ends: its lock with it
+            self._pool.putconn(connection)
+
+        return release
+
     @contextmanager
     def _transaction(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
         """One connection of the pool for one transaction: committed at the end of the block,
@@ -344,12 +368,12 @@ class PostgresMetadataStore:
         batch: Batch,
         *,
         idempotency: IdempotencyRecord | None = None,
-        input_file: FileObject | None = None,
+        files: Sequence[FileObject] = (),
     ) -> None:
         row = batch_to_row(batch)
         with self._transaction() as connection:
-            if input_file is not None:
-                self._insert_file(connection, input_file)
+            for file in files:
+                self._insert_file(connection, file)
             connection.execute(_INSERT_BATCH, [row[name] for name in ("id", *_BATCH_FIELDS)])
             self._put_key(connection, idempotency, batch.id)
 

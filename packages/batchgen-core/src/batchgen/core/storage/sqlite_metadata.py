@@ -208,11 +208,11 @@ class SQLiteMetadataStore:
         batch: Batch,
         *,
         idempotency: IdempotencyRecord | None = None,
-        input_file: FileObject | None = None,
+        files: Sequence[FileObject] = (),
     ) -> None:
         with self._db.atomic():
-            if input_file is not None:  # in the same transaction (a nested block is a savepoint)
-                self.insert_file(input_file)
+            for file in files:  # in the same transaction (a nested block is a savepoint)
+                self.insert_file(file)
             self._batches.insert({"seq": self._next_seq("batches"), **batch_to_row(batch)})
             self._put_key(idempotency, batch.id)
 
