@@ -255,7 +255,7 @@ async def test_a_batch_past_its_window_ends_the_same_on_every_replica_with_its_l
         late = await replicas.views[0].share(_new_batch(f"batch_late_{openai}", 2000))  # its window is past
         task = asyncio.create_task(runner.run())
         await _until_committed(ledger, late.id, 50)
-        await asyncio.gather(*(view.expire_due() for view in replicas.views))
+        await asyncio.gather(*(view.end_due() for view in replicas.views))
         await asyncio.sleep(1.0)
         runner.stop()
         await task
@@ -269,7 +269,7 @@ async def test_a_batch_past_its_window_ends_the_same_on_every_replica_with_its_l
             assert "timed out" in ended[0].error.message and f"{committed} of 2000" in ended[0].error.message
         cancelled_first = await replicas.views[1].share(_new_batch(f"batch_both_{openai}", 10))
         await replicas.views[1].cancel(cancelled_first)  # then its window runs out too: it stays cancelled
-        await replicas.views[0].expire_due()
+        await replicas.views[0].end_due()
         assert (await replicas.views[0].view(cancelled_first)).status is BatchStatus.CANCELLED
     finally:
         replicas.close()

@@ -236,6 +236,37 @@ def test_a_shared_batchs_ending_is_sent_once_as_a_webhook_whichever_replica_ends
     )
 
 
+def test_a_shared_batch_nobody_polls_still_ends_on_record_and_sends_its_webhook(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """No call asks about the batch after its creation: its ending is saved all the same (its
+    webhook arrives, and its input file is at once free to run again and to delete)."""
+    blobs = Blobs(f"file://{tmp_path / 'shared'}")
+    with WebhookReceiver() as receiver:
+        flags = ("--webhook-url", receiver.url, "--simulated-latency-s", "0.01")
+        servers = [_replica(tmp_path, postgres_url, blobs, name, *flags) for name in ("a", "b")]
+        try:
+            first, second = (_client(server) for server in servers)
+            path = tmp_path / "input.jsonl"
+            path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(700))))
+            uploaded = first.files.create(file=path.open("rb"), purpose="batch")
+            batch = first.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            delivered = receiver.wait_for_deliveries(1, timeout_s=30)
+            event = delivered[0].event()
+            assert (event["type"], event["data"]["id"]) == ("batch.completed", batch.id)
+            again = second.batches.create(  # the first batch is recorded ended: the file is free
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            second.batches.cancel(again.id)
+            assert _wait_ended(first, again.id, 30)["status"] == "cancelled"
+            assert second.files.delete(uploaded.id).deleted
+        finally:
+            for server in servers:
+                server.stop()
+
+
 def _keys(*arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "batchgen.server.cli", "keys", *arguments],

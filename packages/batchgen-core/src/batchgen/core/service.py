@@ -409,7 +409,7 @@ class BatchService:
         self.replica, self._replica_done = replica, anyio.Event()
         self._spawn(self._run_replica, replica)
         self.maintenance.add(
-            "expire shared batches", self.settings.maintenance_interval_s, replica.batches.expire_due
+            "end shared batches", self.settings.maintenance_interval_s, replica.batches.end_due
         )
 
     async def _run_replica(self, replica: ReplicaWork) -> None:

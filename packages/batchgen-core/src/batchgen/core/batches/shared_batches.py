@@ -22,11 +22,13 @@ needs:
   message per target however many replicas save the ending (any replica's sender delivers it).
 - ``cancel(batch)``: the work stopped on every replica (each runner drops the batch's shards within
   its watch interval) and the batch ended ``cancelled`` with the lines committed by then.
-- ``expire_due()``: the running batches past their completion window stopped the same way, and
+- ``end_due()``: the running batches past their completion window stopped the same way, and
   ended ``failed`` with ``batch_failed`` saying it timed out (the user guide), or ``expired``
   (OpenAI's convention), the lines committed by then kept. The ledger keeps why a batch was
   stopped (the first stop wins), so a cancel and an expiry at the same moment end it one way on
-  every replica.
+  every replica. It also saves the ending of every batch whose work ended since, so a batch
+  nobody polls still ends on record, its webhook is sent, and its input file is free to delete
+  or to run again.
 
 A result file of a shared batch has no file of its own: its ``path`` names the batch's committed
 segments of one kind (``segment_path``), which a reader reads through the segment store; once the
@@ -187,12 +189,18 @@ class SharedBatches:
         await self._ledger.cancel(batch.id, CANCELLED_BY_CALLER)
         return await self.view(batch)
 
-    async def expire_due(self) -> None:
-        """End the running batches past their completion window (any replica may; see the module)."""
+    async def end_due(self) -> None:
+        """Stop the running batches past their completion window, and save the ending of every
+        batch whose work has ended but whose record does not say so yet (any replica may; see the
+        module): an ending is saved, with its webhook event, whether or not anyone asks."""
         moment = now()
-        for batch in await self._calls(self._metadata.active_batches):
+        active = await self._calls(self._metadata.active_batches)
+        for batch in active:
             if batch.expires_at <= moment:
                 await self._ledger.cancel(batch.id, EXPIRED_WINDOW)
+        ended = await self._ledger.stopped([batch.id for batch in active])
+        for batch in active:
+            if batch.id in ended:
                 await self.view(batch)
 
     async def _ended(self, batch: Batch, work: BatchWork, ended_at: float) -> Batch:
