@@ -32,7 +32,12 @@ needs:
 
 A result file of a shared batch has no file of its own: its ``path`` names the batch's committed
 segments of one kind (``segment_path``), which a reader reads through the segment store; once the
-file is deleted, ``forget`` takes those segments out of the manifest and the store.
+file is deleted, ``forget`` takes those segments out of the manifest and the store. They are read
+in commit order, except once a batch with ``output_order: "input"`` has ended ``completed`` or
+``cancelled`` (as the ledger says, so on every replica at the same moment, whether or not its
+ending is saved yet): then in input order (``work.ordered_segments``), as a single process
+rewrites such a batch's files; one that ran out of its window keeps commit order, as there. The
+committed bytes never change, and the size is the same either way.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import anyio
 import attrs
 
 from batchgen.core.batches.lifecycle import advance
+from batchgen.core.batches.output_order import INPUT
 from batchgen.core.clock import now
 from batchgen.core.files.content import SegmentContent
 from batchgen.core.models import (
@@ -253,12 +259,26 @@ class SharedBatches:
         )
 
     async def content(self, file: FileObject) -> SegmentContent | None:
-        """A shared batch's result file's committed bytes (a running batch's keep growing); None
-        for a file that is not one."""
+        """A shared batch's result file's committed bytes (a running batch's keep growing), in
+        the order the module says; None for a file that is not one."""
         named = segments_of(file.path)
         if named is None:
             return None
-        return SegmentContent.of(self._segments, await self._ledger.segments(*named))
+        batch_id, kind = named
+        # the ledger's state first: a batch seen ended commits nothing more, so the manifest
+        # read after it is the whole of it
+        in_input_order = await self._ended_in_input_order(batch_id)
+        segments = await self._ledger.segments(batch_id, kind)
+        return SegmentContent.of(self._segments, segments, in_input_order=in_input_order)
+
+    async def _ended_in_input_order(self, batch_id: str) -> bool:
+        """Whether the batch's result files read in input order now: it asked for that and its
+        work ended by finishing or by a cancel (not by running out of its window)."""
+        work = await self._ledger.batch(batch_id)
+        if work is None or work.status == "running" or work.stop_reason == EXPIRED_WINDOW:
+            return False
+        batch = await self._calls(self._metadata.get_batch, batch_id)
+        return batch is not None and batch.output_order == INPUT
 
     async def forget(self, file: FileObject) -> int:
         """After a shared batch's result file was deleted: its segments out of the manifest and
@@ -271,6 +291,8 @@ class SharedBatches:
 
     async def sized(self, file: FileObject) -> FileObject:
         """The file with its size now: a shared batch's result file, as many bytes as are
-        committed; any other file as recorded."""
-        content = await self.content(file)
-        return file if content is None else attrs.evolve(file, bytes=content.size)
+        committed (in either order: the same lines); any other file as recorded."""
+        named = segments_of(file.path)
+        if named is None:
+            return file
+        return attrs.evolve(file, bytes=self._segments.size(await self._ledger.segments(*named)))

@@ -7,10 +7,11 @@ and hands them over in chunks as they are read.
 
 - ``DiskContent``: an uploaded file, or a single process's result file, read from its path.
 - ``SegmentContent``: a shared batch's result file, the committed segments of one kind read
-  through the segment store (``work.segment_store``), in commit order; the manifest is taken when
-  the content is asked for, so the bytes a reader is told about never move. The first piece is
-  read by ``open``: a store that is down is a ``StorageUnavailable`` (503) before the response
-  starts, not a response cut off at its first byte.
+  through the segment store (``work.segment_store``), in commit order, or, once a batch that asked
+  for input order has ended, in input-line order (``work.ordered_segments``; the same size); the
+  manifest is taken when the content is asked for, so the bytes a reader is told about never
+  move. The first piece is read by ``open``: a store that is down is a ``StorageUnavailable``
+  (503) before the response starts, not a response cut off at its first byte.
 
 Reads run in worker threads: a large file, or a segment on a slow shared mount, never holds the
 event loop.
@@ -27,6 +28,7 @@ import attrs
 
 from batchgen.core.errors import NotFound
 from batchgen.core.storage.faults import storage_faults_as_errors
+from batchgen.core.work.ordered_segments import InputOrder
 from batchgen.core.work.segment_store import SegmentStore
 from batchgen.core.work.shards import Segment
 
@@ -79,20 +81,25 @@ async def _chunks_of(stream: anyio.AsyncFile[bytes], length: int) -> AsyncIterat
 
 @attrs.frozen
 class SegmentContent:
-    """A shared batch's result file: its committed ``segments`` of one kind, in commit order."""
+    """A shared batch's result file: its committed ``segments`` of one kind, in commit order, or
+    in input order when ``input_order`` lays them out so."""
 
     store: SegmentStore
     segments: Sequence[Segment]
     size: int
+    input_order: InputOrder | None = None
 
     @classmethod
-    def of(cls, store: SegmentStore, segments: Sequence[Segment]) -> SegmentContent:
-        return cls(store, tuple(segments), store.size(segments))
+    def of(
+        cls, store: SegmentStore, segments: Sequence[Segment], *, in_input_order: bool = False
+    ) -> SegmentContent:
+        segments = tuple(segments)
+        return cls(store, segments, store.size(segments), InputOrder.of(segments) if in_input_order else None)
 
     async def open(self, start: int, stop: int) -> AsyncIterator[bytes]:
         """The bytes ``start`` .. ``stop``, the first piece read already: a store that cannot be
         read now raises ``StorageUnavailable`` here, before a response has begun."""
-        pieces = self.store.read(self.segments, start, stop)  # a generator: nothing is read yet
+        pieces = self._pieces(start, stop)  # a generator: nothing is read yet
         try:
             with storage_faults_as_errors("read the file"):
                 first = await anyio.to_thread.run_sync(next, pieces, _DONE)
@@ -100,6 +107,11 @@ class SegmentContent:
             _close(pieces)
             raise
         return _chunks_from(first, pieces)
+
+    def _pieces(self, start: int, stop: int) -> Iterator[bytes]:
+        if self.input_order is None:
+            return self.store.read(self.segments, start, stop)
+        return self.input_order.read(self.store, start, stop)
 
 
 #: What ``next`` gives for a generator that has no more pieces.

@@ -13,6 +13,9 @@ lock. Replicas (a service with ``ServiceSettings.shared``) instead share a ledge
                       committed bytes by range, orphans; ``open_segment_store(url)``.
 ``segment_files``     ``SegmentFiles``: segments as files on a filesystem every replica mounts.
 ``s3_segments``       ``S3Segments``: segments as objects in an S3-compatible store (obstore).
+``ordered_segments``  ``InputOrder``: a batch's committed segments read in input-line order (a
+                      shard at a time, sorted by the manifest's line numbers), for batches that
+                      asked for it.
 ``shard_slots``       ``ShardSlots``: the lines a replica runs at once, shared fairly by the
                       shards it holds (a free slot goes to the one with the fewest running).
 ``shard_runner``      ``ShardRunner``: one replica's loop: claim (and take over what dead
