@@ -173,20 +173,31 @@ async def test_a_cancel_on_one_replica_ends_the_batch_cancelled_on_both(
         replicas.close()
 
 
+@pytest.mark.parametrize("ending", ["completed", "cancelled", "expired"])
 @pytest.mark.anyio
-async def test_error_lines_kept_apart_get_one_error_file_however_many_replicas_end_the_batch(
-    postgres_url: str, ledger: PostgresShardLedger, tmp_path: Path
+async def test_error_lines_kept_apart_get_one_error_file_however_the_batch_ends_and_whoever_ends_it(
+    postgres_url: str, ledger: PostgresShardLedger, tmp_path: Path, ending: str
 ) -> None:
+    """As in one process, a batch with error lines kept apart has its error file whether it
+    completed, was cancelled or ran out of its window."""
     segments = SegmentFiles(tmp_path)
     replicas = _Replicas(postgres_url, ledger, segments, openai_convention=True)
-    runner = _runner(ledger, segments)
+    runner = _runner(ledger, segments, line_s=0.0 if ending == "completed" else 0.01)
     try:
-        batch = await replicas.views[0].share(_new_batch("batch_errors", 100))
+        lines = 100 if ending == "completed" else 2000
+        batch = await replicas.views[0].share(_new_batch(f"batch_errors_{ending}", lines))
         task = asyncio.create_task(runner.run())
+        if ending != "completed":
+            await _until_committed(ledger, batch.id, 50)
+            if ending == "cancelled":
+                await replicas.views[1].cancel(batch)
+            else:  # its window is long past
+                await replicas.views[1].end_due()
         ended = await asyncio.gather(*(_until_ended(view, batch) for view in replicas.views))
         runner.stop()
         await task
-        assert ended[0] == ended[1] and ended[0].error_file_id == result_file_id(batch.id, ERRORS)
+        assert ended[0] == ended[1] and ended[0].status.value == ending
+        assert ended[0].error_file_id == result_file_id(batch.id, ERRORS)
         files, _ = replicas.stores[0].list_files(after=None, limit=100, descending=False, purpose=None)
         assert sorted(file.id for file in files) == sorted(
             [result_file_id(batch.id, kind) for kind in (OUTPUT, ERRORS)]

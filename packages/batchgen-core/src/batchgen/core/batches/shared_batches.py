@@ -211,6 +211,10 @@ class SharedBatches:
 
     async def _ended(self, batch: Batch, work: BatchWork, ended_at: float) -> Batch:
         moment = int(ended_at)
+        if self._openai_convention and work.failed:  # error lines apart, however the batch ended
+            errors = self._result_file(batch, ERRORS)
+            await self._record_once(errors)
+            batch = attrs.evolve(batch, error_file_id=errors.id)
         if work.status == "cancelled" and work.stop_reason == EXPIRED_WINDOW:
             if self._openai_convention:
                 return advance(batch, BatchStatus.EXPIRED, now=moment)
@@ -227,10 +231,6 @@ class SharedBatches:
             if batch.status is not BatchStatus.CANCELLING:
                 batch = advance(batch, BatchStatus.CANCELLING, now=moment)
             return advance(batch, BatchStatus.CANCELLED, now=moment)
-        if self._openai_convention and work.failed:  # error lines apart
-            errors = self._result_file(batch, ERRORS)
-            await self._record_once(errors)
-            batch = attrs.evolve(batch, error_file_id=errors.id)
         return advance(advance(batch, BatchStatus.FINALIZING, now=moment), BatchStatus.COMPLETED, now=moment)
 
     async def _record_once(self, file: FileObject) -> None:
