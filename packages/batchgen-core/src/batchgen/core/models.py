@@ -8,6 +8,7 @@ exactly the same objects.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -368,3 +369,77 @@ class Health:
         if self.healthy:
             return {"status": "healthy"}
         return {"status": "unhealthy", "reason": self.reason}
+
+
+# --- the Uploads API's records (``files.chunked_uploads``, ``files.shared_uploads``) ---------
+PENDING, COMPLETING, COMPLETED, CANCELLED, EXPIRED = (
+    "pending",
+    "completing",
+    "completed",
+    "cancelled",
+    "expired",
+)
+#: The statuses whose parts count towards the tenant's stored bytes.
+HOLDING_PARTS = (PENDING, COMPLETING)
+ENDED = (COMPLETED, CANCELLED, EXPIRED)
+
+
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _numbers(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class Upload:
+    """An upload's record. ``order``, ``sizes``, ``file_id``, ``line_count`` and ``url`` are set
+    once it is ``completing`` (validated, being assembled)."""
+
+    id: str
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: str
+    mime_type: str
+    owner: str
+    status: str = PENDING
+    ended_at: int | None = None
+    order: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    sizes: tuple[int, ...] = attrs.field(default=(), converter=_numbers)
+    skip_bom: bool = False
+    file_id: str | None = None
+    line_count: int = 0
+    url: str | None = None
+
+    def to_dict(self, file: FileObject | None = None) -> dict[str, Any]:
+        """The Upload object of OpenAI's API (``completing`` is still ``pending`` there)."""
+        return {
+            "id": self.id,
+            "object": "upload",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": PENDING if self.status == COMPLETING else self.status,
+            "file": None if file is None else file.to_dict(),
+        }
+
+
+@attrs.frozen
+class UploadPart:
+    id: str
+    created_at: int
+    upload_id: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "upload.part",
+            "created_at": self.created_at,
+            "upload_id": self.upload_id,
+        }

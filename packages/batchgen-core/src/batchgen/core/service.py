@@ -253,17 +253,39 @@ class _Parts:
             served_models=service.model_set,
         )
         files = self.files
-        self.uploads = ChunkedUploads(
-            service.settings.storage_path / "uploads",
-            max_upload_bytes=settings.max_chunked_upload_bytes,
-            expiry_s=settings.upload_expiry_s,
-            served_models=service.model_set,
-            register_file=files.register,
-            file_record=files.file_of,
-            new_file=files.file_record,
-            final_path=service.blobs.upload_path,
-            stored_bytes=files.stored_bytes,
-        )
+        self.uploads: ChunkedUploads | SharedUploads
+        if settings.shared is not None:  # any replica serves any call of an upload
+            from batchgen.core.files.shared_uploads import SharedUploads
+            from batchgen.core.storage.postgres_metadata import PostgresMetadataStore
+            from batchgen.core.storage.upload_part_blobs import open_part_blobs
+
+            assert isinstance(metadata, PostgresMetadataStore)
+            self.uploads = SharedUploads(
+                metadata.upload_records(),
+                open_part_blobs(settings.shared.blob_url),
+                service.blobs,
+                self.calls,
+                max_upload_bytes=settings.max_chunked_upload_bytes,
+                expiry_s=settings.upload_expiry_s,
+                served_models=service.model_set,
+                file_record=files.file_of,
+                new_file=files.file_record,
+            )
+            service.maintenance.add(
+                "expire uploads", settings.maintenance_interval_s, self.uploads.expire_pending
+            )
+        else:
+            self.uploads = ChunkedUploads(
+                service.settings.storage_path / "uploads",
+                max_upload_bytes=settings.max_chunked_upload_bytes,
+                expiry_s=settings.upload_expiry_s,
+                served_models=service.model_set,
+                register_file=files.register,
+                file_record=files.file_of,
+                new_file=files.file_record,
+                final_path=service.blobs.upload_path,
+                stored_bytes=files.stored_bytes,
+            )
         self.starter = BatchStarter(
             self.tracker,
             self.files,
@@ -559,9 +581,10 @@ class BatchService:
             expires_after_s=expires_after_s,
             idempotency_key=idempotency_key,
             caller=caller,
+            max_stored_bytes=caller.limits.max_stored_bytes,  # checked again with the insert, by replicas
         )
 
-    # --- the Uploads API (chunked_uploads) ------------------------------------------------
+    # --- the Uploads API (chunked_uploads, or shared_uploads for replicas) ----------------
     @_storage_call("create the upload")
     async def create_upload(
         self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
@@ -576,7 +599,7 @@ class BatchService:
         """Where to receive a part of the upload (``open()`` it, write the part's bytes, close it),
         and the part's id; pass it to ``add_upload_part``, or to ``drop_upload_part`` when receiving
         failed."""
-        return self.parts.uploads.new_part(upload_id, caller)
+        return await self.parts.uploads.new_part(upload_id, caller)
 
     def drop_upload_part(self, upload_id: str, destination: PartDestination) -> None:
         """Forget a part whose receiving failed (its bytes are deleted)."""
@@ -601,7 +624,7 @@ class BatchService:
 
     @_storage_call("read the upload")
     async def get_upload(self, upload_id: str, *, caller: Caller = EMBEDDED) -> Upload:
-        return self.parts.uploads.get(upload_id, caller)
+        return await self.parts.uploads.get(upload_id, caller)
 
     @_storage_call("read the file's record")
     async def get_file(self, file_id: str, *, caller: Caller = EMBEDDED) -> FileObject:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import attrs
 
-from batchgen.core.storage.s3_objects import check_s3_url
+from batchgen.core.storage.blob_urls import shared_folder
 from batchgen.core.work.shards import DEFAULT_LEASE_S, MAX_LEASE_S
 
 __all__ = ["SharedStorage", "shared_folder"]
@@ -50,20 +50,6 @@ def _check_replica_id(_instance: object, _attribute: object, replica_id: str) ->
 def _check_lease(_instance: object, _attribute: object, lease_s: float) -> None:
     if not 0 < lease_s <= MAX_LEASE_S:
         raise ValueError(f"a lease lasts more than 0 and at most {MAX_LEASE_S:g} seconds, not {lease_s!r}")
-
-
-def shared_folder(blob_url: str) -> Path | None:
-    """The folder a ``file:///folder`` blob URL names, None for an ``s3://`` one; ValueError for
-    any other URL."""
-    parts = urlsplit(blob_url)
-    if parts.scheme == "s3":
-        check_s3_url(blob_url)  # the object store's own rules, without importing its client
-        return None
-    if parts.scheme != "file" or parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-        raise ValueError(
-            f"a blob URL is file:///absolute/folder or s3://BUCKET/PREFIX?endpoint=..., not {blob_url!r}"
-        )
-    return Path(unquote(parts.path))
 
 
 @attrs.frozen

@@ -21,12 +21,14 @@ from batchgen.core.clock import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.files.batch_file import LineRouter, validate_batch_file
 from batchgen.core.files.content import DiskContent
+from batchgen.core.files.upload_rules import quota_exceeded
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import OUTPUT_PURPOSE, UPLOAD_PURPOSES, Batch, FileObject
 from batchgen.core.storage import BlobStore, MetadataStore
 from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.storage.metadata_calls import MetadataCalls
+from batchgen.core.storage.stored_bytes import QuotaCheckedFileInserts, StoredBytesExceeded
 from batchgen.core.tenancy import EMBEDDED, Caller
 
 MAX_FILE_EXPIRY_S = 30 * 86400
@@ -103,9 +105,13 @@ class FileCatalogue:
         expires_after_s: int | None = None,
         idempotency_key: str | None = None,
         caller: Caller = EMBEDDED,
+        max_stored_bytes: int | None = None,
     ) -> FileObject:
         """Validate an upload received into ``staging_path`` and store it as the caller's; the
-        staging file is consumed."""
+        staging file is consumed. With ``max_stored_bytes``, a store shared by replicas records
+        the file only within that limit of the caller's stored bytes, checked in the same step
+        (``storage.stored_bytes``: UploadQuotaExceeded otherwise); a single process's store
+        records it as it is (the service checked the limit before)."""
         try:
             if expires_after_s is not None and not 1 <= expires_after_s <= MAX_FILE_EXPIRY_S:
                 raise InvalidRequest(
@@ -162,11 +168,19 @@ class FileCatalogue:
                     self._blobs.remove(path)
                     return await self.get(earlier)
             # the row and its key in one step: a failure (a full disk) records neither
-            await self._calls(
-                self._metadata.insert_file,
-                file,
-                idempotency=self._ledger.entry(idempotency_key, "file", call, created, caller.tenant),
-            )
+            idempotency = self._ledger.entry(idempotency_key, "file", call, created, caller.tenant)
+            if max_stored_bytes is not None and isinstance(self._metadata, QuotaCheckedFileInserts):
+                try:
+                    await self._calls(
+                        self._metadata.insert_file_within_quota,
+                        file,
+                        max_stored_bytes=max_stored_bytes,
+                        idempotency=idempotency,
+                    )
+                except StoredBytesExceeded as exceeded:
+                    raise quota_exceeded(caller.tenant, exceeded.used, size, exceeded.limit) from None
+            else:
+                await self._calls(self._metadata.insert_file, file, idempotency=idempotency)
         except BaseException:
             await self._discard(path)  # no row points at it: an upload that fails leaves nothing
             raise

@@ -21,6 +21,10 @@ assembled file is in its place, so no half-made file is ever listed or served.
 While parts arrive, they are validated in the order they arrived, in a worker thread
 (``_Speculation``): when ``complete`` names that same order (the SDK sends parts one after another),
 validation is then nearly done; otherwise it runs over the parts in the order named.
+
+This is the single process's way of keeping uploads; replicas sharing a database keep them in it
+(``shared_uploads``). Both take and refuse the same calls: the limits, records and checks are
+``upload_rules``' (and re-exported here).
 """
 
 from __future__ import annotations
@@ -31,10 +35,9 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,7 @@ import anyio
 import attrs
 
 from batchgen.core.clock import now
-from batchgen.core.errors import InvalidRequest, NotFound, PayloadTooLarge
+from batchgen.core.errors import NotFound
 from batchgen.core.files.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.files.streamed_validation import (
     UTF8_BOM,
@@ -50,109 +53,62 @@ from batchgen.core.files.streamed_validation import (
     Segment,
     StreamedValidation,
     segment_chunks,
-    validate_exactly,
 )
 from batchgen.core.files.upload_parts import PartDestination, PartFolder
+from batchgen.core.files.upload_rules import (
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_UPLOAD_EXPIRY_S,
+    ENDED_RECORD_KEEP_S,
+    MAX_NAME_CHARS,
+    MAX_PART_BYTES,
+    MAX_PARTS,
+    UPLOAD_ID,
+    UploadQuotaExceeded,
+    check_completing_order,
+    check_md5,
+    check_new_upload,
+    check_order,
+    check_part_room,
+    quota_exceeded,
+    require_pending,
+    too_many_parts,
+    validate_chunks,
+)
 from batchgen.core.files.upload_validation_worker import ValidationWorker
 from batchgen.core.ids import new_object_id
-from batchgen.core.models import UPLOAD_PURPOSES, FileObject
+from batchgen.core.models import (
+    CANCELLED,
+    COMPLETED,
+    COMPLETING,
+    EXPIRED,
+    HOLDING_PARTS,
+    PENDING,
+    FileObject,
+    Upload,
+    UploadPart,
+)
 from batchgen.core.tenancy import EMBEDDED, Caller
+
+__all__ = [
+    "DEFAULT_MAX_UPLOAD_BYTES",
+    "DEFAULT_UPLOAD_EXPIRY_S",
+    "MAX_NAME_CHARS",
+    "MAX_PARTS",
+    "MAX_PART_BYTES",
+    "ChunkedUploads",
+    "Upload",
+    "UploadPart",
+    "UploadQuotaExceeded",
+]
 
 logger = logging.getLogger("batchgen.uploads")
 
-#: The largest part (OpenAI's limit: 64 MB; the SDK's parts are 64 MiB).
-MAX_PART_BYTES = 64 * 1024 * 1024
 #: The smallest upload validated in a worker process as its parts arrive (``upload_validation_worker``);
 #: a smaller one is validated in a thread of the server (starting a process would cost more).
 WORKER_MIN_BYTES = 64 * 1024 * 1024
-#: The most parts one upload may have.
-MAX_PARTS = 10_000
-#: The default most bytes one upload may declare (OpenAI's: 8 GB), and how long it stays open.
-DEFAULT_MAX_UPLOAD_BYTES = 8 * 1024**3
-DEFAULT_UPLOAD_EXPIRY_S = 3600
-#: Ended uploads' records are kept this long after they ended, so late calls get a clear answer.
-ENDED_RECORD_KEEP_S = 7 * 86400
 #: Seconds between scans for the records of uploads that ended ``ENDED_RECORD_KEEP_S`` ago.
 PRUNE_INTERVAL_S = 3600
-#: The longest filename and mime_type accepted.
-MAX_NAME_CHARS = 1024
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _DIGEST_BYTES = 1 << 24
-
-PENDING, COMPLETING, COMPLETED, CANCELLED, EXPIRED = (
-    "pending",
-    "completing",
-    "completed",
-    "cancelled",
-    "expired",
-)
-
-
-class UploadQuotaExceeded(PayloadTooLarge):
-    """The tenant's ``max_stored_bytes`` would be passed (413)."""
-
-    code = "quota_exceeded"
-
-
-def _strings(values: Iterable[str]) -> tuple[str, ...]:
-    return tuple(values)
-
-
-def _numbers(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(values)
-
-
-@attrs.frozen
-class Upload:
-    """An upload's record. ``order``, ``sizes``, ``file_id``, ``line_count`` and ``url`` are set
-    once it is ``completing`` (validated, being assembled)."""
-
-    id: str
-    bytes: int
-    created_at: int
-    expires_at: int
-    filename: str
-    purpose: str
-    mime_type: str
-    owner: str
-    status: str = PENDING
-    ended_at: int | None = None
-    order: tuple[str, ...] = attrs.field(default=(), converter=_strings)
-    sizes: tuple[int, ...] = attrs.field(default=(), converter=_numbers)
-    skip_bom: bool = False
-    file_id: str | None = None
-    line_count: int = 0
-    url: str | None = None
-
-    def to_dict(self, file: FileObject | None = None) -> dict[str, Any]:
-        """The Upload object of OpenAI's API (``completing`` is still ``pending`` there)."""
-        return {
-            "id": self.id,
-            "object": "upload",
-            "bytes": self.bytes,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "filename": self.filename,
-            "purpose": self.purpose,
-            "status": PENDING if self.status == COMPLETING else self.status,
-            "file": None if file is None else file.to_dict(),
-        }
-
-
-@attrs.frozen
-class UploadPart:
-    id: str
-    created_at: int
-    upload_id: str
-    bytes: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "upload.part",
-            "created_at": self.created_at,
-            "upload_id": self.upload_id,
-        }
 
 
 class _Speculation:
@@ -281,7 +237,7 @@ class ChunkedUploads:
         _write_json(self._folder(upload.id) / "upload.json", attrs.asdict(upload))
 
     def _load(self, upload_id: str) -> Upload | None:
-        if _ID.match(upload_id) is None:
+        if UPLOAD_ID.match(upload_id) is None:
             return None
         try:
             record = json.loads((self._folder(upload_id) / "upload.json").read_text())
@@ -289,7 +245,12 @@ class ChunkedUploads:
             return None
         return Upload(**record)
 
-    def get(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
+    async def get(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
+        """The upload as it stands (expired once past its ``expires_at``); NotFound if the caller
+        may not see it."""
+        return self._current(upload_id, caller)
+
+    def _current(self, upload_id: str, caller: Caller) -> Upload:
         upload = self._load(upload_id)
         if upload is None or not caller.sees(upload.owner):
             raise NotFound(f"No upload with id '{upload_id}'.")
@@ -316,7 +277,7 @@ class ChunkedUploads:
         return sum(
             sum(self.parts(upload.id).values())
             for upload in self.uploads()
-            if upload.owner == tenant and upload.status in (PENDING, COMPLETING)
+            if upload.owner == tenant and upload.status in HOLDING_PARTS
         )
 
     async def check_quota(self, caller: Caller, adding: int) -> None:
@@ -325,29 +286,19 @@ class ChunkedUploads:
             return
         used = await self._stored_bytes(caller.tenant) + self.pending_bytes(caller.tenant)
         if used + adding > limit:
-            raise UploadQuotaExceeded(
-                f"Tenant '{caller.tenant}' holds {used} bytes in files and pending upload parts; "
-                f"{adding} more would pass its limit of {limit} bytes (max_stored_bytes). Delete files "
-                "or cancel uploads, or have an operator raise the limit."
-            )
+            raise quota_exceeded(caller.tenant, used, adding, limit)
 
     # --- the API ---------------------------------------------------------------------------
     async def create(
         self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
     ) -> Upload:
-        if purpose not in UPLOAD_PURPOSES:
-            raise InvalidRequest(
-                f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose"
-            )
-        for name, value in (("filename", filename), ("mime_type", mime_type)):
-            if not value or len(value) > MAX_NAME_CHARS:
-                raise InvalidRequest(f"{name} must be 1 to {MAX_NAME_CHARS} characters", param=name)
-        if not 1 <= size <= self.max_upload_bytes:
-            raise InvalidRequest(
-                f"bytes must be between 1 and {self.max_upload_bytes} (this server's --max-upload-total-bytes), "
-                f"got {size}",
-                param="bytes",
-            )
+        check_new_upload(
+            filename=filename,
+            purpose=purpose,
+            size=size,
+            mime_type=mime_type,
+            max_upload_bytes=self.max_upload_bytes,
+        )
         await self.check_quota(caller, size)
         created = now()
         upload = Upload(
@@ -369,22 +320,13 @@ class ChunkedUploads:
         self._pending_expiry[upload.id] = upload.expires_at
         return upload
 
-    @staticmethod
-    def _pending(upload: Upload, action: str) -> None:
-        if upload.status != PENDING:
-            raise InvalidRequest(
-                f"Upload '{upload.id}' is {upload.status}; {action} only a pending upload",
-                param="upload_id",
-                code=f"upload_{upload.status}",
-            )
-
-    def new_part(self, upload_id: str, caller: Caller = EMBEDDED) -> PartDestination:
+    async def new_part(self, upload_id: str, caller: Caller = EMBEDDED) -> PartDestination:
         """Where to receive a new part of a pending upload (with the part's id): the end of the
         upload's log, unless another part is arriving there; then ``add_part`` or ``drop_part``."""
-        upload = self.get(upload_id, caller)
-        self._pending(upload, "parts can be added to")
+        upload = self._current(upload_id, caller)
+        require_pending(upload, "parts can be added to")
         if len(self.parts(upload_id)) + self._receiving.get(upload_id, 0) >= MAX_PARTS:
-            raise InvalidRequest(f"An upload may have at most {MAX_PARTS} parts", param="data")
+            raise too_many_parts(MAX_PARTS)
         into_log = upload_id not in self._log_writers and upload_id not in self._completing
         destination = self._parts_of(upload_id).destination(new_object_id("part_"), into_log=into_log)
         self._receiving[upload_id] = self._receiving.get(upload_id, 0) + 1
@@ -415,20 +357,10 @@ class ChunkedUploads:
         added = False
         try:
             async with self._lock(upload_id):
-                upload = self.get(upload_id, caller)
-                self._pending(upload, "parts can be added to")
+                upload = self._current(upload_id, caller)
+                require_pending(upload, "parts can be added to")
                 size = destination.received_bytes()
-                if size == 0:
-                    raise InvalidRequest("a part must hold at least one byte", param="data")
-                have = sum(self.parts(upload_id).values())
-                room = upload.bytes + min(upload.bytes, MAX_PART_BYTES)  # a part sent twice fits
-                if have + size > room:
-                    raise InvalidRequest(
-                        f"This part ({size} bytes) would make the upload's parts {have + size} bytes, more "
-                        f"than the {upload.bytes} bytes the upload was created with and one part more "
-                        f"(at most {room} bytes may be sent)",
-                        param="data",
-                    )
+                check_part_room(upload, sum(self.parts(upload_id).values()), size)
                 await self.check_quota(caller, size)
                 segment = self._parts_of(upload_id).commit(destination, size)
                 added = True
@@ -456,8 +388,8 @@ class ChunkedUploads:
 
     async def cancel(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
         async with self._lock(upload_id):
-            upload = self.get(upload_id, caller)
-            self._pending(upload, "you can cancel")
+            upload = self._current(upload_id, caller)
+            require_pending(upload, "you can cancel")
             return self._end(upload, CANCELLED)
 
     def _end(self, upload: Upload, status: str) -> Upload:
@@ -487,20 +419,16 @@ class ChunkedUploads:
     async def _complete(
         self, upload_id: str, part_ids: Sequence[str], md5: str | None, caller: Caller
     ) -> tuple[Upload, FileObject]:
-        upload = self.get(upload_id, caller)
+        upload = self._current(upload_id, caller)
         if upload.status == COMPLETED and upload.file_id is not None:
             file = await self._file_record(upload.file_id)
             if file is not None and list(part_ids) == list(upload.order):
                 return upload, file  # a repeated complete (a retry after a lost answer)
         if upload.status == COMPLETING:
-            if list(part_ids) != list(upload.order):
-                raise InvalidRequest(
-                    f"Upload '{upload_id}' is being completed with another order of parts",
-                    param="part_ids",
-                )
+            check_completing_order(upload, part_ids)
             return await self._finish(upload)
-        self._pending(upload, "you can complete")
-        sizes = self._check_order(upload, part_ids)
+        require_pending(upload, "you can complete")
+        sizes = check_order(upload, part_ids, self.parts(upload_id))
         pieces = self._parts_of(upload_id).pieces(part_ids, sizes)
         if md5 is not None:
             await self._check_md5(pieces, md5)
@@ -526,28 +454,6 @@ class ChunkedUploads:
         self._save(completing)
         return await self._finish(completing)
 
-    def _check_order(self, upload: Upload, part_ids: Sequence[str]) -> tuple[int, ...]:
-        if not part_ids:
-            raise InvalidRequest("part_ids must name at least one part", param="part_ids")
-        if len(part_ids) > MAX_PARTS:
-            raise InvalidRequest(f"part_ids may name at most {MAX_PARTS} parts", param="part_ids")
-        if len(set(part_ids)) != len(part_ids):
-            raise InvalidRequest("part_ids names a part more than once", param="part_ids")
-        have = self.parts(upload.id)
-        missing = [part_id for part_id in part_ids if part_id not in have]
-        if missing:
-            raise InvalidRequest(
-                f"part_ids names {len(missing)} part(s) this upload does not have, such as {missing[0][:80]!r}",
-                param="part_ids",
-            )
-        sizes = tuple(have[part_id] for part_id in part_ids)
-        if sum(sizes) != upload.bytes:
-            raise InvalidRequest(
-                f"The parts named hold {sum(sizes)} bytes, but the upload was created with bytes={upload.bytes}",
-                param="part_ids",
-            )
-        return sizes
-
     async def _check_md5(self, pieces: list[Segment], md5: str) -> None:
         def digest() -> str:
             value = hashlib.md5(usedforsecurity=False)
@@ -555,14 +461,7 @@ class ChunkedUploads:
                 value.update(chunk)
             return value.hexdigest()
 
-        found = await anyio.to_thread.run_sync(digest)
-        if found != md5.strip().lower():
-            raise InvalidRequest(
-                f"md5 mismatch: the parts, in the order named, have md5 {found}, not {md5[:64]!r}; "
-                "nothing was stored and the upload is still pending",
-                param="md5",
-                code="md5_mismatch",
-            )
+        check_md5(await anyio.to_thread.run_sync(digest), md5)
 
     async def _validate(
         self, upload_id: str, part_ids: list[str], pieces: list[Segment], skip_bom: bool
@@ -578,19 +477,9 @@ class ChunkedUploads:
         def chunks() -> Iterator[bytes]:
             return segment_chunks(pieces, skip=len(UTF8_BOM) if skip_bom else 0)
 
-        def first_pass() -> BatchFileSummary | set[int]:
-            validation = StreamedValidation(self._served_models)
-            for chunk in chunks():
-                validation.feed(chunk)
-            return validation.finish()
-
-        if found is None:
-            found = await anyio.to_thread.run_sync(first_pass)
-        if isinstance(found, BatchFileSummary):
-            return found
-        suspects = found
+        first_pass = found
         return await anyio.to_thread.run_sync(
-            lambda: validate_exactly(chunks(), self._served_models, suspects)
+            lambda: validate_chunks(chunks, self._served_models, first_pass)
         )
 
     async def _finish(self, upload: Upload) -> tuple[Upload, FileObject]:

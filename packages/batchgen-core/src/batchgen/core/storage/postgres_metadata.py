@@ -53,6 +53,7 @@ from batchgen.core.storage.metadata_rows import (
     file_from_row,
     file_to_row,
 )
+from batchgen.core.storage.postgres_uploads import UPLOAD_SCHEMA, PostgresUploadRecords, spend_stored_bytes
 from batchgen.core.tenancy import TenantUsage
 from batchgen.core.url_redaction import redact_url
 from batchgen.core.webhook_outbox import OutboxMessage
@@ -147,6 +148,7 @@ def _schema() -> list[sql.SQL | sql.Composed]:
         "CREATE INDEX IF NOT EXISTS outbox_due ON webhook_outbox (next_attempt_at)",
     ):
         statements.append(sql.SQL(index))
+    statements += [sql.SQL(statement) for statement in UPLOAD_SCHEMA]  # the Uploads API's tables
     return statements
 
 
@@ -280,6 +282,20 @@ class PostgresMetadataStore:
         with self._transaction() as connection:
             self._insert_file(connection, file)
             self._put_key(connection, idempotency, file.id)
+
+    def insert_file_within_quota(
+        self, file: FileObject, *, max_stored_bytes: int, idempotency: IdempotencyRecord | None = None
+    ) -> None:
+        """``insert_file``, checked against the owner's ``max_stored_bytes`` in the same
+        transaction, under the tenant's lock (``storage.stored_bytes``: StoredBytesExceeded)."""
+        with self._transaction() as connection:
+            spend_stored_bytes(connection, file.owner, file.bytes, max_stored_bytes)
+            self._insert_file(connection, file)
+            self._put_key(connection, idempotency, file.id)
+
+    def upload_records(self) -> PostgresUploadRecords:
+        """The Uploads API's records, in this database, through this store's connections."""
+        return PostgresUploadRecords(self._transaction, self._insert_file)
 
     @staticmethod
     def _insert_file(connection: psycopg.Connection[dict[str, Any]], file: FileObject) -> None:
