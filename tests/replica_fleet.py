@@ -42,6 +42,41 @@ class Blobs:
     environ: dict[str, str] = attrs.field(factory=dict)
 
 
+def start_replica(
+    root: Path, url: str, blobs: Blobs, name: str, *flags: str, lease_s: float = 3.0
+) -> LiveServer:
+    """A ``batchgen-server`` replica named ``name`` on the database at ``url`` and on ``blobs``,
+    its storage folder ``root / name``, with ``flags`` added."""
+    return start_server(
+        root / name,
+        "--metadata-url",
+        url,
+        "--blob-url",
+        blobs.url,
+        "--replica-id",
+        name,
+        "--lease-s",
+        f"{lease_s:g}",
+        *flags,
+        environ=blobs.environ,
+    )
+
+
+@contextmanager
+def running_replicas(
+    root: Path, url: str, blobs: Blobs, names: tuple[str, ...], *flags: str
+) -> Iterator[list[LiveServer]]:
+    """``start_replica`` for each of ``names``, all stopped at the end."""
+    servers: list[LiveServer] = []
+    try:
+        for name in names:
+            servers.append(start_replica(root, url, blobs, name, *flags))
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
 class Fleet:
     """Replicas by name, started and restarted on one database and one blob store."""
 
@@ -53,21 +88,16 @@ class Fleet:
         self.servers: dict[str, LiveServer] = {}
 
     def start(self, name: str) -> LiveServer:
-        self.servers[name] = start_server(
-            self.root / name,
-            "--metadata-url",
+        self.servers[name] = start_replica(
+            self.root,
             self.url,
-            "--blob-url",
-            self.blobs.url,
-            "--replica-id",
+            self.blobs,
             name,
-            "--lease-s",
-            str(self.lease_s),
             "--max-pool-size",
             str(self.slots),
             "--simulated-latency-s",
             str(self.latency_s),
-            environ=self.blobs.environ,
+            lease_s=self.lease_s,
         )
         return self.servers[name]
 

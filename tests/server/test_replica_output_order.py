@@ -26,8 +26,8 @@ from openai import OpenAI
 from batchgen.core.work.segment_store import open_segment_store
 from batchgen.core.work.shards import Segment
 from tests.helpers import chat_line, jsonl
-from tests.live import LiveServer, start_server
-from tests.replica_fleet import Blobs
+from tests.live import LiveServer
+from tests.replica_fleet import Blobs, running_replicas
 
 pytestmark = pytest.mark.live
 
@@ -36,33 +36,19 @@ LINES = 1300  # three shards
 
 @pytest.fixture
 def two(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[LiveServer]]:
-    servers: list[LiveServer] = []
-    try:
-        for name in ("a", "b"):
-            servers.append(
-                start_server(
-                    tmp_path / name,
-                    "--metadata-url",
-                    postgres_url,
-                    "--blob-url",
-                    blobs.url,
-                    "--replica-id",
-                    name,
-                    "--lease-s",
-                    "3",
-                    "--simulated-latency-s",
-                    "0.002",
-                    "--simulated-token-latency-s",
-                    "0.004",
-                    "--output-order",
-                    "input",
-                    environ=blobs.environ,
-                )
-            )
+    with running_replicas(
+        tmp_path,
+        postgres_url,
+        blobs,
+        ("a", "b"),
+        "--simulated-latency-s",
+        "0.002",
+        "--simulated-token-latency-s",
+        "0.004",
+        "--output-order",
+        "input",
+    ) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def _lines() -> list[dict]:

@@ -25,57 +25,25 @@ import httpx
 import pytest
 
 from tests.helpers import chat_line, jsonl
-from tests.live import LiveServer, start_server
-from tests.replica_fleet import Blobs
+from tests.replica_fleet import Blobs, running_replicas, start_replica
 
 pytestmark = pytest.mark.live
 
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
 
-def _replica(tmp_path: Path, url: str, blobs: Blobs, name: str, *flags: str) -> LiveServer:
-    return start_server(
-        tmp_path / name,
-        "--metadata-url",
-        url,
-        "--blob-url",
-        blobs.url,
-        "--replica-id",
-        name,
-        "--lease-s",
-        "3",
-        *flags,
-        environ=blobs.environ,
-    )
-
-
 @contextmanager
 def _failing_fleet(url: str, root: Path, blobs: Blobs, latency_s: float) -> Iterator[list[httpx.Client]]:
     """Three replicas whose attempts fail two times in three (about 30% of lines fail, their
     attempts spent)."""
-    servers: list[LiveServer] = []
-    clients: list[httpx.Client] = []
-    try:
-        for name in ("a", "b", "c"):
-            servers.append(
-                _replica(
-                    root,
-                    url,
-                    blobs,
-                    name,
-                    "--simulated-failure-rate",
-                    "0.67",
-                    "--simulated-latency-s",
-                    str(latency_s),
-                )
-            )
+    flags = ("--simulated-failure-rate", "0.67", "--simulated-latency-s", str(latency_s))
+    with running_replicas(root, url, blobs, ("a", "b", "c"), *flags) as servers:
         clients = [httpx.Client(base_url=server.base_url, timeout=60) for server in servers]
-        yield clients
-    finally:
-        for client in clients:
-            client.close()
-        for server in servers:
-            server.stop()
+        try:
+            yield clients
+        finally:
+            for client in clients:
+                client.close()
 
 
 @pytest.fixture
@@ -213,7 +181,7 @@ def test_two_replicas_asked_at_once_make_one_retry(slow_failing: list[httpx.Clie
 def test_a_batch_is_created_on_a_replica_without_a_copy_of_its_input(
     postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
-    servers = [_replica(tmp_path, postgres_url, blobs, name) for name in ("a", "b")]
+    servers = [start_replica(tmp_path, postgres_url, blobs, name) for name in ("a", "b")]
     try:
         a, b = (httpx.Client(base_url=server.base_url, timeout=60) for server in servers)
         lines = jsonl(*(chat_line(f"r{i}", f"q {i}") for i in range(50)))

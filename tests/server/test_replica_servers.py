@@ -24,8 +24,10 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 from openai import OpenAI
@@ -33,27 +35,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.core.work.segment_store import open_segment_store
 from tests.helpers import chat_line, jsonl
-from tests.live import LiveServer, start_server
-from tests.replica_fleet import Blobs
+from tests.live import LiveServer
+from tests.replica_fleet import Blobs, running_replicas, start_replica
 from tests.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.live
-
-
-def _replica(tmp_path: Path, url: str, blobs: Blobs, name: str, *flags: str) -> LiveServer:
-    return start_server(
-        tmp_path / name,
-        "--metadata-url",
-        url,
-        "--blob-url",
-        blobs.url,
-        "--replica-id",
-        name,
-        "--lease-s",
-        "3",
-        *flags,
-        environ=blobs.environ,
-    )
 
 
 @pytest.fixture
@@ -61,7 +47,9 @@ def three(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[Live
     servers: list[LiveServer] = []
     try:
         for name in ("a", "b", "c"):
-            servers.append(_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.002"))
+            servers.append(
+                start_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.002")
+            )
         yield servers
     finally:
         for server in servers:
@@ -172,7 +160,8 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
     postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
     servers = [
-        _replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02") for name in ("a", "b")
+        start_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02")
+        for name in ("a", "b")
     ]
     try:
         path = tmp_path / "input.jsonl"
@@ -188,7 +177,9 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
             time.sleep(0.1)
         servers[0].process.send_signal(signal.SIGKILL)  # with shards half done, nothing released
         servers[0].process.wait()
-        servers.append(_replica(tmp_path, postgres_url, blobs, "a-again", "--simulated-latency-s", "0.02"))
+        servers.append(
+            start_replica(tmp_path, postgres_url, blobs, "a-again", "--simulated-latency-s", "0.02")
+        )
         ended = _wait_ended(_client(servers[2]), batch.id, 120)
         assert ended["status"] == "completed"
         output = client.files.content(ended["output_file_id"]).content
@@ -200,39 +191,56 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
             server.stop()
 
 
+@attrs.frozen
+class WebhookedPair:
+    """Two replicas sending webhooks to ``receiver``, their clients, and the file uploaded."""
+
+    receiver: WebhookReceiver
+    first: OpenAI
+    second: OpenAI
+    file_id: str
+
+    def create(self, client: OpenAI) -> str:
+        return client.batches.create(
+            input_file_id=self.file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+
+
+@contextmanager
+def _two_sending_webhooks(postgres_url: str, tmp_path: Path, lines: int) -> Iterator[WebhookedPair]:
+    """Two replicas on a shared folder with one webhook URL, and a file of ``lines`` requests
+    uploaded to the first."""
+    blobs = Blobs(f"file://{tmp_path / 'shared'}")
+    with WebhookReceiver() as receiver:
+        flags = ("--webhook-url", receiver.url, "--simulated-latency-s", "0.01")
+        with running_replicas(tmp_path, postgres_url, blobs, ("a", "b"), *flags) as servers:
+            first, second = (_client(server) for server in servers)
+            path = tmp_path / "input.jsonl"
+            path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(lines))))
+            uploaded = first.files.create(file=path.open("rb"), purpose="batch")
+            yield WebhookedPair(receiver, first, second, uploaded.id)
+
+
 def test_a_shared_batchs_ending_is_sent_once_as_a_webhook_whichever_replica_ends_it(
     postgres_url: str, tmp_path: Path
 ) -> None:
     """Two replicas with one webhook URL: a completed batch and a cancelled one each give one
     event (one ``webhook-id``, sent by whichever replica's sender got it), naming the batch."""
-    blobs = Blobs(f"file://{tmp_path / 'shared'}")
-    with WebhookReceiver() as receiver:
-        flags = ("--webhook-url", receiver.url, "--simulated-latency-s", "0.01")
-        servers = [_replica(tmp_path, postgres_url, blobs, name, *flags) for name in ("a", "b")]
-        try:
-            first, second = (_client(server) for server in servers)
-            path = tmp_path / "input.jsonl"
-            path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(1500))))
-            uploaded = first.files.create(file=path.open("rb"), purpose="batch")
-            done = first.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            assert _wait_ended(second, done.id, 60)["status"] == "completed"
-            stopped = second.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            first.batches.cancel(stopped.id)
-            assert _wait_ended(second, stopped.id, 30)["status"] == "cancelled"
-            receiver.wait_for_deliveries(2)
-            time.sleep(2.0)  # a second sender, or a second save of an ending, would show by now
-            events = [(delivered.headers["webhook-id"], delivered.event()) for delivered in receiver.received]
-        finally:
-            for server in servers:
-                server.stop()
+    with _two_sending_webhooks(postgres_url, tmp_path, 1500) as pair:
+        done = pair.create(pair.first)
+        assert _wait_ended(pair.second, done, 60)["status"] == "completed"
+        stopped = pair.create(pair.second)
+        pair.first.batches.cancel(stopped)
+        assert _wait_ended(pair.second, stopped, 30)["status"] == "cancelled"
+        pair.receiver.wait_for_deliveries(2)
+        time.sleep(2.0)  # a second sender, or a second save of an ending, would show by now
+        events = [
+            (delivered.headers["webhook-id"], delivered.event()) for delivered in pair.receiver.received
+        ]
     by_id = {event_id: event for event_id, event in events}
     assert len(by_id) == 2, events
     assert sorted((event["type"], event["data"]["id"]) for event in by_id.values()) == sorted(
-        [("batch.completed", done.id), ("batch.cancelled", stopped.id)]
+        [("batch.completed", done), ("batch.cancelled", stopped)]
     )
 
 
@@ -241,30 +249,14 @@ def test_a_shared_batch_nobody_polls_still_ends_on_record_and_sends_its_webhook(
 ) -> None:
     """No call asks about the batch after its creation: its ending is saved all the same (its
     webhook arrives, and its input file is at once free to run again and to delete)."""
-    blobs = Blobs(f"file://{tmp_path / 'shared'}")
-    with WebhookReceiver() as receiver:
-        flags = ("--webhook-url", receiver.url, "--simulated-latency-s", "0.01")
-        servers = [_replica(tmp_path, postgres_url, blobs, name, *flags) for name in ("a", "b")]
-        try:
-            first, second = (_client(server) for server in servers)
-            path = tmp_path / "input.jsonl"
-            path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(700))))
-            uploaded = first.files.create(file=path.open("rb"), purpose="batch")
-            batch = first.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            delivered = receiver.wait_for_deliveries(1, timeout_s=30)
-            event = delivered[0].event()
-            assert (event["type"], event["data"]["id"]) == ("batch.completed", batch.id)
-            again = second.batches.create(  # the first batch is recorded ended: the file is free
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            second.batches.cancel(again.id)
-            assert _wait_ended(first, again.id, 30)["status"] == "cancelled"
-            assert second.files.delete(uploaded.id).deleted
-        finally:
-            for server in servers:
-                server.stop()
+    with _two_sending_webhooks(postgres_url, tmp_path, 700) as pair:
+        batch = pair.create(pair.first)
+        event = pair.receiver.wait_for_deliveries(1, timeout_s=30)[0].event()
+        assert (event["type"], event["data"]["id"]) == ("batch.completed", batch)
+        again = pair.create(pair.second)  # the first batch is recorded ended: the file is free
+        pair.second.batches.cancel(again)
+        assert _wait_ended(pair.first, again, 30)["status"] == "cancelled"
+        assert pair.second.files.delete(pair.file_id).deleted
 
 
 def _keys(*arguments: str) -> subprocess.CompletedProcess[str]:

@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from tests.helpers import api_error, chat_line, jsonl
-from tests.live import LiveServer, start_server
-from tests.replica_fleet import Blobs
+from tests.live import LiveServer
+from tests.replica_fleet import Blobs, running_replicas
 from tests.server.test_chunked_uploads import add_part, complete, create_upload, post_part
 
 pytestmark = pytest.mark.live
@@ -36,27 +36,10 @@ pytestmark = pytest.mark.live
 
 @pytest.fixture
 def three(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[LiveServer]]:
-    servers: list[LiveServer] = []
-    try:
-        for name in ("a", "b", "c"):
-            servers.append(
-                start_server(
-                    tmp_path / name,
-                    "--metadata-url",
-                    postgres_url,
-                    "--blob-url",
-                    blobs.url,
-                    "--replica-id",
-                    name,
-                    "--simulated-latency-s",
-                    "0.002",
-                    environ=blobs.environ,
-                )
-            )
+    with running_replicas(
+        tmp_path, postgres_url, blobs, ("a", "b", "c"), "--simulated-latency-s", "0.002"
+    ) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def _clients(servers: list[LiveServer], key: str | None = None) -> list[httpx.Client]:
