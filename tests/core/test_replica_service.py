@@ -46,11 +46,10 @@ async def replicas(postgres_url: str, tmp_path: Path) -> AsyncIterator[list[Batc
         services = []
         for replica in ("a", "b"):
             backend = SimulatedBackend(latency_s=0.003)
-            services.append(
-                await stack.enter_async_context(
-                    BatchService(_settings(tmp_path, postgres_url, replica), backend)
-                )
-            )
+            # 256 lines at once each, so both share these batches: at the default (10,240) one
+            # replica holds every shard of them (tests/core/test_lease_heartbeat.py runs one so)
+            settings = _settings(tmp_path, postgres_url, replica, max_pool_size=256)
+            services.append(await stack.enter_async_context(BatchService(settings, backend)))
         yield services
 
 

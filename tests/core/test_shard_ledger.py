@@ -35,7 +35,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from batchgen.core.work.postgres_ledger import CommitRefused, LineCommittedTwice, PostgresShardLedger
+from batchgen.core.work.postgres_ledger import (
+    CommitRefused,
+    LineCommittedTwice,
+    PostgresShardLedger,
+    renew_held,
+)
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import segment_key
 from batchgen.core.work.shard_runner import collect_orphans
@@ -586,5 +591,36 @@ async def test_a_tenants_weight_is_its_share_of_the_claims(
         assert claimed.count("batch_light") == claims - expected
         with pytest.raises(ValueError, match="weight"):
             await ledger.add_batch("batch_free", 10, tenant="x", weight=0)
+    finally:
+        await ledger.close()
+
+
+@pytest.mark.anyio
+async def test_a_heartbeats_renewal_extends_only_the_listed_leases_and_waits_for_no_commit(
+    postgres_url: str,
+) -> None:
+    """``renew_held``: a lease the owner no longer lists is not extended (it runs out); a shard
+    whose row a commit holds is answered as busy at once, not waited for and not extended; the
+    others are renewed."""
+    ledger = await _ledger(postgres_url)
+    try:
+        await ledger.add_batch("batch_h", 30, shard_lines=10)
+        first, second, _unlisted = await ledger.claim("replica-a", 3, 2.0)
+        async with (
+            await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as heartbeat,
+            await psycopg.AsyncConnection.connect(postgres_url) as committing,
+        ):
+            # a commit in flight: its transaction holds the batch's row and the second shard's
+            await committing.execute("SELECT 1 FROM batch_work WHERE batch_id = 'batch_h' FOR NO KEY UPDATE")
+            await committing.execute(
+                "SELECT 1 FROM batch_shards WHERE batch_id = 'batch_h' AND shard_no = %s FOR UPDATE",
+                (second.shard.shard_no,),
+            )
+            answer = await asyncio.wait_for(renew_held(heartbeat, "replica-a", HOUR_S, [first, second]), 2.0)
+            await committing.rollback()
+        assert answer.renewed == {first.key: first.epoch}
+        assert answer.busy == {second.key: second.epoch}
+        await asyncio.sleep(2.1)  # the unlisted lease and the busy one ran out; the renewed did not
+        assert await ledger.renew("replica-a", HOUR_S) == {first.key: first.epoch}
     finally:
         await ledger.close()

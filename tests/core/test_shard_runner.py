@@ -16,16 +16,19 @@ error line, and the counters equal to those lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
+import select
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -202,40 +205,71 @@ async def test_a_cancel_on_a_replica_running_none_of_the_batch_stops_it_everywhe
     assert work is not None and work.status == "cancelled" and work.completed + work.failed == 0
 
 
-class _HangingLedger:
-    """A real ledger whose every call hangs while ``cut`` is set (a partition as the runner sees
-    it: calls that never answer), and passes through otherwise."""
+class _CuttableLink:
+    """A TCP relay to PostgreSQL in a thread of its own, which ``cut`` stops relaying (bytes are
+    held, connections stay open: a partition as a client sees it, calls that never answer) until
+    ``heal``. Every connection to ``url`` goes through it, the ledger's pool and the heartbeat's."""
 
-    def __init__(self, ledger: PostgresShardLedger) -> None:
-        self.ledger = ledger
-        self.cut = False
+    def __init__(self, postgres_url: str) -> None:
+        self.target = ("127.0.0.1", int(postgres_url.rsplit(":", 1)[1].split("/", 1)[0]))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = postgres_url.replace(f":{self.target[1]}/", f":{self.listener.getsockname()[1]}/")
+        self.relaying = threading.Event()
+        self.relaying.set()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.ledger, name)
+    def cut(self) -> None:
+        self.relaying.clear()
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            if self.cut:
-                await asyncio.Event().wait()  # no answer, ever
-            return await method(*args, **kwargs)
+    def heal(self) -> None:
+        self.relaying.set()
 
-        return call
+    def close(self) -> None:
+        self.closed = True
+        self.relaying.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not self.closed:
+                self.relaying.wait()
+                if not select.select([source], [], [], 0.05)[0] or not self.relaying.is_set():
+                    continue
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
 
 
 @pytest.mark.anyio
 async def test_a_runner_whose_calls_hang_lets_its_shards_go_when_their_lease_runs_out(
     postgres_url: str, tmp_path: Path
 ) -> None:
-    """Self-fencing: with every renewal unanswered, the runner gives each call up after a third
-    of the lease, reports the ledger unhealthy, and once a whole lease has passed since the last
+    """Self-fencing: with every call unanswered (its connections to PostgreSQL cut, the
+    heartbeat's too), the runner gives each call up after a third of the lease, reports the ledger unhealthy, and once a whole lease has passed since the last
     renewal it sent that was answered, drops its shards: no line of theirs starts after that.
     Once calls answer again it takes the work up again and the batch ends with each line once."""
     store = SegmentFiles(tmp_path)
     ttl_s = 1.5
     started: list[float] = []
-    async with PostgresShardLedger(postgres_url) as ledger:
+    link = _CuttableLink(postgres_url)
+    async with PostgresShardLedger(postgres_url) as ledger, PostgresShardLedger(link.url) as linked:
         await ledger.create_schema()
         await ledger.add_batch("batch_hang", 600, shard_lines=200)
-        hanging = _HangingLedger(ledger)
 
         async def run_line(batch_id: str, line: int) -> LineResult:
             started.append(time.monotonic())
@@ -243,7 +277,7 @@ async def test_a_runner_whose_calls_hang_lets_its_shards_go_when_their_lease_run
             return _line(batch_id, line, "replica-a")
 
         runner = ShardRunner(
-            hanging,  # type: ignore[arg-type]
+            linked,
             store,
             run_line,
             replica_id="replica-a",
@@ -256,7 +290,7 @@ async def test_a_runner_whose_calls_hang_lets_its_shards_go_when_their_lease_run
         while len(started) < 20:
             await asyncio.sleep(0.01)
         cut_at = time.monotonic()
-        hanging.cut = True
+        link.cut()
         # the last answered renewal was sent at most a third of the lease before the cut; the
         # drop comes at the first heartbeat after the lease from then has passed
         await asyncio.sleep(ttl_s + 2 * ttl_s / 3 + 0.3)
@@ -266,12 +300,13 @@ async def test_a_runner_whose_calls_hang_lets_its_shards_go_when_their_lease_run
         await asyncio.sleep(1.0)
         assert [t for t in started if t > dropped_by] == []  # nothing of the dropped shards ran on
         assert [t for t in started if t > cut_at + ttl_s + 2 * ttl_s / 3 + 0.2] == []
-        hanging.cut = False
+        link.heal()
         await _wait_finished(ledger, "batch_hang", 120)
         assert runner.healthy
         runner.stop()
         await task
         served = await _served(ledger, store, "batch_hang")
+    link.close()
     ids = Counter(line["custom_id"] for kind in served.values() for line in kind)
     assert ids == Counter(f"batch_hang-{n}" for n in range(600))
 

@@ -3,8 +3,12 @@
 ``ReplicaWork`` is what a ``BatchService`` runs in that mode, instead of resuming batches of its
 own: the ledger (``PostgresShardLedger``), the ``SharedBatches`` its calls answer through, and a
 ``ShardRunner`` that claims shards of any replica's batches and runs their lines with a
-``LineRunner`` on this replica's models, as many at once as the service has slots (at most
-``MAX_REPLICA_SLOTS``). ``run`` works
+``LineRunner`` on this replica's models, as many at once as the service has slots
+(``--max-pool-size``: thousands, enough to keep a GPU engine full), holding enough shards to fill
+them. The event loop carries every line in flight, so nothing that keeps the leases waits on it:
+the renewals come from a thread of their own (``work.lease_heartbeat``), and the ledger's pool has
+a connection for each held shard's commit (up to ``LEDGER_COMMIT_CONNECTIONS``) besides the
+claims and reads. ``run`` works
 until ``stop``, which lets the leases go at once so another replica takes them without waiting for
 them to run out; meanwhile every replica saves its report (``report``: its share of the work) in
 the ledger and reads everyone's (``fleet``), which the pool status and the dashboard show, and
@@ -34,12 +38,10 @@ from batchgen.core.work.segment_store import open_segment_store
 from batchgen.core.work.shard_runner import ORPHAN_GRACE_S, ShardRunner, collect_orphans
 from batchgen.core.work.shards import SHARD_LINES
 
-__all__ = ["MAX_REPLICA_SLOTS", "ReplicaWork"]
-
-#: The most lines one replica runs at once, whatever ``--max-pool-size`` allows: each line in flight
-#: is a task on the event loop that also renews the leases, and a replica holding thousands of
-#: lines would hold most of a batch's shards while the other replicas wait.
-MAX_REPLICA_SLOTS = 256
+__all__ = ["ReplicaWork"]
+#: The most of the ledger's connections a replica's commits use at once (one per held shard up to
+#: this): more shards than that take turns, and claims always find a connection of their own.
+LEDGER_COMMIT_CONNECTIONS = 16
 #: How often a replica saves its report for the others and reads theirs.
 REPORT_EVERY_S = 2.0
 #: How often a replica deletes the segments no commit lists (``work.shard_runner.collect_orphans``).
@@ -66,9 +68,9 @@ class ReplicaWork:
         slots: int,
         webhooks: WebhookTargets | None = None,
     ) -> None:
-        """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``,
-        at most ``MAX_REPLICA_SLOTS``), with enough shards held to fill them."""
-        slots = max(1, min(slots, MAX_REPLICA_SLOTS))
+        """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``),
+        with enough shards held to fill them."""
+        slots = max(1, slots)
         self.replica_id = shared.replica_id
         #: Every live replica's last report (this one's included), read from the ledger every
         #: ``REPORT_EVERY_S``: what ``/v1/pool/status`` and the dashboard list.
@@ -77,7 +79,11 @@ class ReplicaWork:
         self.collect_every_s = COLLECT_EVERY_S
         self.orphan_grace_s = ORPHAN_GRACE_S
         self.orphans_collected = 0
-        self.ledger = PostgresShardLedger(shared.metadata_url)
+        max_shards = max(shared.max_shards, -(-slots // SHARD_LINES) + 1)
+        # a commit per held shard at once (up to 16) and room for the claims and reads beside them
+        self.ledger = PostgresShardLedger(
+            shared.metadata_url, max_connections=min(max_shards, LEDGER_COMMIT_CONNECTIONS) + 4
+        )
         self.segments = open_segment_store(shared.blob_url)
         self.batches = SharedBatches(
             metadata,
@@ -101,7 +107,7 @@ class ReplicaWork:
             self.segments,
             lines,
             replica_id=shared.replica_id,
-            max_shards=max(shared.max_shards, -(-slots // SHARD_LINES) + 1),
+            max_shards=max_shards,
             concurrency=slots,
             ttl_s=shared.lease_s,
         )

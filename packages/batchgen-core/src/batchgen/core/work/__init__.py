@@ -18,6 +18,9 @@ lock. Replicas (a service with ``ServiceSettings.shared``) instead share a ledge
                       asked for it.
 ``shard_slots``       ``ShardSlots``: the lines a replica runs at once, shared fairly by the
                       shards it holds (a free slot goes to the one with the fewest running).
+``lease_heartbeat``   ``LeaseHeartbeat``: a replica's lease renewals, sent from a thread of their
+                      own with a connection of their own, so a busy event loop never makes
+                      them late.
 ``shard_runner``      ``ShardRunner``: one replica's loop: claim (and take over what dead
                       replicas left), run lines, commit segments, renew, drop lost shards,
                       release at stop.

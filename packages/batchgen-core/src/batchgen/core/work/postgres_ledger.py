@@ -29,8 +29,12 @@ Rules the SQL keeps, whatever the replicas do:
   already committed raises ``LineCommittedTwice`` and changes nothing.
 - Commits of one batch are serialised on its ``batch_work`` row, which numbers them: the manifest
   of a batch only ever grows at its end, so a reader's bytes for a committed state never move.
+  A commit locks that row before its shard's, so only the running commit holds a shard row,
+  and it may renew the lease it was fenced by (``renew_s``), which a renewal skips meanwhile.
 - A renewal extends only live leases of running batches, and returns them: a held shard missing
   from the answer was lost (expired, taken over, or its batch cancelled), and its work must stop.
+  A heartbeat's renewal (``renew_held``) extends only the leases its owner lists (one it let go
+  runs out) and waits for no commit: a shard a commit holds is answered as busy, not extended.
 - ``finish_if_done`` turns a running batch whose shards are all done ``finished`` for exactly one
   caller.
 - A batch added with intake limits is admitted under one advisory lock, against the unfinished
@@ -38,15 +42,19 @@ Rules the SQL keeps, whatever the replicas do:
 
 psycopg 3 with its async pool: every call awaits the network without blocking the event loop,
 and the connections are in autocommit mode, with explicit transactions where a call needs one.
+The pool is sized by the caller (``max_connections``). A replica's renewals do not use it:
+``renew_held`` runs on a connection of the caller's (``lease_heartbeat``: a thread of its own, which
+nothing on the pool's loop can delay).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
 import attrs
+from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -65,7 +73,14 @@ from batchgen.core.work.shards import (
     plan_shards,
 )
 
-__all__ = ["BatchWork", "CommitRefused", "LineCommittedTwice", "PostgresShardLedger"]
+__all__ = [
+    "BatchWork",
+    "CommitRefused",
+    "HeldRenewal",
+    "LineCommittedTwice",
+    "PostgresShardLedger",
+    "renew_held",
+]
 
 RUNNING, CANCELLED, FINISHED = "running", "cancelled", "finished"
 
@@ -197,11 +212,47 @@ WHERE s.owner_id = %(owner)s AND s.state = 'leased' AND s.lease_expires_at > clo
 RETURNING s.batch_id, s.shard_no, s.epoch
 """
 
+#: A heartbeat's renewal of the leases its owner lists (batch ids, shard numbers and epochs, as
+#: three arrays): a lease it let go is not kept alive. It waits for no lock: a shard row that a
+#: commit in flight holds is skipped, and answered apart as busy (live when the commit began).
+_RENEW_HELD = f"""
+WITH held AS (
+    SELECT * FROM unnest(%(batches)s::text[], %(shards)s::integer[], %(epochs)s::bigint[])
+        AS held(batch_id, shard_no, epoch)
+), live AS (
+    SELECT s.batch_id, s.shard_no, s.epoch FROM batch_shards s
+    JOIN held USING (batch_id, shard_no, epoch) JOIN batch_work w USING (batch_id)
+    WHERE s.owner_id = %(owner)s AND {_LIVE} AND w.status = 'running'
+), free AS (
+    SELECT s.batch_id, s.shard_no FROM batch_shards s JOIN live USING (batch_id, shard_no, epoch)
+    FOR UPDATE OF s SKIP LOCKED
+), renewed AS (
+    UPDATE batch_shards s SET lease_expires_at = clock_timestamp() + %(ttl)s * interval '1 second'
+    FROM free WHERE s.batch_id = free.batch_id AND s.shard_no = free.shard_no
+      AND s.owner_id = %(owner)s AND {_LIVE}
+    RETURNING s.batch_id, s.shard_no, s.epoch
+)
+SELECT batch_id, shard_no, epoch, true FROM renewed
+UNION ALL
+SELECT batch_id, shard_no, epoch, false FROM live
+WHERE (batch_id, shard_no) NOT IN (SELECT batch_id, shard_no FROM free)
+"""
+
 _FENCE = f"""
 SELECT first_line, n_lines, done_lines FROM batch_shards
 WHERE batch_id = %(batch)s AND shard_no = %(shard)s AND owner_id = %(owner)s AND epoch = %(epoch)s
   AND {_LIVE}
 FOR UPDATE
+"""
+
+#: ``_FENCE`` that also renews the lease it checks (``commit``'s ``renew_s``): a commit that holds
+#: the shard's row, which a heartbeat's renewal skips, does not let its lease run out meanwhile.
+_FENCE_RENEW = f"""
+UPDATE batch_shards
+SET lease_expires_at = greatest(lease_expires_at, clock_timestamp() + %(renew)s * interval '1 second')
+WHERE batch_id = %(batch)s AND shard_no = %(shard)s AND owner_id = %(owner)s AND epoch = %(epoch)s
+  AND {_LIVE}
+RETURNING first_line, n_lines, done_lines
 """
 
 
@@ -236,6 +287,16 @@ class BatchWork:
     prefix_cached_tokens: int = 0
 
 
+@attrs.frozen
+class HeldRenewal:
+    """What ``renew_held`` did, as (batch id, shard number) -> epoch: the leases it extended, and
+    those it could not extend now (a commit in flight holds the shard; live when it began). A
+    listed lease in neither was lost."""
+
+    renewed: Mapping[tuple[str, int], int]
+    busy: Mapping[tuple[str, int], int]
+
+
 class PostgresShardLedger:
     """The shard ledger over a pool of connections to ``url`` (``postgresql://...``).
 
@@ -243,6 +304,8 @@ class PostgresShardLedger:
     """
 
     def __init__(self, url: str, *, max_connections: int = 4, connect_timeout_s: float = 10.0) -> None:
+        #: The database's URL: where a ``LeaseHeartbeat`` opens its own connection.
+        self.url = url
         self._pool = AsyncConnectionPool(
             url,
             min_size=1,
@@ -447,15 +510,27 @@ class PostgresShardLedger:
 
     # --- output ---------------------------------------------------------------------------
 
-    async def commit(self, lease: Lease, parts: Sequence[SegmentPart]) -> list[Segment]:
+    async def commit(
+        self, lease: Lease, parts: Sequence[SegmentPart], *, renew_s: float | None = None
+    ) -> list[Segment]:
         """Make ``parts`` (segments already written to the segment store) part of the batch's
         output, fenced by ``lease``: all of them or, with ``CommitRefused`` or
-        ``LineCommittedTwice``, none. The shard is done once every one of its lines is committed."""
+        ``LineCommittedTwice``, none. The shard is done once every one of its lines is committed.
+        With ``renew_s``, a commit that counts also renews the lease for that long from when its
+        fence passed."""
         lines = [line for part in parts for line in part.lines]
         check_lines(lease.shard, lines)
-        params = _lease_params(lease)
+        params: dict[str, Any] = _lease_params(lease)
+        if renew_s is not None:
+            _check_ttl(renew_s)
+            params["renew"] = renew_s
         async with self._pool.connection() as conn, conn.transaction():
-            cursor = await conn.execute(_FENCE, params)
+            # the batch's row first: commits of a batch queue there holding no shard's row, so a
+            # heartbeat's renewal finds every shard free but the one whose commit runs now
+            await conn.execute(
+                "SELECT 1 FROM batch_work WHERE batch_id = %(batch)s FOR NO KEY UPDATE", params
+            )
+            cursor = await conn.execute(_FENCE if renew_s is None else _FENCE_RENEW, params)
             fenced = await cursor.fetchone()
             if fenced is None:
                 raise CommitRefused(
@@ -554,6 +629,31 @@ class PostgresShardLedger:
             {"batch": batch_id},
         )
         return dict(rows)
+
+
+async def renew_held(
+    conn: AsyncConnection[Any], owner_id: str, ttl_s: float, held: Iterable[Lease]
+) -> HeldRenewal:
+    """Extend by ``ttl_s`` seconds the leases of ``held`` that are still ``owner_id``'s, live and
+    of running batches, on a connection of the caller's (in autocommit mode), waiting for no
+    lock: a shard a commit holds now is answered as ``busy``, not renewed."""
+    _check_ttl(ttl_s)
+    leases = list(held)
+    cursor = await conn.execute(
+        _RENEW_HELD,
+        {
+            "owner": owner_id,
+            "ttl": ttl_s,
+            "batches": [lease.batch_id for lease in leases],
+            "shards": [lease.shard.shard_no for lease in leases],
+            "epochs": [lease.epoch for lease in leases],
+        },
+    )
+    renewed: dict[tuple[str, int], int] = {}
+    busy: dict[tuple[str, int], int] = {}
+    for batch, shard, epoch, extended in await cursor.fetchall():
+        (renewed if extended else busy)[(batch, shard)] = epoch
+    return HeldRenewal(renewed, busy)
 
 
 def _check_ttl(ttl_s: float) -> None:

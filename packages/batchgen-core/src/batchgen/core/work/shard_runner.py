@@ -12,10 +12,16 @@ The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a seg
   (``shard_slots.ShardSlots``), buffering the finished lines;
 - **commit** a shard's buffer as one output and one error segment every ``commit_lines`` lines or
   ``commit_interval_s`` seconds, and when the shard's last line is done: segment files first
-  (durable), then the fenced commit; a refused commit (the lease was lost) drops the shard at once;
-- **renew** every lease each ``ttl_s / 3`` seconds; a shard missing from the answer (expired, taken
-  over, its batch cancelled) is dropped: its running lines are cancelled and its buffer discarded
-  (another replica runs those lines again; they were never committed, so no line appears twice);
+  (durable), then the fenced commit, which renews the lease too; a refused commit (the lease was
+  lost) drops the shard at once;
+- **renew** every lease each ``ttl_s / 3`` seconds, from a thread of its own with a connection
+  of its own (``lease_heartbeat.LeaseHeartbeat``), so the thousands of lines on the event loop
+  cannot make a renewal late; the loop reads each renewal's answer when it gets to it: a shard
+  missing from it (expired, taken over, its batch cancelled) is dropped: its running lines are
+  cancelled and its buffer discarded (another replica runs those lines again; they were never
+  committed, so no line appears twice), unless its last lines are being committed (a commit
+  that ends a shard takes it out of the renewals too: that commit's fence says whether it was
+  still the shard's);
 - **watch** the batches it runs every ``watch_s`` seconds: a batch cancelled anywhere (on any
   replica) has its shards dropped at once, well before the next renewal would drop them;
 - after a shard's last commit, ``finish_if_done`` marks its batch finished (one replica wins);
@@ -28,10 +34,12 @@ true again once the failing part has worked.
 A replica that cannot renew (paused, cut off from the database) fences itself: every ledger call
 it makes gives up after a third of the lease (``call_timeout_s``: a partition makes calls hang, not
 fail), and a shard whose lease has not been renewed for a whole lease, counted on this replica's
-clock from when the last renewal that was answered was sent, is dropped as lost. The database
-has given it away by then (its clock started later), so the replica stops spending work on lines
-that are no longer its own; and should it try, every commit after the lease ended is refused by
-the fence: output stays exactly once.
+clock from when the last renewal that was answered was sent (read in the heartbeat's thread), is
+dropped as lost. The database has given it away by then (its clock started later), so the replica
+stops spending work on lines that are no longer its own; and should it try, every commit after
+the lease ended is refused by the fence: output stays exactly once. The heartbeat renews only
+while this loop takes its renewals in, so a loop blocked for less than a lease loses nothing, and
+one blocked for longer lets its leases run out as a dead replica's would.
 """
 
 from __future__ import annotations
@@ -41,10 +49,11 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 
+from batchgen.core.work.lease_heartbeat import LeaseHeartbeat, Renewal
 from batchgen.core.work.postgres_ledger import (
     CommitRefused,
     LineCommittedTwice,
@@ -85,6 +94,9 @@ LineFunction = Callable[[str, int], Awaitable[LineResult]]
 class _HeldShard:
     lease: Lease
     task: asyncio.Task[None] | None = None
+    #: Its lines not yet ended: cancelled with the shard at once, even while its task is stuck in
+    #: a call that is slow to give up (a commit hanging on a cut connection).
+    lines: set[asyncio.Task[tuple[int, LineResult]]] = attrs.field(factory=set)
     buffer: list[tuple[int, LineResult]] = attrs.field(factory=list)
     #: Lines of a commit that failed without an answer: tried again, alone, before the buffer.
     unsure: list[tuple[int, LineResult]] | None = None
@@ -92,8 +104,13 @@ class _HeldShard:
     #: When the lease surely ends unless renewed (this replica's monotonic clock): when the claim
     #: or the last answered renewal was sent, plus the lease.
     valid_until: float = 0.0
-    #: When the claim's answer came: a renewal sent before then may not know the lease yet.
+    #: When the claim's answer came and the heartbeat was told of the lease: a renewal sent
+    #: before then did not ask for it.
     claimed_at: float = 0.0
+    #: Every line has ended and the last ones are being committed: the commit that ends the shard
+    #: takes it out of the renewals, so a renewal that misses it does not say it was lost (the
+    #: commit's fence says so).
+    finishing: bool = False
 
 
 class ShardRunner:
@@ -143,6 +160,8 @@ class ShardRunner:
         #: Set when a held shard ends or is dropped: room to claim another, without waiting for
         #: the next poll.
         self._room = asyncio.Event()
+        #: Renews the held leases from a thread of its own while ``run`` runs.
+        self._heartbeat: LeaseHeartbeat | None = None
         #: Monitoring: leases lost to expiry, takeover or cancel, and commits refused.
         self.leases_lost = 0
         self.shards_cancelled = 0
@@ -172,7 +191,10 @@ class ShardRunner:
 
     async def run(self) -> None:
         """Work until ``stop``; then release what is unfinished."""
-        heartbeat = asyncio.create_task(self._heartbeat(), name=f"{self.owner_id}-heartbeat")
+        heartbeat = self._heartbeat = LeaseHeartbeat(
+            self.ledger.url, self.owner_id, self.ttl_s, self._renewed
+        )
+        heartbeat.start()
         watch = asyncio.create_task(self._watch_stops(), name=f"{self.owner_id}-watch")
         try:
             while not self._stopping.is_set():
@@ -194,12 +216,17 @@ class ShardRunner:
                 else:
                     if claim is not None:
                         self._problems.pop("ledger", None)
+                claimed = [_HeldShard(lease, valid_until=sent + self.ttl_s) for lease in leases]
+                for shard in claimed:
+                    self._held[shard.lease.key] = shard
+                if claimed:  # a claim answered late is renewed at once, before its lease runs out
+                    heartbeat.hold(self.held, renew_now=time.monotonic() - sent > self.ttl_s / 3)
+                # read after the heartbeat was told: a renewal sent later renews these leases
                 answered = time.monotonic()
-                for lease in leases:
-                    shard = _HeldShard(lease, valid_until=sent + self.ttl_s, claimed_at=answered)
-                    self._held[lease.key] = shard
+                for shard in claimed:
+                    shard.claimed_at = answered
                     shard.task = asyncio.create_task(
-                        self._run_shard(shard), name=f"{self.owner_id}-{lease.key}"
+                        self._run_shard(shard), name=f"{self.owner_id}-{shard.lease.key}"
                     )
                 if not leases:  # until the next poll, or a shard held here ends or is dropped
                     waits = [asyncio.ensure_future(event.wait()) for event in (self._stopping, self._room)]
@@ -209,14 +236,13 @@ class ShardRunner:
                         for wait in waits:
                             wait.cancel()
         finally:
-            heartbeat.cancel()
             watch.cancel()
             held = list(self._held.values())
             for shard in held:
                 if shard.task is not None:
                     shard.task.cancel()
             await asyncio.gather(
-                heartbeat, watch, *(s.task for s in held if s.task is not None), return_exceptions=True
+                heartbeat.stop(), watch, *(s.task for s in held if s.task is not None), return_exceptions=True
             )
             for shard in held:  # what is not released runs out with its lease
                 with contextlib.suppress(Exception):
@@ -226,35 +252,38 @@ class ShardRunner:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            sent = time.monotonic()
-            try:
-                kept = await asyncio.wait_for(
-                    self.ledger.renew(self.owner_id, self.ttl_s), self.call_timeout_s
-                )
-            except Exception as error:  # the database is away (or cut off): leases run out
-                logger.warning("%s could not renew its leases", self.owner_id, exc_info=True)
+    def _renewed(self, renewals: Sequence[Renewal]) -> None:
+        """Take in the heartbeat's renewals, oldest first (on the loop, whenever it gets to them):
+        drop the shards they lost, count the kept ones' leases from when they were sent, then
+        drop every shard whose lease surely ran out unrenewed."""
+        for renewal in renewals:
+            answer = renewal.answer
+            if answer is None:  # the database is away (or cut off): leases run out
+                error = renewal.error or RuntimeError("no answer")
+                logger.warning("%s could not renew its leases: %r", self.owner_id, error)
                 self._failed("ledger", error)
-                self._drop_expired(time.monotonic())
                 continue
             self._problems.pop("ledger", None)
             for key, shard in list(self._held.items()):
-                if shard.claimed_at >= sent:  # claimed while the renewal ran: it may not have seen it
-                    continue
-                if kept.get(key) != shard.lease.epoch:
+                epoch = shard.lease.epoch
+                if answer.renewed.get(key) == epoch:
+                    shard.valid_until = max(shard.valid_until, renewal.sent + self.ttl_s)
+                # not judged: a commit holds it (live, not extended), or it was claimed while the
+                # renewal ran (not asked for), or its last commit says whether it was lost
+                elif not (
+                    answer.busy.get(key) == epoch or shard.claimed_at >= renewal.sent or shard.finishing
+                ):
                     logger.info("%s lost shard %s of %s", self.owner_id, key[1], key[0])
                     self._drop(shard)
                     self.leases_lost += 1
-                else:
-                    shard.valid_until = sent + self.ttl_s
-            self._drop_expired(time.monotonic())
+        self._drop_expired(time.monotonic())
 
     async def _watch_stops(self) -> None:
         """Drop the shards of batches that stopped running (a cancel on any replica)."""
         while True:
             await asyncio.sleep(self.watch_s)
+            # the renewals drop these too; here, a heartbeat that stopped answering drops them anyway
+            self._drop_expired(time.monotonic())
             batch_ids = sorted({key[0] for key in self._held})
             if not batch_ids:
                 continue
@@ -282,9 +311,13 @@ class ShardRunner:
     def _drop(self, shard: _HeldShard) -> None:
         if self._held.get(shard.lease.key) is shard:
             del self._held[shard.lease.key]
+            if self._heartbeat is not None:  # not renewed any more: a lease still live runs out
+                self._heartbeat.hold(self.held)
             self._room.set()  # the claim loop may take another shard now
         if shard.task is not None and shard.task is not asyncio.current_task():
             shard.task.cancel()
+        for line in shard.lines:
+            line.cancel()
 
     async def _run_shard(self, shard: _HeldShard) -> None:
         lease = shard.lease
@@ -292,7 +325,7 @@ class ShardRunner:
             # each line's task reports to the queue as it ends: one wait per line, not a wait
             # over every task of the shard each time one ends
             ended: asyncio.Queue[asyncio.Task[tuple[int, LineResult]]] = asyncio.Queue()
-            pending: set[asyncio.Task[tuple[int, LineResult]]] = set()
+            pending = shard.lines
             for line in lease.remaining:
                 task = asyncio.create_task(self._run_one(lease.key, line))
                 task.add_done_callback(ended.put_nowait)
@@ -308,6 +341,7 @@ class ShardRunner:
                         done.append(ended.get_nowait())
                     pending.difference_update(done)
                     shard.buffer.extend(task.result() for task in done)
+                    shard.finishing = not pending  # the next commit may end the shard
                     due = time.monotonic() - last_commit >= self.commit_interval_s
                     if shard.unsure is not None or (
                         shard.buffer and (len(shard.buffer) >= self.commit_lines or due)
@@ -317,6 +351,7 @@ class ShardRunner:
             finally:
                 for task in pending:
                     task.cancel()
+            shard.finishing = True  # a shard with no line left to run
             while (
                 shard.buffer or shard.unsure is not None
             ):  # the last lines: until they are committed, or the lease is lost
@@ -383,7 +418,10 @@ class ShardRunner:
                         prefix_cached_tokens=sum(result.prefix_cached_tokens for result in results),
                     )
                 )
-            await self.ledger.commit(lease, parts)
+            sent = time.monotonic()
+            await self.ledger.commit(lease, parts, renew_s=self.ttl_s)
+            # it renewed the lease once its fence passed, after it was sent
+            shard.valid_until = max(shard.valid_until, sent + self.ttl_s)
         except CommitRefused:
             raise
         except LineCommittedTwice:
