@@ -33,13 +33,13 @@ ENDPOINT = "/v1/chat/completions"
 class Limited:
     def __init__(self, client: TestClient[Litestar], store: KeyStore, key: str) -> None:
         self.client, self.store, self.key = client, store, key
-        self.files: dict[int, str] = {}
 
     def file_of(self, size: int) -> str:
-        if size not in self.files:
-            lines = [chat_line(f"r-{size}-{i}") for i in range(size)]
-            self.files[size] = upload(self.client, jsonl(*lines), headers=self.headers)["id"]
-        return self.files[size]
+        """A new file of ``size`` requests (a file of its own for each batch: a batch still running
+        on a file is refused a second batch on it, whatever the limits say)."""
+        lines = [chat_line(f"r-{size}-{i}") for i in range(size)]
+        file_id: str = upload(self.client, jsonl(*lines), headers=self.headers)["id"]
+        return file_id
 
     @property
     def headers(self) -> dict[str, str]:
