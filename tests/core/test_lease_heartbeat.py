@@ -30,7 +30,7 @@ from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
 from tests.helpers import chat_line, jsonl
 
-pytestmark = [pytest.mark.live, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.live
 
 
 @pytest.fixture
