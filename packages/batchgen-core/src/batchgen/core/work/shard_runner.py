@@ -33,7 +33,7 @@ true again once the failing part has worked.
 
 A replica that cannot renew (paused, cut off from the database) fences itself: every ledger call
 it makes gives up after a third of the lease (``call_timeout_s``: a partition makes calls hang, not
-fail), and a shard whose lease has not been renewed for a whole lease, counted on this replica's
+fail; a claim after a whole lease, ``claim_timeout_s``, since a late claim costs nothing held), and a shard whose lease has not been renewed for a whole lease, counted on this replica's
 clock from when the last renewal that was answered was sent (read in the heartbeat's thread), is
 dropped as lost. The database has given it away by then (its clock started later), so the replica
 stops spending work on lines that are no longer its own; and should it try, every commit after
@@ -152,8 +152,13 @@ class ShardRunner:
         self.commit_interval_s = commit_interval_s
         self.poll_s = poll_s
         self.watch_s = watch_s
-        #: How long one claim, renewal or release may take before it counts as failed.
+        #: How long one release or watch may take before it counts as failed.
         self.call_timeout_s = ttl_s / 3
+        #: How long one claim may take before it counts as failed: a whole lease. A slow claim
+        #: costs no lease (the heartbeat's thread keeps those, and reports a database that does
+        #: not answer it within a third of a lease), so a loop busy with thousands of lines is not
+        #: called unhealthy for reading a claim's answer late.
+        self.claim_timeout_s = ttl_s
         self._slots = ShardSlots(concurrency)
         self._held: dict[tuple[str, int], _HeldShard] = {}
         self._stopping = asyncio.Event()
@@ -208,7 +213,7 @@ class ShardRunner:
                     claim = self.ledger.take_over(self.owner_id, rescue, self.ttl_s)
                 sent = time.monotonic()
                 try:
-                    leases = [] if claim is None else await asyncio.wait_for(claim, self.call_timeout_s)
+                    leases = [] if claim is None else await asyncio.wait_for(claim, self.claim_timeout_s)
                 except Exception as error:  # the database is away: try again after a poll interval
                     logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
                     self._failed("ledger", error)
