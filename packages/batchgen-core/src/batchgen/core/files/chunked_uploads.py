@@ -30,7 +30,6 @@ This is the single process's way of keeping uploads; replicas sharing a database
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -87,6 +86,7 @@ from batchgen.core.models import (
     Upload,
     UploadPart,
 )
+from batchgen.core.storage.local_blobs import move_file
 from batchgen.core.tenancy import EMBEDDED, Caller
 
 __all__ = [
@@ -169,22 +169,6 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(temporary, path)
-
-
-def _move(source: Path, destination: Path) -> None:
-    """Rename ``source`` to ``destination``, copying when they are on two filesystems."""
-    try:
-        os.replace(source, destination)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        copy = destination.with_name(destination.name + ".moving")
-        try:
-            shutil.copyfile(source, copy)
-            os.replace(copy, destination)
-        finally:
-            copy.unlink(missing_ok=True)
-        source.unlink()
 
 
 class ChunkedUploads:
@@ -491,7 +475,7 @@ class ChunkedUploads:
             final = self._final_path(upload.file_id)
             if not final.exists():
                 assembled = await anyio.to_thread.run_sync(self._assemble, upload)
-                await anyio.to_thread.run_sync(_move, assembled, final)
+                await anyio.to_thread.run_sync(move_file, assembled, final)
             file = self._new_file(
                 file_id=upload.file_id,
                 path=final,

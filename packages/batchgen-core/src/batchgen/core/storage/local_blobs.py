@@ -13,8 +13,10 @@ last run left half received never touches another's uploads in progress.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 from batchgen.core.storage.result_files import FinishedLines, OutputWriter, read_finished_lines
@@ -66,3 +68,23 @@ class LocalBlobStore:
     @staticmethod
     def read_finished(path: Path) -> FinishedLines:
         return read_finished_lines(path)
+
+
+def move_file(source: Path, destination: Path) -> None:
+    """Rename ``source`` to ``destination``; when they are on two filesystems, copy it to a
+    temporary name beside ``destination`` (synced), rename that, and delete ``source``, so
+    ``destination`` is never seen half written."""
+    try:
+        os.replace(source, destination)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        copy = destination.with_name(f".{destination.name}.{secrets.token_hex(6)}.moving")
+        try:
+            shutil.copyfile(source, copy)
+            with open(copy, "rb") as stream:
+                os.fsync(stream.fileno())
+            os.replace(copy, destination)
+        finally:
+            copy.unlink(missing_ok=True)
+        source.unlink()

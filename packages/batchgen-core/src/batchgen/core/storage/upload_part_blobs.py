@@ -20,16 +20,15 @@ disk or the network: the service makes them in worker threads.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from batchgen.core.storage.blob_urls import shared_folder
+from batchgen.core.storage.local_blobs import move_file
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -78,20 +77,7 @@ class FolderPartBlobs:
         final.parent.mkdir(parents=True, exist_ok=True)
         with open(received, "rb") as stream:
             os.fsync(stream.fileno())
-        try:
-            os.replace(received, final)
-        except OSError as exc:
-            if exc.errno != errno.EXDEV:
-                raise
-            temporary = final.with_name(f".{part_id}.{secrets.token_hex(6)}.tmp")
-            try:
-                shutil.copyfile(received, temporary)
-                with open(temporary, "rb") as stream:
-                    os.fsync(stream.fileno())
-                os.replace(temporary, final)
-            finally:
-                temporary.unlink(missing_ok=True)
-            received.unlink()
+        move_file(received, final)
 
     def chunks(self, upload_id: str, part_id: str, size: int) -> Iterator[bytes]:
         path = self.path(upload_id, part_id)
