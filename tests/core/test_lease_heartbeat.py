@@ -160,9 +160,10 @@ async def test_a_replica_runs_thousands_of_lines_at_once_on_a_busy_loop_and_keep
 ) -> None:
     """``--max-pool-size``'s default is 10,240: one replica runs thousands of a 30,000-line
     batch's lines at once (it holds the shards to fill its slots), while something else blocks
-    its loop for 0.4 s of every 0.6 s. Every lease holds (renewals every second of a 3 s lease),
-    it is healthy all along, and the batch completes with every line once."""
-    shared = SharedStorage(postgres_url, f"file://{tmp_path / 'shared'}", replica_id="big", lease_s=3.0)
+    its loop for 0.4 s of every 0.6 s. Every lease holds (renewals every 2 s of a 6 s lease: a
+    lease that a machine loaded by the rest of a parallel test run still keeps far apart from the
+    0.4 s blocks), it is healthy all along, and the batch completes with every line once."""
+    shared = SharedStorage(postgres_url, f"file://{tmp_path / 'shared'}", replica_id="big", lease_s=6.0)
     settings = ServiceSettings(storage_path=tmp_path / "big", shared=shared)
     backend = _CountingBackend(latency_s=0.3)
     lines = 30_000

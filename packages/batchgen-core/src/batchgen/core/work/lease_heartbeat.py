@@ -143,7 +143,7 @@ class LeaseHeartbeat:
                 if waited_s > self.ttl_s:
                     stalled = LoopStalled(f"the event loop left a renewal untaken for {waited_s:.1f} s")
                     self._made.append(Renewal(sent, error=stalled))
-                    self._tell_owner(self._hand_over)
+                    self._tell_owner(self.hand_over)
                     continue
                 try:
                     if connection is None:
@@ -160,7 +160,7 @@ class LeaseHeartbeat:
                 else:
                     renewal = Renewal(sent, answer)
                 self._made.append(renewal)
-                self._tell_owner(self._hand_over)
+                self._tell_owner(self.hand_over)
         finally:
             if connection is not None:
                 await _close(connection)
@@ -184,7 +184,10 @@ class LeaseHeartbeat:
 
     # --- on the owner's loop --------------------------------------------------------------
 
-    def _hand_over(self) -> None:
+    def hand_over(self) -> None:
+        """Hand the renewals made so far to ``on_renewals`` (on the owner's loop). The thread asks
+        the loop to call this after each renewal; the owner calls it too before judging its
+        leases, so a renewal that is made but still queued behind a busy loop counts."""
         renewals = []
         while self._made:
             renewals.append(self._made.popleft())

@@ -288,6 +288,9 @@ class ShardRunner:
         while True:
             await asyncio.sleep(self.watch_s)
             # the renewals drop these too; here, a heartbeat that stopped answering drops them anyway
+            # (after taking in the renewals it made that still wait for the loop: they count)
+            if self._heartbeat is not None:
+                self._heartbeat.hand_over()
             self._drop_expired(time.monotonic())
             batch_ids = sorted({key[0] for key in self._held})
             if not batch_ids:
