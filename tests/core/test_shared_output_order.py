@@ -341,7 +341,7 @@ async def replicas(postgres_url: str, tmp_path: Path) -> AsyncIterator[list[Batc
                 postgres_url, f"file://{tmp_path / 'shared'}", replica_id=name, lease_s=3.0
             )
             settings_ = ServiceSettings(storage_path=tmp_path / name, shared=shared, output_order="input")
-            service = BatchService(settings_, SimulatedBackend(latency_s=0.002, token_latency_s=0.004))
+            service = BatchService(settings_, SimulatedBackend(latency_s=0.002, token_latency_s=0.03))
             services.append(await stack.enter_async_context(service))
         yield services
 
@@ -358,6 +358,7 @@ async def test_two_replicas_end_a_batch_in_input_order_and_serve_the_same_bytes(
 ) -> None:
     first, second = replicas
     # each later line shorter: with a latency per token the last shard's lines are committed first
+    # (the first lines take up to 1.4 s, the last 0.03 s: far apart even on a loaded machine)
     lines = [chat_line(f"r{i}", f"question {i}", max_tokens=1 + (1299 - i) * 40 // 1300) for i in range(1300)]
     files = [await first.create_file(jsonl(*lines)) for _ in range(2)]
     ordered = await first.create_batch(files[0].id, "/v1/chat/completions")  # the replicas' default
