@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -54,10 +54,32 @@ class LiveServer:
                 self.process.wait()
 
 
+#: Ports handed out by ``free_port``: below Linux's ephemeral range (32768 up), so no connection's
+#: own port can take one, and split into one block per pytest-xdist worker, so two workers never
+#: hand out the same port between one's check and its server's bind.
+_PORT_FIRST, _PORT_BLOCK, _PORT_BLOCKS = 20000, 1000, 12
+_next_ports: Iterator[int] | None = None
+
+
+def _worker_ports() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = _PORT_FIRST + (int(worker) % _PORT_BLOCKS if worker.isdigit() else 0) * _PORT_BLOCK
+    return itertools.cycle(range(first, first + _PORT_BLOCK))
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port of 127.0.0.1 that nothing listens on now, from this worker's own block."""
+    global _next_ports
+    if _next_ports is None:
+        _next_ports = _worker_ports()
+    for port in itertools.islice(_next_ports, _PORT_BLOCK):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in this worker's block of {_PORT_BLOCK}")
 
 
 #: Set to a ``--dtype`` choice (``float32``) to run every transformers server the tests start in

@@ -9,6 +9,7 @@ fetched from a model hub.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -71,9 +72,21 @@ def resolve_model_folder(model: str | None, cache_dir: Path) -> tuple[Path, str]
 
 
 def convert_gguf_once(gguf: Path, target: Path) -> Path:
-    """Dequantise ``gguf`` into a safetensors folder at ``target`` unless that was done before."""
+    """Dequantise ``gguf`` into a safetensors folder at ``target`` unless that was done before.
+
+    Processes converting into one cache at once take turns on a lock file beside ``target``: the
+    first converts, the others wait for it and find the folder done."""
     if (target / _MARKER).exists():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f"{target.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _MARKER).exists():
+            return target
+        return _convert(gguf, target)
+
+
+def _convert(gguf: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info(
