@@ -65,6 +65,8 @@ UNIT_MARKERS = "not model and not live and not fuzz and not slow"
 #: pytest-xdist: the fast loop spreads its test modules over the CPU cores (one module's tests run
 #: in one worker, in order, sharing their module-scoped fixtures).
 UNIT_WORKERS = ("--numprocesses", "auto", "--dist", "loadfile")
+#: Chooses the Hypothesis profile: dev, ci (the default) or nightly (tests/examples.py).
+HYPOTHESIS_PROFILE_VARIABLE = "BATCHGEN_HYPOTHESIS_PROFILE"
 #: The whole suite's workers: more than the 2 cores, since most of its time is spent waiting (for
 #: servers to start, batches to run, leases to run out), one module's tests in one worker as in
 #: the fast loop. Each worker starts its own PostgreSQL and SeaweedFS when its tests need them, and
@@ -147,6 +149,9 @@ def unit(session: nox.Session) -> None:
     _install_packages(session, *UNIT_DEPS, "pytest-xdist")
     # A run given pytest arguments (a file, -k ...) runs in one process unless they say -n.
     workers = () if session.posargs else UNIT_WORKERS
+    # The fast loop draws a fifth of each Hypothesis test's examples (tests/examples.py); the
+    # tests session, and so CI, draws them all. Set the variable to choose another profile.
+    session.env.setdefault(HYPOTHESIS_PROFILE_VARIABLE, os.environ.get(HYPOTHESIS_PROFILE_VARIABLE, "dev"))
     session.run("pytest", "-m", UNIT_MARKERS, "-p", "no:cacheprovider", *workers, *session.posargs)
 
 

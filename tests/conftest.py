@@ -32,6 +32,7 @@ from litestar.testing import TestClient
 
 from batchgen.server.app import create_app
 from batchgen.server.cli import settings_from_args
+from tests.examples import SCALES, profile
 from tests.live import LiveServer, start_server
 from tests.postgres import PostgresServer
 from tests.seaweedfs import SeaweedServer
@@ -39,11 +40,18 @@ from tests.tiny_model import VLLM_HEAD_DIM, build_tiny_model
 
 # Hypothesis judges what a test asserts, never how long one example takes: on two shared cores
 # (CI, or a suite beside other work) an example can take seconds, and a per-example deadline or a
-# "too slow" health check would fail a correct test. Each test's own settings still apply on top.
-settings.register_profile(
-    "batchgen", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
-)
-settings.load_profile("batchgen")
+# "too slow" health check would fail a correct test. Each test's own settings still apply on top;
+# the profile (BATCHGEN_HYPOTHESIS_PROFILE: dev, ci, nightly; tests/examples.py) scales the number
+# of examples, of the tests that name theirs (``examples(N)``) and of those that do not (100).
+for _name, _scale in SCALES.items():
+    settings.register_profile(
+        _name,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
+        max_examples=round(100 * _scale),
+    )
+settings.load_profile(profile())
 
 #: Fixtures that start ``batchgen-server`` processes: a test using one is ``live``.
 #: ``postgres_server`` and ``postgres_url`` start a real PostgreSQL (``tests.postgres``),

@@ -21,6 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,7 +93,7 @@ def test_a_second_install_of_the_same_step_skips_pip(project: Path, monkeypatch:
     assert len(session.installs) == 2  # other requirements: installed
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(which=st.sampled_from(STAMPED), text=st.text(min_size=1, max_size=20))
 def test_a_change_to_the_pins_or_a_packages_metadata_installs_again(
     tmp_path_factory: pytest.TempPathFactory, which: str, text: str

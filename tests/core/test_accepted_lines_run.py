@@ -32,6 +32,7 @@ from batchgen.core.files.batch_file import validate_batch_file
 from batchgen.core.models import BatchParameters, GenerationRequest, SamplingParameters
 from batchgen.core.requests.parameters import ServerDefaults
 from batchgen.core.requests.schema import read_body, read_envelope
+from tests.examples import examples
 from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
@@ -139,7 +140,9 @@ _ORDINARY = GenerationRequest(
 
 
 @given(line=_lines, alone=st.booleans())
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 def test_an_accepted_line_runs_or_is_refused_for_its_own_reason(
     engine: DecodeEngine, tmp_path: Path, line: tuple[str, dict[str, Any]], alone: bool
 ) -> None:

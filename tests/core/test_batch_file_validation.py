@@ -32,6 +32,7 @@ from batchgen.core.files import batch_file
 from batchgen.core.files.batch_file import LineRouter, validate_batch_file
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from batchgen.core.requests import json_bounds
+from tests.examples import examples
 
 CHAT = CHAT_COMPLETIONS
 SERVED = ("simulated", "default")
@@ -134,7 +135,7 @@ def _outcome(path: Path, served: tuple[str, ...] | LineRouter) -> object:
         return ("invalid", [(problem.line, problem.message) for problem in exc.problems], str(exc))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     content=st.lists(st.tuples(lines(), st.sampled_from([b"\n", b"\r\n"])), min_size=1, max_size=25),
     last_newline=st.booleans(),
@@ -278,7 +279,7 @@ def shaped_files(draw: st.DrawFn) -> tuple[bytes, str]:
     return data, endpoint
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(
     file=shaped_files(),
     block_bytes=st.sampled_from([300, 3000, 1 << 20]),

@@ -36,6 +36,7 @@ from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, Schedul
 from batchgen.core.scheduling.deadline_turns import DEADLINE_GRID_SHARE, deadline_grid, deadline_slot
 from batchgen.core.scheduling.intake_pool import FAIR_TURN_EVERY
 from tests.core.test_scheduling_state_machines import make_index
+from tests.examples import examples
 
 
 async def _not_run(entry: IntakeEntry) -> None:
@@ -150,7 +151,9 @@ class DeadlineMachine(RuleBasedStateMachine):
             assert not late, f"requests admitted at or after their deadline step: {late}"
 
 
-DeadlineMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+DeadlineMachine.TestCase.settings = settings(
+    max_examples=examples(300), stateful_step_count=40, deadline=None
+)
 TestDeadlineMachine = DeadlineMachine.TestCase
 
 TENANTS = ("alpha", "beta", "gamma")
@@ -208,7 +211,9 @@ class TenantShareMachine(RuleBasedStateMachine):
             assert self.with_deadlines.tenants_queued() == self.without.tenants_queued()
 
 
-TenantShareMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TenantShareMachine.TestCase.settings = settings(
+    max_examples=examples(150), stateful_step_count=40, deadline=None
+)
 TestTenantShareMachine = TenantShareMachine.TestCase
 
 
@@ -218,7 +223,7 @@ TestTenantShareMachine = TenantShareMachine.TestCase
     gap=st.integers(60, 10**6),
     head_start=st.integers(0, 10),
 )
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 def test_a_near_deadline_behind_a_far_one_of_the_same_tenant_finishes_first(
     far: int, near: int, gap: int, head_start: int
 ) -> None:
@@ -279,7 +284,7 @@ def test_a_deadline_must_be_a_number_and_a_refused_one_changes_nothing() -> None
         max_size=12,
     ),
 )
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_with_model_shares_only_admissible_batches_are_taken_and_each_request_once(
     batches: list[tuple[str, int, int, bool]],
 ) -> None:

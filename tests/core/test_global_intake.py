@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 from batchgen.core.work.intake import CAPACITY, TENANT_ACTIVE, TENANT_QUEUED, IntakeFull, IntakeLimits
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
 from batchgen.core.work.shards import OUTPUT, SegmentPart
+from tests.examples import examples
 
 pytestmark = pytest.mark.live
 
@@ -145,7 +146,9 @@ class IntakeMachine(RuleBasedStateMachine):
 
 def test_admissions_and_cancels_through_three_replicas_match_the_model(postgres_url: str) -> None:
     IntakeMachine.url = postgres_url
-    run_state_machine_as_test(IntakeMachine, settings=settings(max_examples=40, stateful_step_count=30))
+    run_state_machine_as_test(
+        IntakeMachine, settings=settings(max_examples=examples(40), stateful_step_count=30)
+    )
 
 
 @pytest.mark.anyio

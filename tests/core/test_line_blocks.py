@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.files.batch_file import index_batch_file
 from batchgen.core.files.line_blocks import InputChanged, read_spans
+from tests.examples import examples
 
 #: Line contents: JSON-ish text, without line breaks (the file's own separators are added apart).
 _TEXT = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]), max_size=300)
@@ -42,7 +43,7 @@ def files(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
     return data, lines
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(file=files(), data=st.data(), block_bytes=st.integers(1, 2048))
 def test_spans_read_in_blocks_are_the_lines_the_index_recorded(
     tmp_path_factory: pytest.TempPathFactory,

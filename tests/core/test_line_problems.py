@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from batchgen.core.errors import InvalidBatchFile
 from batchgen.core.files.batch_file import MAX_LINE_PROBLEMS, MAX_REPORTED_LINES, validate_batch_file
 from batchgen.core.requests.schema import line_problems
+from tests.examples import examples
 
 MESSAGES = 30
 #: Each problem kind: where it sorts in the line (its top-level field, then its body field and
@@ -106,7 +107,7 @@ def _deduplicated(kinds: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(kind, index) for kind, index in kinds if not (kind == "role" and index in missing)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=len(KINDS), unique=True))
 def test_every_problem_of_a_line_is_reported_up_to_the_bound(
     tmp_path_factory: pytest.TempPathFactory, kinds: list[tuple[str, str]]
@@ -132,7 +133,7 @@ def test_every_problem_of_a_line_is_reported_up_to_the_bound(
     assert "(and " not in str(error)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=len(KINDS), unique=True),
     lines=st.integers(1, 2 * MAX_REPORTED_LINES),

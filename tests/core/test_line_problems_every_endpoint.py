@@ -26,6 +26,7 @@ from batchgen.core.backends.served_models import ModelSet, ServedModel
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.errors import InvalidBatchFile
 from batchgen.core.files.batch_file import MAX_LINE_PROBLEMS, validate_batch_file
+from tests.examples import examples
 
 ITEMS = 12  # messages / input items per line, each of which may be broken
 
@@ -198,7 +199,7 @@ def lines(draw: st.DrawFn) -> tuple[str, set[tuple[str, Any]]]:
     return endpoint, kinds
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(drawn=lines())
 def test_every_problem_of_a_line_of_any_endpoint_is_reported_up_to_the_bound(
     tmp_path_factory: pytest.TempPathFactory, drawn: tuple[str, set[tuple[str, Any]]]

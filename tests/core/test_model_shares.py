@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
 from batchgen.core.scheduling.model_shares import ModelShares
+from tests.examples import examples
 
 MODELS = ("chat", "emb", "big")
 
@@ -124,7 +125,9 @@ class ModelSharesMachine(RuleBasedStateMachine):
         assert len(self.admitted) == len(self.finished) + len(self.running)
 
 
-ModelSharesMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+ModelSharesMachine.TestCase.settings = settings(
+    max_examples=examples(200), stateful_step_count=60, deadline=None
+)
 TestModelSharesMachine = ModelSharesMachine.TestCase
 
 

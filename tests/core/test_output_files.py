@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from batchgen.core.models import GenerationResult
 from batchgen.core.requests.results import error_line, output_line
 from batchgen.core.storage import OutputWriter, read_finished_lines
+from tests.examples import examples
 
 
 def test_a_torn_last_line_is_cut_off_and_complete_lines_are_read_back(tmp_path: Path) -> None:
@@ -49,7 +50,7 @@ _LINE_BREAKERS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 _TEXT = st.text(st.one_of(st.sampled_from(_LINE_BREAKERS), st.characters(exclude_categories=["Cs"])))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(custom_ids=st.lists(_TEXT.filter(bool), min_size=1, max_size=5, unique=True), text=_TEXT)
 def test_every_line_reads_back_as_one_record_however_it_is_split(custom_ids: list[str], text: str) -> None:
     """``splitlines()`` of a file of output and error lines (the openai SDK idiom) gives one

@@ -26,6 +26,7 @@ from batchgen.core.batches.output_order import (
 )
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.requests.results import error_line
+from tests.examples import examples
 
 
 def _input(folder: Path, custom_ids: list[str]) -> Path:
@@ -50,7 +51,7 @@ def _result(custom_id: str, failed: bool) -> bytes:
     return json.dumps(record).encode() + b"\n"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data(), count=st.integers(1, 60))
 def test_any_finishing_order_ends_in_input_order_with_the_same_lines(
     tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, count: int

@@ -44,6 +44,7 @@ from batchgen.core.models import GenerationRequest, GenerationResult
 from batchgen.core.requests.prefix_keys import prefix_key
 from batchgen.core.scheduling import IntakePool
 from tests.core.test_scheduling_state_machines import make_index
+from tests.examples import examples
 
 TENANTS = ("t0", "t1", "t2")
 
@@ -220,7 +221,9 @@ class PrefixGroupingMachine(RuleBasedStateMachine):
             assert not done & self.dropped[batch_id]
 
 
-PrefixGroupingMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+PrefixGroupingMachine.TestCase.settings = settings(
+    max_examples=examples(80), stateful_step_count=40, deadline=None
+)
 TestPrefixGroupingMachine = PrefixGroupingMachine.TestCase
 
 

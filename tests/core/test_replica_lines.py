@@ -41,6 +41,7 @@ from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shard_runner import ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
 from tests.core.test_request_outcomes import ScriptedBackend
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl, read_jsonl
 
 #: Fields that differ between two runs of one request: generated ids and clock readings.
@@ -111,7 +112,9 @@ async def _both_ways(storage: Path, kinds: list[str], separate: bool) -> tuple[d
     return by_service, by_runner, batch
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     kinds=st.lists(
         st.sampled_from(["answer", "reject", "flaky", "flaky-once", "boom"]), min_size=1, max_size=10

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from batchgen.core import BatchService, BatchStatus, ServiceSettings
 from batchgen.core.backends import RequestAborted, RequestRejected, TransientBackendError
 from batchgen.core.models import Batch, GenerationRequest, GenerationResult, Health
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl, read_jsonl
 
 #: What each kind of request does, and the line it must end with (None: an output line).
@@ -90,7 +91,9 @@ async def _run(storage: Path, kinds: list[str]) -> tuple[Batch, list[dict], list
         return batch, output, errors
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=12))
 def test_every_request_ends_with_exactly_one_line(
     tmp_path_factory: pytest.TempPathFactory, kinds: list[str]

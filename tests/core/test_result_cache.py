@@ -34,6 +34,7 @@ from batchgen.core.models import (
     GenerationRequest,
     SamplingParameters,
 )
+from tests.examples import examples
 
 _scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8)
 _json = st.recursive(
@@ -271,7 +272,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestStoreMachine = StoreMachine.TestCase
-TestStoreMachine.settings = settings(max_examples=30, stateful_step_count=30)
+TestStoreMachine.settings = settings(max_examples=examples(30), stateful_step_count=30)
 
 
 def test_a_damaged_cache_file_is_a_miss_not_a_failure(

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.batches.result_merge import FamilyIndex, Outcome
+from tests.examples import examples
 
 #: What one batch of the family wrote for one request: a success, an error line, or a response
 #: whose status is an error (also a failure).
@@ -53,7 +54,7 @@ def families(draw: st.DrawFn) -> tuple[list[str], list[dict[str, str]], list[lis
 
 
 @given(family=families(), torn=st.booleans())
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 def test_the_merged_view_is_the_best_line_of_each_request_in_input_order(
     family: tuple[list[str], list[dict[str, str]], list[list[str]]], torn: bool
 ) -> None:

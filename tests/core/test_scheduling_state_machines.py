@@ -42,6 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from batchgen.core.errors import IntakeFull
 from batchgen.core.files.batch_file import LineIndex
 from batchgen.core.scheduling import IntakeEntry, IntakePool, Scheduler, SchedulingPool
+from tests.examples import examples
 
 Request = tuple[str, int]  # (batch_id, line)
 
@@ -352,7 +353,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished.add((entry.batch_id, entry.line))
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=examples(150), stateful_step_count=60, deadline=None
+)
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
@@ -642,7 +645,9 @@ class TenantSchedulerMachine(RuleBasedStateMachine):
         )
 
 
-TenantSchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TenantSchedulerMachine.TestCase.settings = settings(
+    max_examples=examples(150), stateful_step_count=60, deadline=None
+)
 TestTenantSchedulerMachine = TenantSchedulerMachine.TestCase
 
 

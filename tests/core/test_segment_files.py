@@ -23,6 +23,7 @@ from batchgen.core.work.s3_segments import S3Segments
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import SegmentMissing, SegmentStore, open_segment_store, segment_key
 from batchgen.core.work.shards import ERRORS, OUTPUT, Segment
+from tests.examples import examples
 from tests.seaweedfs import SeaweedServer
 
 payloads = st.lists(st.binary(min_size=0, max_size=40), min_size=0, max_size=6)
@@ -50,7 +51,7 @@ def _committed(store: SegmentStore, contents: list[bytes], torn: bytes = b"") ->
 
 
 # each example makes its own store through the factory: nothing is shared between examples
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=60)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=examples(60))
 @given(contents=payloads, torn=st.binary(max_size=8), data=st.data())
 def test_any_range_of_the_committed_bytes_is_that_slice(
     new_store: StoreFactory, contents: list[bytes], torn: bytes, data: st.DataObject

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from batchgen.core import BatchService, ServiceSettings
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.errors import Conflict
+from tests.examples import examples
 
 LONG = "word " * 40  # over the backend's context of 20: an error line
 
@@ -69,7 +70,7 @@ async def _run(storage: Path, plan: list[tuple[int, int, int | None]], slots: in
     assert totals.completion_tokens_total == sum(b.usage.completion_tokens for b in ended)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plans, st.integers(1, 6))
 def test_the_totals_equal_the_sum_of_every_batch_s_counts(
     plan: list[tuple[int, int, int | None]], slots: int

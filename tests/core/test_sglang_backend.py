@@ -35,6 +35,7 @@ from batchgen.core.backends.capabilities import capabilities_of, passed_options
 from batchgen.core.backends.sglang_engine import SGLangBackend, rejection_for, sampling_params
 from batchgen.core.models import Batch, SamplingParameters
 from batchgen.core.requests.schema import read_body, read_envelope
+from tests.examples import examples
 
 pytestmark = pytest.mark.anyio
 
@@ -230,7 +231,7 @@ async def test_penalties_reach_the_engine_as_sglangs_same_named_sampling_paramet
 _penalty_values = st.none() | st.integers(-2, 2) | st.floats(-2, 2, allow_nan=False)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(frequency=_penalty_values, presence=_penalty_values, completion=st.booleans())
 def test_every_allowed_penalty_is_sent_by_name_and_value(
     frequency: float | None, presence: float | None, completion: bool

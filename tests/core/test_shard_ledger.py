@@ -45,6 +45,7 @@ from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import segment_key
 from batchgen.core.work.shard_runner import collect_orphans
 from batchgen.core.work.shards import ERRORS, OUTPUT, Lease, SegmentPart, plan_shards
+from tests.examples import examples
 from tests.postgres import PostgresServer
 
 pytestmark = pytest.mark.live
@@ -398,7 +399,9 @@ def ledger_machine(postgres_url: str, tmp_path: Path) -> type[LedgerMachine]:
 
 
 def test_leases_fencing_and_the_manifest_hold_in_any_order(ledger_machine: type[LedgerMachine]) -> None:
-    run_state_machine_as_test(ledger_machine, settings=settings(max_examples=120, stateful_step_count=50))
+    run_state_machine_as_test(
+        ledger_machine, settings=settings(max_examples=examples(120), stateful_step_count=50)
+    )
 
 
 @pytest.mark.anyio

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from batchgen.core.work.shard_slots import ShardSlots
+from tests.examples import examples
 
 SHARDS = ("a", "b", "c", "d")
 
@@ -105,7 +106,7 @@ class SlotsMachine(RuleBasedStateMachine):
             assert self.slots.free == 0, "a slot is free while a line waits"
 
 
-SlotsMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+SlotsMachine.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 test_shard_slots_machine = SlotsMachine.TestCase
 
 

@@ -46,6 +46,7 @@ from batchgen.core.work.s3_segments import S3Segments
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import SegmentMissing, SegmentStore, segment_key
 from batchgen.core.work.shards import ERRORS, OUTPUT, Segment, SegmentPart
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl
 from tests.seaweedfs import SeaweedServer
 
@@ -107,7 +108,9 @@ def _write(
     return manifest
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=60, deadline=None)
+@settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=examples(60), deadline=None
+)
 @given(layout=_layouts(), data=st.data())
 def test_any_layout_reads_as_its_lines_sorted_and_any_range_is_a_slice(
     new_store: StoreFactory, layout: tuple[list[list[tuple[int, int]]], dict[int, bytes]], data: st.DataObject

@@ -35,6 +35,7 @@ from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files import shared_uploads
 from batchgen.core.files.upload_rules import UploadQuotaExceeded
 from batchgen.core.tenancy import EMBEDDED, Caller, TenantLimits
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl
 
 pytestmark = pytest.mark.live
@@ -109,7 +110,7 @@ async def _send_all(services: list[BatchService], upload_id: str, parts: list[by
     return ids
 
 
-_EXAMPLES = settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+_EXAMPLES = settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @_EXAMPLES
@@ -286,7 +287,7 @@ async def _stored(service: BatchService, tenant: Caller) -> int:
     return await service.parts.calls(uploads._records.stored_bytes, tenant.tenant)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
 @given(sizes=st.lists(st.integers(1, 400), min_size=2, max_size=16), limit=st.integers(300, 1500))
 @pytest.mark.anyio
 async def test_parts_and_files_on_both_replicas_at_once_never_pass_max_stored_bytes(

@@ -43,6 +43,7 @@ from batchgen.core.storage import (
 from batchgen.core.storage.faults import storage_fault
 from batchgen.core.webhook_outbox import OutboxMessage
 from tests.database_lock import locked_elsewhere, postgres_locked_elsewhere
+from tests.examples import examples
 from tests.seaweedfs import SeaweedServer
 
 
@@ -196,7 +197,7 @@ def test_expired_files_are_those_due_oldest_first(metadata: MetadataStore) -> No
     assert metadata.expired_files(99) == []
 
 
-@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(count=st.integers(0, 25), limit=st.integers(1, 7), descending=st.booleans())
 def test_file_pages_cover_every_file_once_in_creation_order(
     storage: Storage, count: int, limit: int, descending: bool
@@ -279,7 +280,7 @@ def test_active_batches_are_the_unfinished_ones_oldest_first(metadata: MetadataS
     assert [b.id for b in active] == sorted(b.id for b in active)
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     count=st.integers(1, 30),
     limit=st.integers(1, 6),
@@ -402,7 +403,9 @@ def _stored(blobs: BlobStore, file_id: str, data: bytes) -> Path:
     return path
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.binary(max_size=4096))
 def test_a_published_file_reads_the_same_on_every_replica(storage: Storage, data: bytes) -> None:
     blobs = storage.open_blobs()

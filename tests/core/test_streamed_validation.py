@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from batchgen.core.errors import InvalidBatchFile
 from batchgen.core.files.batch_file import BatchFileSummary, validate_batch_file
 from batchgen.core.files.streamed_validation import StreamedValidation, validate_exactly
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl
 
 _LINES = st.one_of(
@@ -57,7 +58,7 @@ def _streamed(data: bytes, cuts: list[int]) -> BatchFileSummary:
     return validate_exactly(chunks, None, found)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(lines=st.lists(_LINES, max_size=40), cuts=st.lists(st.integers(0, 4000), max_size=8))
 def test_streamed_validation_says_what_the_whole_file_validation_says(
     lines: list[object], cuts: list[int], tmp_path_factory: pytest.TempPathFactory

@@ -30,6 +30,7 @@ from batchgen.core import (
 from batchgen.core.errors import InvalidRequest
 from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.storage import SQLiteMetadataStore
+from tests.examples import examples
 
 CHAT = "/v1/chat/completions"
 TENANTS = ("alpha", "beta", "gamma")
@@ -55,7 +56,9 @@ async def _expect_not_found(call: object) -> None:
         await call  # type: ignore[misc]
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(owners=st.lists(st.sampled_from(TENANTS), min_size=1, max_size=5))
 def test_every_caller_sees_exactly_what_it_may(
     tmp_path_factory: pytest.TempPathFactory, owners: list[str]

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine, Outcome
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.examples import examples
 from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
@@ -63,7 +64,9 @@ def _completion(
     )
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     choices=st.integers(1, 4),
     max_tokens=st.integers(1, 4),

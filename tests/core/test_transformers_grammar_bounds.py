@@ -29,6 +29,7 @@ from batchgen.core.backends.hf_decode import ABORTED, REJECTED, DecodeEngine, Ou
 from batchgen.core.backends.hf_grammar_bounds import GrammarBounds
 from batchgen.core.backends.hf_transformers import TransformersBackend
 from batchgen.core.models import CHAT_COMPLETIONS, COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.examples import examples
 from tests.tiny_engine import load_tiny_engine, run_to_end
 
 pytestmark = [pytest.mark.model, pytest.mark.live]
@@ -99,7 +100,9 @@ oversized = st.one_of(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(schema=oversized, choices=st.integers(1, 3))
 def test_a_schema_past_a_size_bound_is_its_lines_error_and_the_others_complete(
     small: DecodeEngine, schema: dict[str, Any], choices: int
@@ -113,7 +116,9 @@ def test_a_schema_past_a_size_bound_is_its_lines_error_and_the_others_complete(
     assert (small.grammars.compiles if small.grammars is not None else 0) == compiles, "never compiled"
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(properties=st.integers(1, 30), enum=st.integers(1, 30), depth=st.integers(0, 3))
 def test_a_schema_within_the_bounds_runs_constrained(
     small: DecodeEngine, properties: int, enum: int, depth: int
@@ -137,7 +142,9 @@ def _disjoint_types() -> st.SearchStrategy[tuple[str, str]]:
     return st.tuples(st.sampled_from(kinds), st.sampled_from(kinds)).filter(lambda pair: pair[0] != pair[1])
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(types=_disjoint_types(), nested=st.booleans())
 def test_an_impossible_schema_is_its_lines_error(
     small: DecodeEngine, types: tuple[str, str], nested: bool
@@ -181,7 +188,9 @@ def test_a_one_schema_allof_is_that_schema(small: DecodeEngine) -> None:
     assert result is not None and json.loads(result.text)["colour"] in {"red", "blue"}
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(uses=st.lists(st.integers(0, 3), min_size=1, max_size=8), choices=st.integers(1, 2))
 def test_each_schema_is_compiled_once_however_many_lines_use_it(
     small: DecodeEngine, uses: list[int], choices: int
@@ -351,7 +360,9 @@ def _counting(engine: DecodeEngine) -> Iterator[list[tuple[str, int]]]:
         engine._tokenizer = tokenizer
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(size=st.integers(1, 40), kind=st.sampled_from(["prompt", "content", "messages"]))
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered_or_tokenized(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, size: int, kind: str

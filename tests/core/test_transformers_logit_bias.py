@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.backends.hf_decode import REJECTED, DecodeEngine
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.examples import examples
 from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
@@ -39,7 +40,9 @@ def _chat(request_id: str, options: dict[str, Any]) -> GenerationRequest:
     )
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(token=st.integers(0, 40_000))
 def test_a_strong_bias_decides_the_greedy_token(engine: DecodeEngine, token: int) -> None:
     outcomes = run_to_end(engine, _chat("plain", {}), _chat("biased", {"logit_bias": {str(token): 100}}))

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.backends.hf_decode import DecodeEngine
 from batchgen.core.models import CHAT_COMPLETIONS, GenerationRequest, SamplingParameters
+from tests.examples import examples
 from tests.tiny_engine import run_to_end, tiny_engine
 
 pytestmark = [pytest.mark.model]
@@ -92,7 +93,9 @@ def _first_greedy_token(engine: DecodeEngine) -> int:
 _penalty = st.sampled_from([0, 2, -2, 0.4, -0.5]) | st.floats(-2, 2, allow_nan=False, width=32)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(frequency=_penalty, presence=_penalty, bias=st.sampled_from([0, 0.5, 1, 1.5, 3]))
 def test_the_penalties_follow_openais_formula(
     engine: DecodeEngine, frequency: float, presence: float, bias: float

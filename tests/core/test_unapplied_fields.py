@@ -40,6 +40,7 @@ from batchgen.core.requests.sampling_ranges import (
     MAX_STOP_SEQUENCES,
 )
 from batchgen.core.requests.schema import read_body, read_envelope
+from tests.examples import examples
 from tests.helpers import chat_line, completion_line
 
 
@@ -51,7 +52,7 @@ def _problem(line: dict[str, Any]) -> InvalidRequest | None:
     return None
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 2 * MAX_STOP_CHARS), min_size=0, max_size=MAX_STOP_SEQUENCES + 2),
     as_string=st.booleans(),
@@ -78,7 +79,7 @@ _token_ids = st.integers(0, 10**6).map(str) | st.sampled_from(["-1", "a", "1.5",
 _biases = st.integers(-2 * MAX_LOGIT_BIAS, 2 * MAX_LOGIT_BIAS) | st.floats(-200, 200, allow_nan=False)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     bias=st.dictionaries(_token_ids, _biases, max_size=4)
     | st.dictionaries(st.integers(0, 10**5).map(str), st.just(1), min_size=290, max_size=310)
@@ -195,7 +196,7 @@ _penalty_values = (
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     field=st.sampled_from(["frequency_penalty", "presence_penalty"]),
     value=_penalty_values,

@@ -22,6 +22,7 @@ from batchgen.core.errors import BatchGenError
 from batchgen.core.files import upload_parts
 from batchgen.core.files.streamed_validation import BomStrip
 from batchgen.core.files.upload_parts import ASSEMBLED, PartFolder
+from tests.examples import examples
 
 BOM = b"\xef\xbb\xbf"
 
@@ -62,7 +63,7 @@ def _folder() -> Iterator[PartFolder]:
         yield PartFolder(path)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(upload=_uploads(), skip_bom=st.booleans())
 def test_the_file_is_the_parts_in_the_order_named_and_the_log_is_renamed_when_it_can_be(
     upload: tuple[dict[str, bytes], list[tuple[str, bool]], list[str]], skip_bom: bool
@@ -99,7 +100,7 @@ def test_a_part_arriving_into_the_log_meanwhile_keeps_it_from_being_renamed() ->
         assert target.read_bytes() == b"first\nsecond\n"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(upload=_uploads(), crash_after=st.integers(0, 8), skip_bom=st.booleans())
 def test_assembly_cut_by_a_crash_at_any_copy_resumes_to_the_same_file(
     upload: tuple[dict[str, bytes], list[tuple[str, bool]], list[str]], crash_after: int, skip_bom: bool
@@ -187,7 +188,7 @@ def test_a_part_refused_after_it_arrived_is_cut_off_the_log() -> None:
         assert [json.loads(line)["id"] for line in folder.index.read_text().splitlines()] == ["a"]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     data=st.binary(max_size=40),
     with_mark=st.booleans(),

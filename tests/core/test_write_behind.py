@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from batchgen.core.files import streamed_validation, write_behind
 from batchgen.core.files.streamed_validation import Segment, segment_chunks
 from batchgen.core.files.write_behind import open_write_behind
+from tests.examples import examples
 
 
 @contextlib.contextmanager
@@ -27,7 +28,7 @@ def _folder() -> Iterator[Path]:
         yield Path(name)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     before=st.binary(max_size=3000),
     position=st.integers(0, 3000),
@@ -62,7 +63,7 @@ def test_a_new_file_is_made_anew() -> None:
         assert path.read_bytes() == b"new"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     data=st.binary(min_size=1, max_size=5000),
     cuts=st.lists(st.integers(0, 5000), max_size=5),

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from batchgen.core.files.batch_file import MAX_LINE_PROBLEMS
 from tests.core.test_line_problems_every_endpoint import build, lines
+from tests.examples import examples
 from tests.helpers import (
     ApiFactory,
     api_error,
@@ -241,7 +242,7 @@ def test_every_problem_of_a_line_of_any_endpoint_is_reported_by_the_server(api_f
     down = f"http://127.0.0.1:{free_port()}/v1"
     client = api_factory("--model", "sim=simulated", "--model", f"up=openai:upstream={down},upstream-model=m")
 
-    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(drawn=lines())
     def check(drawn: tuple[str, set[tuple[str, object]]]) -> None:
         line, params = build(*drawn)

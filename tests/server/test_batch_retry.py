@@ -17,6 +17,7 @@ from litestar.testing import TestClient
 
 from batchgen.server.api_keys import KeyStore
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import (
     TERMINAL,
     ApiFactory,
@@ -112,7 +113,7 @@ def test_a_batch_with_30_percent_failures_retried_until_clean_has_one_success_pe
     cancel=st.booleans(),
     outcomes=st.sampled_from([None, ["failed"], ["not_run"], ["failed", "not_run"], ["not_run", "failed"]]),
 )
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 def _retry_holds_exactly_the_lines_without_a_success(
     api: httpx.Client, fails: list[bool], cancel: bool, outcomes: list[str] | None
 ) -> None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from batchgen.core.errors import InvalidBatchFile
 from batchgen.core.files import chunked_uploads
 from batchgen.core.files.batch_file import validate_batch_file
+from tests.examples import examples
 from tests.helpers import api_error, chat_line, jsonl
 from tests.keys import authorized, create_key
 from tests.live import LiveServer
@@ -77,7 +78,7 @@ def upload_folder(storage: Path, upload_id: str) -> list[str]:
 
 
 _SETTINGS = settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
@@ -143,7 +144,9 @@ def test_lines_across_part_boundaries_are_one_file_and_a_bad_line_is_named_by_it
     assert batch.json()["request_counts"]["total"] == count
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     count=st.integers(1, 300),
     bad=st.integers(0, 299),

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.helpers import CHAT, api_error, chat_line, jsonl, post_batch, post_file, upload
 
 #: Decimal digits of other scripts, which ``int()`` and ``str.isdigit()`` accept (Arabic-Indic,
@@ -40,7 +41,9 @@ _json_number = (
     | st.booleans()
     | st.text(alphabet="0123456789" + _OTHER_DIGITS, max_size=8)
 )
-_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FUZZ = settings(
+    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 def _only_ascii_digits(text: str) -> bool:

@@ -29,6 +29,7 @@ from batchgen.server.cli import settings_from_args
 from batchgen.server.connection_limits import uvicorn_config
 from batchgen.server.log_limits import RepeatFilter
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl
 
 Serve = Callable[..., str]
@@ -264,7 +265,7 @@ def test_the_head_size_limit_holds_however_the_bytes_arrive(serve: Serve) -> Non
     depends on the head's size alone."""
     base_url = serve("--max-header-bytes", str(HEAD_LIMIT))
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck))
     @given(
         size=st.integers(HEAD_LIMIT - 200, HEAD_LIMIT + 200),
         headers=st.integers(1, 8),

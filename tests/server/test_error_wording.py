@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.models import CHAT_COMPLETIONS, RESPONSES
 from batchgen.core.requests.results import error_line
+from tests.examples import examples
 from tests.helpers import (
     ApiFactory,
     api_error,
@@ -30,7 +31,9 @@ from tests.helpers import (
     wait_for_status,
 )
 
-_FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FUZZ = settings(
+    max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 #: What only a chat line's errors may name.
 _CHAT_FIELDS = ("body.max_completion_tokens", "body.response_format", "'body.logprobs':", "body.messages")
 
@@ -170,7 +173,9 @@ def test_escaped_backslashes_and_good_pairs_are_fine(api: httpx.Client) -> None:
 
 
 @given(size=st.integers(4, 12))
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 def test_a_batch_that_can_never_fit_is_told_so(api_factory: ApiFactory, size: int) -> None:
     client = api_factory("--max-intake-capacity", "3", storage=f"s{size}")
     file_id = upload(client, jsonl(*[chat_line(f"r{i}") for i in range(size)]))["id"]

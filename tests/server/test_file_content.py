@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.helpers import ApiFactory, api_error, chat_line, jsonl, submit, upload, wait_for_status
 
 
@@ -89,7 +90,9 @@ def sized_files(api: httpx.Client) -> dict[int, tuple[str, bytes]]:
 _BOUND = st.one_of(st.just(""), st.integers(0, 80).map(str), st.just("9" * 40))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(size=st.sampled_from(_SIZES), first=_BOUND, last=_BOUND, method=st.sampled_from(["GET", "HEAD"]))
 def test_range_answers_follow_rfc_9110(
     api: httpx.Client,

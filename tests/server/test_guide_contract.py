@@ -23,6 +23,7 @@ from openai import OpenAI
 
 from batchgen.client import BatchGenHttpClient, RetriesExhausted, RetryPolicy
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import (
     ApiFactory,
     api_error,
@@ -100,7 +101,9 @@ def test_models_lists_every_name_the_model_answers_to(named_api: httpx.Client) -
     assert [model["id"] for model in listed["data"]] == ["simulated", "team-llm", "gpt-x"]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     models=st.lists(
         st.one_of(st.none(), st.sampled_from(SERVED), st.text(min_size=0, max_size=12)),

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from batchgen.core.tenancy import Caller, TenantLimits
 from batchgen.server.api_keys import ApiKeys, KeyStore
 from batchgen.server.postgres_api_keys import PostgresKeyStore
+from tests.examples import examples
 from tests.live import free_port
 
 #: What both stores offer the server and the ``keys`` command.
@@ -67,7 +68,9 @@ def test_a_key_authenticates_its_tenant_and_is_listed_without_its_secret(open_st
     assert [tenant.name for tenant in store.tenants()] == ["alpha", "ops"]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     position=st.integers(3, 80), replacement=st.sampled_from("0123456789abcdef-x"), noise=st.text(max_size=90)
 )

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.helpers import (
     TERMINAL,
     chat_line,
@@ -114,7 +115,9 @@ def _files(draw: st.DrawFn) -> list[Any]:
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    max_examples=examples(150),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(lines=_files())
 def test_a_file_is_refused_by_line_or_every_request_ends_with_one_line(

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.models import GenerationResult
 from batchgen.core.requests.results import output_line
+from tests.examples import examples
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
@@ -38,7 +39,9 @@ from tests.helpers import (
 from tests.openai_schema import openai_shape_errors, result_line_errors
 
 RESPONSES = "/v1/responses"
-_FUZZ = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FUZZ = settings(
+    max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 def _valid(component: str, instance: Any) -> None:

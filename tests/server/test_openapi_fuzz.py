@@ -21,6 +21,7 @@ from litestar.testing import TestClient
 
 from batchgen.server.api_keys import KeyStore
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl, upload
 from tests.live import LiveServer, start_server
 
@@ -113,7 +114,7 @@ def _schema(api: httpx.Client) -> Any:
     return schemathesis.openapi.from_dict(response.json())
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_no_request_the_schema_allows_or_forbids_is_a_500(server: httpx.Client, data: st.DataObject) -> None:
     api = server
@@ -177,7 +178,7 @@ def _text(value: Any) -> str:
     return json.dumps(value)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     changes=st.dictionaries(
         _fields, _json | st.integers(2**60, 2**80) | st.integers(10, 3000).map(_Deep), max_size=3

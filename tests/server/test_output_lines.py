@@ -12,13 +12,14 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.helpers import TERMINAL, chat_line, submit, wait_for_status
 
 _BREAKERS = st.sampled_from("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
 _CUSTOM_ID = st.text(st.one_of(_BREAKERS, st.characters(exclude_categories=["Cs"])), min_size=1, max_size=12)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(custom_ids=st.lists(_CUSTOM_ID, min_size=1, max_size=4, unique=True))
 def test_splitlines_of_an_output_file_gives_one_record_per_request(
     api: httpx.Client, custom_ids: list[str]

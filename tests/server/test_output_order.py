@@ -22,6 +22,7 @@ from litestar.testing import TestClient
 
 from batchgen.server.cli import build_parser, settings_from_args
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import (
     TERMINAL,
     ApiFactory,
@@ -64,7 +65,7 @@ def _ids(lines: list[dict[str, Any]]) -> list[str]:
     return [line["custom_id"] for line in lines]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     tokens=st.lists(st.integers(1, 40), min_size=2, max_size=40),
     failing=st.sets(st.integers(0, 39), max_size=8),

@@ -36,6 +36,7 @@ from batchgen.client import AsyncBatchGenClient, BatchGenHttpClient, CacheSaving
 from batchgen.server.api_keys import KeyStore
 from batchgen.server.cli import settings_from_args
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
@@ -225,7 +226,7 @@ def cached_api(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield client, keys, storage
 
 
-@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=_words, sampling=_sampling, batch_temperature=st.sampled_from([None, 0.0, 0.8]))
 def test_only_deterministic_requests_are_cached_and_spelling_does_not_matter(
     cached_api: Any, prompt: str, sampling: dict[str, Any], batch_temperature: float | None
@@ -246,7 +247,7 @@ def test_only_deterministic_requests_are_cached_and_spelling_does_not_matter(
         assert again["usage"]["saved_tokens"] == 0
 
 
-@settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(10), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=_words, seed=st.none() | st.integers(0, 1000))
 def test_tenants_never_share_an_entry(cached_api: Any, prompt: str, seed: int | None) -> None:
     client, keys, _ = cached_api

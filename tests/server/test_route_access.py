@@ -34,6 +34,7 @@ from batchgen.server.api_keys import KeyStore
 from batchgen.server.auth import ApiKeyRefused, is_open, provide_caller
 from batchgen.server.request_paths import path_problem
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl, upload, wait_for_status
 from tests.live import start_server
 
@@ -277,7 +278,7 @@ def test_every_spelling_of_every_route_is_refused_by_the_path_check(keyed: Keyed
             assert path_problem(unquote(raw.decode("ascii")), raw) is not None, (path, spellings, raw)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_path_spelt_otherwise_never_reaches_a_route(keyed: Keyed, data: st.DataObject) -> None:
     path, method, _ = data.draw(st.sampled_from(routes(keyed.app)))

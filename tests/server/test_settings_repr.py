@@ -19,6 +19,7 @@ from batchgen.core.backends.upstream_concurrency import UpstreamState
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.server.cli import settings_from_args
 from batchgen.server.model_specs import ModelEntry
+from tests.examples import examples
 
 MARK = "S3CRET"
 _USER = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-._~", min_size=1, max_size=8)
@@ -43,7 +44,9 @@ def _urls(draw: st.DrawFn) -> tuple[str, str]:
     return url, host
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(webhook=_urls(), upstream=_urls(), model_upstream=_urls(), key_tail=_USER)
 def test_no_settings_repr_shows_a_secret(
     tmp_path: Path,

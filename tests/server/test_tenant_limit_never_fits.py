@@ -25,6 +25,7 @@ from litestar.testing import TestClient
 from batchgen.core.tenancy import TenantLimits
 from batchgen.server.api_keys import KeyStore
 from tests.conftest import in_process_app
+from tests.examples import examples
 from tests.helpers import chat_line, jsonl, upload
 
 ENDPOINT = "/v1/chat/completions"
@@ -75,7 +76,7 @@ def _assert_never_fits(response: httpx.Response, requests: int, limits: TenantLi
         assert "max_active_batches is 0" in message
 
 
-@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     requests=st.integers(1, 9),
     max_queued=st.none() | st.integers(0, 9),
