@@ -62,8 +62,6 @@ def record_schema(part: str, fingerprint: str) -> list[tuple[str, tuple[object, 
     return [(lock, (_RECORD_LOCK,)), (create, ()), (upsert, (part, fingerprint))]
 
 
-def _first(row: Any) -> Any:
-    """A row's first value, whether rows are tuples or dicts; None for no row."""
-    if row is None:
-        return None
-    return next(iter(row.values())) if isinstance(row, dict) else row[0]
+def _first(row: tuple[Any, ...] | None) -> Any:
+    """A row's first value (the connections here return tuples); None for no row."""
+    return None if row is None else row[0]
