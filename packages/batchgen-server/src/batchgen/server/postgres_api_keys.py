@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from batchgen.core.storage.postgres_schema import record_schema, schema_fingerprint, schema_is_current
+from batchgen.core.storage.postgres_schema import make_schema
 from batchgen.core.tenancy import Caller, TenantLimits
 from batchgen.core.url_redaction import redact_url
 from batchgen.server.api_keys import (
@@ -66,19 +66,6 @@ _SCHEMA = (
 )
 
 
-def _make_schema(connection: psycopg.Connection[Any]) -> None:
-    """The key tables, made once under an advisory lock; only a read when they are made already
-    (``batchgen.core.storage.postgres_schema``)."""
-    fingerprint = schema_fingerprint(_SCHEMA)
-    if not schema_is_current(connection, "api_keys", fingerprint):
-        connection.execute("SELECT pg_advisory_xact_lock(%s)", [_SCHEMA_LOCK])
-        for statement in _SCHEMA:
-            connection.execute(statement)
-        for statement, params in record_schema("api_keys", fingerprint):
-            connection.execute(statement.encode(), params)
-    connection.commit()
-
-
 def _configure(connection: psycopg.Connection[Any]) -> None:
     connection.execute(
         "SELECT set_config('statement_timeout', %s, false)", [f"{int(STATEMENT_TIMEOUT_S * 1000)}ms"]
@@ -103,7 +90,7 @@ class PostgresKeyStore:
         )
         try:
             with psycopg.connect(url, connect_timeout=max(1, int(OPEN_TIMEOUT_S))) as connection:
-                _make_schema(connection)
+                make_schema(connection, "api_keys", _SCHEMA, _SCHEMA_LOCK)
             self._pool.open(wait=True, timeout=OPEN_TIMEOUT_S)
         except (PoolTimeout, psycopg.OperationalError) as exc:
             self._pool.close()

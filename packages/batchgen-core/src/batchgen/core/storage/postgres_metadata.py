@@ -53,7 +53,7 @@ from batchgen.core.storage.metadata_rows import (
     file_from_row,
     file_to_row,
 )
-from batchgen.core.storage.postgres_schema import record_schema, schema_fingerprint, schema_is_current
+from batchgen.core.storage.postgres_schema import make_schema
 from batchgen.core.storage.postgres_uploads import UPLOAD_SCHEMA, PostgresUploadRecords, spend_stored_bytes
 from batchgen.core.tenancy import TenantUsage
 from batchgen.core.url_redaction import redact_url
@@ -201,17 +201,9 @@ class PostgresMetadataStore:
         """Every table, made once under an advisory lock (servers starting together wait on it);
         nothing but a read when ``storage.postgres_schema`` says they are made already."""
         statements = [statement.as_string(connection) for statement in _schema()]
-        fingerprint = schema_fingerprint(statements)
-        if schema_is_current(connection, "metadata", fingerprint):
-            connection.commit()
-            return  # no DDL: its table locks could deadlock with replicas already running
-        connection.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(OPEN_TIMEOUT_S * 1000)}ms"])
-        connection.execute("SELECT pg_advisory_xact_lock(%s)", [_SCHEMA_LOCK])
-        for statement in statements:
-            connection.execute(statement.encode())
-        for statement, params in record_schema("metadata", fingerprint):
-            connection.execute(statement.encode(), params)
-        connection.commit()
+        make_schema(
+            connection, "metadata", statements, _SCHEMA_LOCK, lock_timeout_ms=int(OPEN_TIMEOUT_S * 1000)
+        )
 
     def close(self) -> None:
         self._pool.close()

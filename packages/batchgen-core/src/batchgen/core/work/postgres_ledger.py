@@ -59,7 +59,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from batchgen.core.models import DEFAULT_TENANT
-from batchgen.core.storage.postgres_schema import record_schema, schema_fingerprint, schema_is_current_async
+from batchgen.core.storage.postgres_schema import make_schema_async
 from batchgen.core.work.intake import IntakeFull, IntakeHeld, IntakeLimits
 from batchgen.core.work.shards import (
     ERRORS,
@@ -341,14 +341,8 @@ class PostgresShardLedger:
     async def create_schema(self) -> None:
         """Create the tables and indexes if they are missing (safe with replicas starting at once);
         only a read when ``storage.postgres_schema`` says they are there already."""
-        fingerprint = schema_fingerprint([_SCHEMA])
-        async with self._pool.connection() as conn, conn.transaction():
-            if await schema_is_current_async(conn, "ledger", fingerprint):
-                return  # no DDL: its table locks could deadlock with replicas already running
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            await conn.execute(_SCHEMA.encode())
-            for statement, params in record_schema("ledger", fingerprint):
-                await conn.execute(statement.encode(), params)
+        async with self._pool.connection() as conn:
+            await make_schema_async(conn, "ledger", [_SCHEMA], _SCHEMA_LOCK)
 
     # --- batches --------------------------------------------------------------------------
 
