@@ -262,13 +262,19 @@ def test_cancel_deletes_the_parts_and_refuses_more(
 
 
 def test_an_upload_not_completed_in_time_expires_and_its_parts_are_deleted(
-    api_factory: Callable[..., httpx.Client], tmp_path: Path
+    api_factory: Callable[..., httpx.Client], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The API's clock counts whole seconds, so an upload made at 12.9 s with a 1 s expiry expires
+    # at 13 s: the test holds the uploads' clock still while it adds a part, then moves it on.
+    clock = [int(time.time())]
+    monkeypatch.setattr(chunked_uploads, "now", lambda: clock[0])
     client = api_factory("--upload-expiry-s", "1")
     upload = create_upload(client, 100)
-    assert upload["expires_at"] == upload["created_at"] + 1
+    assert upload["created_at"] == clock[0] and upload["expires_at"] == clock[0] + 1
     part = add_part(client, upload["id"], jsonl(chat_line("e-1"))[:50])
-    deadline = time.monotonic() + 10
+    assert upload_folder(tmp_path / "storage", upload["id"]) != ["upload.json"]  # its part is kept
+    clock[0] += 1
+    deadline = time.monotonic() + 60
     while upload_folder(tmp_path / "storage", upload["id"]) != ["upload.json"]:  # the maintenance loop
         assert time.monotonic() < deadline, "the parts of an expired upload were not deleted"
         time.sleep(0.1)
