@@ -124,6 +124,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         test_class = f"{module}::{parts[1]}" if len(parts) > 2 else None
         if module in SLOW_MODULES or test_id in SLOW_TESTS or test_class in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_module_rank(items))
+
+
+def _module_rank(items: list[pytest.Item]) -> Callable[[pytest.Item], int]:
+    """Modules with model tests first, then modules that start processes, then the rest, each
+    module's tests kept in their order: pytest-xdist hands out whole modules in this order, so
+    the longest ones start early instead of leaving one worker busy at the end while the others
+    wait."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        own = 0 if item.get_closest_marker("model") else 1 if item.get_closest_marker("live") else 2
+        rank[item.path] = min(rank.get(item.path, 2), own)
+    return lambda item: rank[item.path]
 
 
 #: Audit events raised when a process is started.
