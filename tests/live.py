@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -62,9 +63,13 @@ _next_ports: Iterator[int] | None = None
 
 
 def _worker_ports() -> Iterator[int]:
+    """This worker's block, from a random place in it: two pytest runs on one machine (the same
+    worker number in each) seldom walk the same ports at the same time."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     first = _PORT_FIRST + (int(worker) % _PORT_BLOCKS if worker.isdigit() else 0) * _PORT_BLOCK
-    return itertools.cycle(range(first, first + _PORT_BLOCK))
+    start = random.randrange(_PORT_BLOCK)
+    block = range(first, first + _PORT_BLOCK)
+    return itertools.cycle([*block[start:], *block[:start]])
 
 
 def free_port() -> int:
