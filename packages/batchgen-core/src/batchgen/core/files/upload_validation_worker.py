@@ -9,12 +9,14 @@ validation of part k runs while part k+1 is received. The worker gets a picklabl
 validation needs of the served models (``line_router_copy``: each model's names, backend name and
 capabilities, no backend). It sends back the summary, or the problems with their line numbers
 (``InvalidBatchFile`` rebuilt here); a worker that dies or cannot start gives None, and the caller
-validates itself.
+validates itself. A worker whose server died (even by ``kill -9``) exits within
+``ORPHAN_CHECK_S``: it watches its parent, not only the socket, which it reads only between parts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -40,8 +42,23 @@ from batchgen.core.files.streamed_validation import (
 #: Worker processes validating at once; an upload that finds them all busy is validated at complete.
 MAX_WORKERS = 2
 _workers = threading.BoundedSemaphore(MAX_WORKERS)
-#: What the worker process runs (``python -c``: ``-m`` would import this module twice).
-_WORKER_MAIN = "from batchgen.core.files.upload_validation_worker import main; main()"
+#: How often a worker checks that the server that started it is still its parent.
+ORPHAN_CHECK_S = 0.2
+#: What the worker process runs (``python -c``: ``-m`` would import this module twice). First,
+#: with nothing but the standard library (importing the core takes seconds on a loaded machine),
+#: a thread that ends the worker once the server (``argv[2]``) is no longer its parent: the
+#: server died, and the socket's end of file is only read between parts, each of which may take
+#: long to validate.
+_WORKER_MAIN = f"""
+import os, sys, threading, time
+def _exit_when_orphaned(parent=int(sys.argv[2])):
+    while os.getppid() == parent:
+        time.sleep({ORPHAN_CHECK_S!r})
+    os._exit(0)
+threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+from batchgen.core.files.upload_validation_worker import main
+main()
+"""
 
 
 @attrs.frozen
@@ -118,7 +135,7 @@ class ValidationWorker:
             ours, theirs = socket.socketpair()
             with theirs:
                 self._process = subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                    [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno()), str(os.getpid())],
                     pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL,
                 )
@@ -175,8 +192,8 @@ class ValidationWorker:
 
 
 def main() -> None:
-    """The worker process (``_WORKER_MAIN FD``, where FD is its end of a socket pair); the first
-    message is the served models."""
+    """The worker process (``_WORKER_MAIN FD PARENT``, where FD is its end of a socket pair and
+    PARENT the server's process id); the first message is the served models."""
     connection = Connection(int(sys.argv[1]))
     try:
         served = connection.recv()
