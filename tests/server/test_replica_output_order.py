@@ -2,7 +2,8 @@
 
 Two ``batchgen-server`` processes on one PostgreSQL and one blob store (a shared folder, then a
 real S3 server), ``--output-order input`` their default and the simulated backend: a batch of
-several shards (its later lines shorter, so committed first) created on one replica without
+several shards (run side by side in a small pool, its later lines shorter: committed
+interleaved, later lines first) created on one replica without
 ``output_order`` ends ``completed`` with
 ``output_order: "input"``, and every replica serves its output with the custom_ids in input
 order, byte for byte the same, with the same ``Content-Length`` and file ``bytes``, and any
@@ -47,13 +48,19 @@ def two(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[LiveSe
         "0.004",
         "--output-order",
         "input",
+        # a few lines at once, shared fairly by the shards held: the shards run side by side
+        # and each commits in several segments, so commit order interleaves them whatever the
+        # load (with every line at once, a loaded replica may end and commit shard after shard)
+        "--max-pool-size",
+        "64",
     ) as servers:
         yield servers
 
 
 def _lines() -> list[dict]:
-    """The requests, each later one shorter: with a latency per token the last shard's lines
-    finish (and are committed) first, so commit order is not input order."""
+    """The requests, each later one shorter: with a latency per token, and the shards sharing the
+    pool's slots fairly, the last shard's lines finish (and are committed) first and the shards'
+    segments interleave, so commit order is not input order."""
     return [
         chat_line(f"r{i}", f"question {i}", max_tokens=1 + (LINES - 1 - i) * 40 // LINES)
         for i in range(LINES)
