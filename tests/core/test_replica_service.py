@@ -8,7 +8,8 @@ Idempotency-Key repeated on the other replica returns the same batch; a batch pa
 intake is refused with 429's error and nothing recorded, and a tenant's limits on running batches
 and queued requests hold across replicas. Neither replica resumes anything on its
 own at start: a third replica started later takes shards of the running batch. A replica deletes
-the segments no commit lists once they are past the grace period, and only those.
+the segments no commit lists once they are past the grace period, and only those; deleting a
+shared result file deletes its uncommitted segments at once too.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import pytest
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings
 from batchgen.core.backends.simulated import SimulatedBackend
-from batchgen.core.errors import IntakeFull, InvalidRequest
+from batchgen.core.errors import IntakeFull, InvalidRequest, ServiceUnavailable, StorageUnavailable
 from batchgen.core.execution.shared_storage import SharedStorage
+from batchgen.core.models import Batch
 from batchgen.core.tenancy import Caller, TenantLimits
 from tests.helpers import chat_line, jsonl
 
@@ -149,23 +151,36 @@ async def test_a_replica_started_later_takes_shards_of_a_running_batch(
     assert ended.status is BatchStatus.COMPLETED and ended.request_counts.completed == 4000
 
 
+async def _create_batch(service: BatchService, file_id: str, caller: Caller) -> Batch:
+    """``create_batch``, called again while it answers 503 (ServiceUnavailable: a claim of the
+    shared work that timed out on a loaded machine leaves the replica unhealthy until the next
+    one is answered; StorageUnavailable: no database connection in time), as docs/api.md tells
+    a client to, for up to a minute."""
+    with anyio.fail_after(60):
+        while True:
+            try:
+                return await service.create_batch(file_id, "/v1/chat/completions", caller=caller)
+            except (ServiceUnavailable, StorageUnavailable):
+                await anyio.sleep(0.1)
+
+
 @pytest.mark.anyio
 async def test_a_tenants_limits_hold_across_replicas(replicas: list[BatchService]) -> None:
     first, second = replicas
     slow = Caller("alpha", limits=TenantLimits(max_active_batches=1, max_queued_requests=50_000))
     big = await first.create_file(jsonl(*(chat_line(f"r{i}") for i in range(40_000))), caller=slow)
-    await first.create_batch(big.id, "/v1/chat/completions", caller=slow)
+    await _create_batch(first, big.id, slow)
     small = await second.create_file(jsonl(chat_line("one")), caller=slow)
     with pytest.raises(IntakeFull, match="running batches"):
-        await second.create_batch(small.id, "/v1/chat/completions", caller=slow)
+        await _create_batch(second, small.id, slow)
     queued = Caller("beta", limits=TenantLimits(max_queued_requests=41_000))
     files = [
         await first.create_file(jsonl(*(chat_line(f"{n}-{i}") for i in range(lines))), caller=queued)
         for n, lines in enumerate((40_000, 10_000))
     ]
-    await second.create_batch(files[0].id, "/v1/chat/completions", caller=queued)
+    await _create_batch(second, files[0].id, queued)
     with pytest.raises(IntakeFull, match=r"tenant 'beta' has [0-9]+ unfinished requests of its 41000"):
-        await first.create_batch(files[1].id, "/v1/chat/completions", caller=queued)
+        await _create_batch(first, files[1].id, queued)
 
 
 @pytest.mark.anyio
@@ -195,3 +210,27 @@ async def test_a_replica_deletes_the_segments_no_commit_lists_and_keeps_the_comm
         assert ended.output_file_id is not None
         output = await _read(service, ended.output_file_id)  # the committed segments are all there
         assert len(output.splitlines()) == 600
+
+
+@pytest.mark.anyio
+async def test_deleting_a_shared_result_file_deletes_its_uncommitted_segments_too(
+    replicas: list[BatchService], tmp_path: Path
+) -> None:
+    """A fenced-out writer's segment (its commit refused) under a batch's output is none of the
+    manifest's, but it holds the batch's lines: deleting the output file deletes it at once too,
+    not an orphan sweep an hour later, and leaves the batch's error segments alone."""
+    first, second = replicas
+    file = await first.create_file(jsonl(*(chat_line(f"r{i}") for i in range(300))))
+    batch = await first.create_batch(file.id, "/v1/chat/completions")
+    with anyio.fail_after(60):
+        ended = await second.wait_for_batch(batch.id, poll_interval=0.1)
+    assert ended.output_file_id is not None
+    segments = tmp_path / "shared" / "segments" / batch.id
+    refused = segments / "output" / "0" / "99-0.jsonl"
+    refused.write_bytes(b'{"custom_id": "r0"}\n')
+    other_kind = segments / "errors" / "0" / "99-0.jsonl"
+    other_kind.parent.mkdir(parents=True, exist_ok=True)
+    other_kind.write_bytes(b'{"custom_id": "r1"}\n')
+    await second.delete_file(ended.output_file_id)
+    assert not list((segments / "output").rglob("*.jsonl"))
+    assert other_kind.exists()

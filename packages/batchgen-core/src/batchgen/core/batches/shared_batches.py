@@ -282,12 +282,20 @@ class SharedBatches:
 
     async def forget(self, file: FileObject) -> int:
         """After a shared batch's result file was deleted: its segments out of the manifest and
-        out of the store (what this fails to delete, the orphan sweep collects); how many went."""
+        out of the store (what this fails to delete, the orphan sweep collects); how many went.
+
+        The file is deleted only once its batch has ended, so the segments of its kind that no
+        commit lists (a fenced-out writer's, its commit refused) are never committed either:
+        they go now too, not an orphan sweep later, so none of the file's bytes stay behind."""
         named = segments_of(file.path)
         if named is None:
             return 0
         keys = await self._ledger.forget_segments(*named)
-        return await anyio.to_thread.run_sync(self._segments.collect, keys)
+
+        def collect() -> int:
+            return self._segments.collect(sorted(set(keys) | set(self._segments.written(*named))))
+
+        return await anyio.to_thread.run_sync(collect)
 
     async def sized(self, file: FileObject) -> FileObject:
         """The file with its size now: a shared batch's result file, as many bytes as are

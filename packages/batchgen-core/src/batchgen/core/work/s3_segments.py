@@ -59,8 +59,8 @@ class S3Segments(SegmentStore):
             raise SegmentMissing(f"{segment.object_key} is shorter than its committed {segment.size} bytes")
         yield data
 
-    def _listing(self) -> Iterator[tuple[str, float]]:
-        for chunk in obstore.list(self._store, prefix=SEGMENTS_PREFIX.rstrip("/")):
+    def _listing(self, under: str = "") -> Iterator[tuple[str, float]]:
+        for chunk in obstore.list(self._store, prefix=(SEGMENTS_PREFIX + under).rstrip("/")):
             for meta in chunk:
                 yield meta["path"], meta["last_modified"].timestamp()
 

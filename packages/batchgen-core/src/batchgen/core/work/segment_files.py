@@ -65,8 +65,8 @@ class SegmentFiles(SegmentStore):
         except FileNotFoundError as missing:
             raise SegmentMissing(f"committed segment {segment.object_key} is missing") from missing
 
-    def _listing(self) -> Iterator[tuple[str, float]]:
-        for path in self.segments_dir.rglob("*.jsonl"):
+    def _listing(self, under: str = "") -> Iterator[tuple[str, float]]:
+        for path in (self.segments_dir / under).rglob("*.jsonl"):
             with contextlib.suppress(FileNotFoundError):
                 yield path.relative_to(self.root).as_posix(), path.stat().st_mtime
 

@@ -64,8 +64,9 @@ class SegmentStore:
         """Bytes ``start`` .. ``end`` of one segment; SegmentMissing if it has fewer."""
         raise NotImplementedError
 
-    def _listing(self) -> Iterator[tuple[str, float]]:
-        """Every segment key with its last change, as a Unix time."""
+    def _listing(self, under: str = "") -> Iterator[tuple[str, float]]:
+        """Every segment key (only those under ``segments/{under}``, a folder of keys, when
+        given) with its last change, as a Unix time."""
         raise NotImplementedError
 
     def _delete(self, key: str) -> bool:
@@ -92,6 +93,12 @@ class SegmentStore:
     def keys(self) -> Iterator[str]:
         """Every segment key in the store."""
         return (key for key, _ in self._listing())
+
+    def written(self, batch_id: str, kind: str) -> list[str]:
+        """Every segment of ``kind`` written for the batch, committed or not."""
+        if not _BATCH_ID.fullmatch(batch_id) or kind not in SEGMENT_KINDS:
+            raise ValueError(f"not a batch's segments: {batch_id!r}, {kind!r}")
+        return sorted(key for key, _ in self._listing(f"{batch_id}/{kind}/"))
 
     def orphans(self, committed: Iterable[str], grace_s: float, now: float | None = None) -> list[str]:
         """Segments the manifest does not list and not changed for ``grace_s`` seconds: written
