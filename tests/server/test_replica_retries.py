@@ -54,8 +54,10 @@ def failing(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[ht
 
 @pytest.fixture
 def slow_failing(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[httpx.Client]]:
-    """As ``failing``, each attempt taking half a second: a retry batch runs for a while."""
-    with _failing_fleet(postgres_url, tmp_path, blobs, 0.5) as clients:
+    """As ``failing``, each attempt that succeeds taking three seconds (a failed one fails at
+    once): a retry batch runs for a while, longer than replicas asked at once, one at a time
+    under the lock they share, take to answer on a loaded machine."""
+    with _failing_fleet(postgres_url, tmp_path, blobs, 3.0) as clients:
         yield clients
 
 

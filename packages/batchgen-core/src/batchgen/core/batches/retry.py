@@ -134,14 +134,18 @@ class BatchRetries:
         members, index, _input = await self._indexed(batch_id, caller)
         return members, index
 
-    async def _indexed(self, batch_id: str, caller: Caller) -> tuple[list[Batch], FamilyIndex, Path]:
-        """The family of ``batch_id``, its index, and a local path to the batch's input file.
+    async def _indexed(
+        self, batch_id: str, caller: Caller, members: list[Batch] | None = None
+    ) -> tuple[list[Batch], FamilyIndex, Path]:
+        """The family of ``batch_id`` (``members`` when the caller has read it), its index, and
+        a local path to the batch's input file.
 
         A shared batch's result files are held in committed segments, read into local copies
         that the index owns (``FamilyIndex``'s scratch files); an input file kept in an object
         store is read through this replica's copy of it (``BlobStore.readable``)."""
         service = self._service
-        members = await self.family(batch_id, caller)
+        if members is None:
+            members = await self.family(batch_id, caller)
         root = members[0]
         calls = service.parts.calls
         input_file = await calls(service.metadata.get_file, root.input_file_id)
@@ -244,15 +248,18 @@ class BatchRetries:
                 "(completed, failed, expired or cancelled) can be retried.",
                 "batch_not_final",
             )
-        members, index, input_path = await self._indexed(batch_id, caller)
+        # a retry still running refuses the call before any result is read: the calls waiting
+        # for the lock (on every replica) are answered at once, not one index build each
+        members = await self.family(batch_id, caller)
+        running = [member for member in members[1:] if not member.status.is_terminal]
+        if running:
+            raise _conflict(
+                f"Batch '{running[0].id}', a retry of '{batch_id}', is {running[0].status.value}; "
+                "retry again once it has ended.",
+                "batch_not_final",
+            )
+        members, index, input_path = await self._indexed(batch_id, caller, members)
         with index:
-            running = [member for member in members[1:] if not member.status.is_terminal]
-            if running:
-                raise _conflict(
-                    f"Batch '{running[0].id}', a retry of '{batch_id}', is {running[0].status.value}; "
-                    "retry again once it has ended.",
-                    "batch_not_final",
-                )
             wanted = frozenset(OUTCOMES[name] for name in request.outcomes)
             counts = index.counts()
             selected = sum(counts[outcome] for outcome in wanted)
