@@ -87,6 +87,7 @@ SLOW_MODULES = frozenset(
         "tests/server/test_webhooks.py",
         "tests/server/test_locked_running_batch.py",
         "tests/core/test_engine_activity.py",
+        "tests/server/test_malformed_lines.py",  # a hundred files and uploads, each a request or five
     }
 )
 #: Single in-process tests of 2 s or more on two CPU cores (pytest --durations): ``slow`` too. A

@@ -274,10 +274,7 @@ def read_envelope(raw: bytes, *, within_bounds: bool = False) -> Envelope:
     try:
         envelope = _envelope_decoder.decode(raw)
     except msgspec.MsgspecError as exc:
-        escape = escape_problem(raw) if isinstance(exc, msgspec.DecodeError) else None
-        if escape is not None:  # the decoder's words for it depend on where it stopped
-            raise InvalidRequest(f"not valid JSON ({escape})") from None
-        raise _problem(exc, "") from None
+        raise _decode_problem(raw, exc) from None
     if not envelope.custom_id:
         raise InvalidRequest("'custom_id' must be a non-empty string", param="custom_id")
     if envelope.method != "POST":
@@ -287,6 +284,14 @@ def read_envelope(raw: bytes, *, within_bounds: bool = False) -> Envelope:
             f"'url' must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {envelope.url!r}", param="url"
         )
     return envelope
+
+
+def _decode_problem(raw: bytes, error: msgspec.MsgspecError) -> InvalidRequest:
+    """The problem of a line that a decoder refused with ``error``."""
+    escape = escape_problem(raw) if isinstance(error, msgspec.DecodeError) else None
+    if escape is not None:  # the decoder's words for it depend on where it stopped
+        return InvalidRequest(f"not valid JSON ({escape})")
+    return _problem(error, "")
 
 
 def read_body(envelope: Envelope) -> Body:
@@ -422,7 +427,10 @@ def line_problems(raw: bytes) -> LineReading:
             return _body_reading(envelope.custom_id, envelope.url, body, ())
     if first.param is None or bounds_problem(raw) is not None:  # not JSON, not an object, too big
         return LineReading(None, None, None, (first,))
-    line = _any_decoder.decode(raw)
+    try:
+        line = _any_decoder.decode(raw)
+    except msgspec.DecodeError as exc:  # a field of the wrong type came before the broken JSON
+        return LineReading(None, None, None, (_decode_problem(raw, exc),))
     if not isinstance(line, dict):
         return LineReading(None, None, None, (first,))
     problems: list[tuple[int, InvalidRequest]] = []
