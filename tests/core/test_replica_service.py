@@ -101,6 +101,8 @@ async def test_a_batch_cancelled_on_the_other_replica_ends_cancelled_on_both(
     assert cancelled.status is BatchStatus.CANCELLED
     await anyio.sleep(1.0)  # the replicas drop the batch's shards; nothing commits after it ended
     assert await first.get_batch(batch.id) == cancelled
+    # cancelling it again, on either replica, returns it as it is
+    assert await first.cancel_batch(batch.id) == cancelled == await second.cancel_batch(batch.id)
     assert cancelled.output_file_id is not None
     committed = (await _read(first, cancelled.output_file_id)).splitlines()
     assert 100 <= len(committed) == cancelled.request_counts.completed < 20_000

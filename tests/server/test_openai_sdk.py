@@ -111,12 +111,15 @@ def test_cancel_running_batch(server_factory: Callable[..., LiveServer], tmp_pat
             pass
         cancelled = sdk.batches.cancel(batch.id)
         assert cancelled.status in {"cancelling", "cancelled"}
+        again = sdk.batches.cancel(batch.id)  # a cancel retried (after a timeout, say) is no error
+        assert again.id == batch.id and again.status in {"cancelling", "cancelled"}
         for _ in range(200):
             cancelled = sdk.batches.retrieve(batch.id)
             if cancelled.status == "cancelled":
                 break
         assert cancelled.status == "cancelled"
         assert cancelled.cancelled_at is not None
+        assert sdk.batches.cancel(batch.id).model_dump() == cancelled.model_dump()  # as it is
         counts = cancelled.request_counts
         assert counts is not None and 2 <= counts.completed < 200
         # Results already written stay downloadable, and nothing more is written after cancel.

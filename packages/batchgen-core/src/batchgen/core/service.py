@@ -168,6 +168,10 @@ def _storage_call(action: str) -> Callable[[Callable[_P, Awaitable[_R]]], Callab
     return decorate
 
 
+#: The statuses a cancel has already reached: cancelling again returns the batch as it is.
+_CANCELLED_OR_CANCELLING = frozenset({BatchStatus.CANCELLING, BatchStatus.CANCELLED})
+
+
 @attrs.frozen
 class ServiceSettings:
     """Everything the service needs besides its backend."""
@@ -993,16 +997,20 @@ class BatchService:
 
     @_storage_call("cancel the batch")
     async def cancel_batch(self, batch_id: str, *, caller: Caller = EMBEDDED) -> Batch:
-        """Drop the batch's queued requests at once and abort those in flight."""
+        """Drop the batch's queued requests at once and abort those in flight. Cancelling a batch
+        that is already cancelling or cancelled returns it as it is (a cancel retried after a
+        timeout is no error); a batch that ended otherwise is a Conflict."""
         active = self.parts.tracker.get(batch_id)
         if active is not None and not caller.sees(active.batch.owner):
             raise NotFound(f"No batch with id '{batch_id}'.")
         if active is None:
             batch = await self.get_batch(batch_id, caller=caller)
+            if batch.status in _CANCELLED_OR_CANCELLING:
+                return batch
             if self.replica is not None and not batch.status.is_terminal:
                 return await self.replica.batches.cancel(batch)  # on every replica
             raise Conflict(f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.")
-        if active.status is BatchStatus.CANCELLING:
+        if active.status in _CANCELLED_OR_CANCELLING:
             return active.snapshot()
         if active.status.is_terminal:  # ended; its status is still being saved
             raise Conflict(f"Batch '{batch_id}' has ended and cannot be cancelled.")
