@@ -91,7 +91,8 @@ def test_every_caller_sees_exactly_what_it_may(
                     await _expect_not_found(service.get_batch(batch_id, caller=caller))
                     await _expect_not_found(service.cancel_batch(batch_id, caller=caller))
                     await _expect_not_found(service.delete_file(file_id, caller=caller))
-                    await _expect_not_found(service.create_batch(file_id, CHAT, caller=caller))
+                    with pytest.raises(InvalidRequest, match=f"No file with id '{file_id}'"):  # as unknown
+                        await service.create_batch(file_id, CHAT, caller=caller)
                     with pytest.raises(InvalidRequest):  # as a cursor that never existed
                         await service.list_files(after=file_id, caller=caller)
                     with pytest.raises(InvalidRequest):

@@ -207,13 +207,14 @@ def test_malformed_create_batch(
     assert error["param"] == param
 
 
-def test_batch_on_an_unknown_file_is_404(api: httpx.Client) -> None:
-    """An id that names no file the caller may see is "not found", as in every other endpoint
-    (so that another tenant's file id cannot be told from one that never existed)."""
+def test_batch_on_an_unknown_file_is_400_naming_it(api: httpx.Client) -> None:
+    """An ``input_file_id`` that names no file the caller may see is bad input (the guide's error
+    table, and what OpenAI's clients catch as BadRequest), the same for another tenant's file as
+    for one that never existed; the message names the id."""
     body = {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions"}
-    error = api_error(api.post("/v1/batches", json=body), 404)
+    error = api_error(api.post("/v1/batches", json=body), 400)
     assert "No file with id 'file-nope'" in str(error["message"])
-    assert error["param"] == "input_file_id"
+    assert error["param"] == "input_file_id" and error["type"] == "invalid_request_error"
 
 
 def test_batch_on_a_non_batch_file_is_400(api: httpx.Client) -> None:

@@ -774,7 +774,8 @@ class BatchService:
                 else None
             )
             if file is None or not caller.sees(file.owner):
-                raise NotFound(f"No file with id '{input_file_id}'.", param="input_file_id")
+                # the guide's error table: an unknown file in a create is bad input (400)
+                raise InvalidRequest(f"No file with id '{input_file_id}'.", param="input_file_id")
             if file.purpose != "batch":
                 raise InvalidRequest(
                     f"File '{file.id}' has purpose '{file.purpose}'; a batch needs a 'batch' file.",
