@@ -193,6 +193,7 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
     ("400", "a bad value's", lambda w: _create(w, metadata={"k": 5})),
     ("400", "any other field is a", lambda w: _create(w, unknown_field=1)),
     ("400", "Anything else is a", lambda w: _create(w, output_order="sorted")),
+    ("404", 'with `code: "model_not_found"`', lambda w: w.client.get("/v1/models/gpt-none", headers=w.alice)),
     ("400", "for an unknown `input_file_id`", lambda w: _create(w, input_file_id="file-never-stored")),
     (
         "400",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -99,6 +101,47 @@ SERVED = ("simulated", "team-llm", "gpt-x", "default")
 def test_models_lists_every_name_the_model_answers_to(named_api: httpx.Client) -> None:
     listed = named_api.get("/v1/models").json()
     assert [model["id"] for model in listed["data"]] == ["simulated", "team-llm", "gpt-x"]
+
+
+def _sdk(client: httpx.Client) -> OpenAI:
+    # a TestClient is an httpx.Client: the openai SDK talks to the app in this process
+    return OpenAI(
+        api_key="unused", base_url="http://testserver/v1", http_client=cast(Any, client), max_retries=0
+    )
+
+
+def test_the_sdk_retrieves_each_listed_model_as_listed(named_api: httpx.Client) -> None:
+    listed = named_api.get("/v1/models").json()["data"]
+    for entry in listed:
+        retrieved = _sdk(named_api).models.retrieve(entry["id"])
+        assert retrieved.model_dump(exclude_unset=True) == entry
+        assert named_api.head(f"/v1/models/{entry['id']}").status_code == 200
+
+
+def test_a_model_name_with_slashes_is_retrieved_whole(api_factory: ApiFactory) -> None:
+    """By its literal path (the SDK encodes the slash, and an encoded slash is no canonical path)."""
+    client = api_factory("--served-model-name", "HuggingFaceTB/SmolLM2-360M-Instruct")
+    retrieved = client.get("/v1/models/HuggingFaceTB/SmolLM2-360M-Instruct").json()
+    assert retrieved["id"] == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    assert api_error(client.get("/v1/models/HuggingFaceTB"), 404)["code"] == "model_not_found"
+
+
+#: What a path segment may not hold (request_paths.py, tests/server/test_route_access.py): a slash, a
+#: backslash, a control character, an encoded '%'.
+_NAME_CHARACTERS = st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\\%")
+
+
+@settings(
+    max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(name=st.text(_NAME_CHARACTERS, min_size=1))
+def test_a_model_not_served_is_404_model_not_found(named_api: httpx.Client, name: str) -> None:
+    if name in SERVED or name in (".", ".."):  # served, or a path segment that is not a name
+        return
+    response = named_api.get(f"/v1/models/{quote(name, safe='')}")
+    error = api_error(response, 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert f"No model named '{name}'" in error["message"]
 
 
 @settings(

@@ -183,7 +183,10 @@ def test_files_and_batches_objects_validate(api_factory: ApiFactory) -> None:
 
 
 def test_the_model_list_validates(api: httpx.Client) -> None:
-    _valid("ListModelsResponse", api.get("/v1/models").json())
+    listed = api.get("/v1/models").json()
+    _valid("ListModelsResponse", listed)
+    for entry in listed["data"]:
+        _valid("Model", api.get(f"/v1/models/{entry['id']}").json())
 
 
 def test_a_failed_batch_validates(api_factory: ApiFactory) -> None:

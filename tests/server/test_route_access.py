@@ -95,8 +95,9 @@ def routes(app: Litestar) -> list[tuple[str, str, bool]]:
 
 
 def concrete(template: str, objects: dict[str, str]) -> str:
-    """The template with alice's ids (and a dashboard file, a schema page) filled in."""
-    values = {**objects, "name": "dashboard.js", "path": "openapi.json"}
+    """The template with alice's ids (and a dashboard file, a schema page, the served model)
+    filled in."""
+    values = {**objects, "name": "dashboard.js", "path": "openapi.json", "model_id": "simulated"}
     return re.sub(r"\{(\w+):\w+\}", lambda match: values[match.group(1)], template)
 
 

@@ -30,11 +30,15 @@ class BatchGenError(Exception):
 
 
 class NotFound(BatchGenError, LookupError):
+    """``code`` replaces the class's code where OpenAI's is more specific (``model_not_found``)."""
+
     code = "not_found"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        if code is not None:
+            self.code = code
 
 
 class InvalidRequest(BatchGenError, ValueError):

@@ -1224,6 +1224,14 @@ class BatchService:
                 entries.setdefault(name, {**entry, "id": name})  # a name routes to its first model
         return list(entries.values())
 
+    def model(self, name: str) -> dict[str, Any]:
+        """``GET /v1/models/{name}``: the entry ``models`` lists under ``name``; NotFound if no
+        served model answers to it."""
+        for entry in self.models():
+            if entry["id"] == name:
+                return entry
+        raise NotFound(f"No model named '{name}' is served here.", param="model", code="model_not_found")
+
 
 def _sync_all(writers: list[ResultWriter]) -> None:
     """fsync every writer; a writer closed meanwhile was synced by its close. Raise the first error

@@ -36,7 +36,7 @@ from batchgen.server.body_timeout import BodyTimeout, BodyTimeoutMiddleware, han
 from batchgen.server.controllers.batches import BatchesController
 from batchgen.server.controllers.dashboard import dashboard, dashboard_asset, favicon
 from batchgen.server.controllers.files import FilesController
-from batchgen.server.controllers.monitoring import health, models, pool_status
+from batchgen.server.controllers.monitoring import health, model, models, pool_status
 from batchgen.server.controllers.retries import RetriesController
 from batchgen.server.controllers.uploads import UploadsController
 from batchgen.server.controllers.usage import usage
@@ -132,6 +132,7 @@ def create_app(
             pool_status,
             health,
             models,
+            model,
             usage,
             metrics,
             dashboard,

@@ -1,4 +1,4 @@
-"""Monitoring routes: ``/v1/pool/status``, ``/health`` and ``/v1/models``."""
+"""Monitoring routes: ``/v1/pool/status``, ``/health``, ``/v1/models`` and ``/v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 from litestar import HttpMethod, Request, Response, route
 from litestar.datastructures import State
 from litestar.di import NamedDependency
+from litestar.params import FromPath
 
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import EMBEDDED, Caller
@@ -47,3 +48,10 @@ async def models(service: NamedDependency[BatchService], state: State) -> dict[s
     if missing:
         listing["unavailable"] = list(missing)
     return listing
+
+
+@route("/v1/models/{model_id:path}", http_method=_READ)
+async def model(service: NamedDependency[BatchService], model_id: FromPath[str]) -> dict[str, Any]:
+    """One served model as ``/v1/models`` lists it (a name may hold slashes, as Hugging Face
+    names do); 404 ``model_not_found`` for a name no model answers to."""
+    return service.model(model_id.removeprefix("/"))
