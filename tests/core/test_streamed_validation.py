@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.errors import InvalidBatchFile
-from batchgen.core.files.batch_file import BatchFileSummary, validate_batch_file
+from batchgen.core.files.batch_file import MAX_REPORTED_LINES, BatchFileSummary, validate_batch_file
 from batchgen.core.files.streamed_validation import StreamedValidation, validate_exactly
 from tests.examples import examples
 from tests.helpers import chat_line, jsonl
@@ -88,3 +88,42 @@ def test_a_duplicate_far_apart_is_found_with_its_line_number() -> None:
     assert [(problem.line, problem.message) for problem in caught.value.problems] == [
         (3001, "duplicate custom_id 'request-7'")
     ]
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(
+    lines=st.lists(
+        st.tuples(st.integers(0, 6), st.booleans()).map(
+            lambda pair: chat_line(f"id-{pair[0]}", temperature=-1 if pair[1] else 0.5)
+        ),
+        min_size=2,
+        max_size=25,
+    ),
+    cuts=st.lists(st.integers(0, 4000), max_size=4),
+)
+def test_every_repeated_custom_id_is_reported_whatever_else_is_wrong_with_either_line(
+    lines: list[dict[str, object]], cuts: list[int], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A line whose id an earlier line has (that line valid or not) says so beside its other
+    problems; a line whose id is new does not, both ways the file is validated."""
+    data = jsonl(*lines)
+    path = tmp_path_factory.mktemp("file") / "input.jsonl"
+    path.write_bytes(data)
+    seen: set[object] = set()
+    repeated = set()
+    for number, line in enumerate(lines, start=1):
+        if line["custom_id"] in seen:
+            repeated.add(number)
+        seen.add(line["custom_id"])
+    for validate in (lambda: validate_batch_file(str(path)), lambda: _streamed(data, cuts)):
+        try:
+            validate()
+        except InvalidBatchFile as exc:
+            duplicates = {
+                problem.line for problem in exc.problems if "duplicate custom_id" in problem.message
+            }
+            listed = {problem.line for problem in exc.problems}  # the first MAX_REPORTED_LINES
+            last = max(listed) if len(listed) == MAX_REPORTED_LINES else len(lines)
+        else:
+            duplicates, last = set(), len(lines)
+        assert duplicates == {number for number in repeated if number <= last}

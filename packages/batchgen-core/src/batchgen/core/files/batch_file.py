@@ -385,6 +385,8 @@ class _Validation:
         if reading.problems or later:
             problems = in_field_order(raw, (*reading.problems, *later)) if later else reading.problems
             self.report(line_number, [problem.message for problem in problems])
+            if custom_id is not None:  # a later line with this id is a duplicate all the same
+                self.seen_ids.add(custom_id)
             return
         assert custom_id is not None
         self.seen_ids.add(custom_id)
