@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -20,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backend
-from batchgen.core.batches.deadline_watch import AT_RISK_EVENT, will_miss
+from batchgen.core.batches.deadline_watch import AT_RISK_EVENT, readable_time, will_miss
 from batchgen.core.batches.progress import estimate
 from batchgen.core.models import Batch, RequestCounts
 from batchgen.core.storage import SQLiteMetadataStore
@@ -104,7 +105,7 @@ def _at_risk_events(service: BatchService) -> list[dict[str, object]]:
 
 @pytest.mark.anyio
 async def test_a_batch_that_cannot_finish_in_time_is_at_risk_with_one_event_across_a_restart(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     settings = ServiceSettings(
         storage_path=tmp_path,
@@ -126,6 +127,12 @@ async def test_a_batch_that_cannot_finish_in_time_is_at_risk_with_one_event_acro
             while not _at_risk_events(service):
                 await anyio.sleep(0.05)
         assert service.batches_at_risk() == 1
+        [said] = [
+            r.getMessage() for r in caplog.records if "at risk of missing its deadline" in r.getMessage()
+        ]
+        ends = datetime.fromtimestamp(late.expires_at or 0, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        assert f"its completion window (8s) ends at {ends}, in " in said, said
+        assert str(late.expires_at) not in said  # no raw Unix seconds
         await anyio.sleep(0.5)  # several more checks: still one event
         [event] = _at_risk_events(service)
         assert event["data"] == {"id": late.id}
@@ -176,3 +183,20 @@ def test_a_database_from_before_deadlines_opens_and_saves_the_at_risk_mark(tmp_p
         assert store.get_batch(old.id) == marked
     finally:
         store.close()
+
+
+@given(
+    moment=st.integers(0, 4_000_000_000),
+    offset=st.integers(-10 * 86_400, 10 * 86_400),
+)
+def test_a_logged_time_reads_as_utc_and_as_the_distance_from_now(moment: int, offset: int) -> None:
+    text = readable_time(moment + offset, moment)
+    stamp, _, distance = text.partition(", ")
+    assert (
+        datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S UTC").replace(tzinfo=UTC).timestamp() == moment + offset
+    )
+    tokens = distance.removeprefix("in ").removesuffix(" ago").split() if offset else []
+    units = {"h": 3600, "m": 60, "s": 1}
+    assert sum(int(token[:-1]) * units[token[-1]] for token in tokens) == abs(offset)
+    assert distance == "now" if offset == 0 else distance.startswith("in ") == (offset > 0)
+    assert readable_time(None, moment) == "an unknown time"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import attrs
@@ -99,11 +100,28 @@ class DeadlineWatch:
                 continue
             logger.warning(
                 "batch %s is at risk of missing its deadline: %d of %d requests left, estimated to end "
-                "at %s, its completion window (%s) ends at %d",
+                "at %s, its completion window (%s) ends at %s",
                 active.id,
                 seen.request_counts.total - seen.request_counts.completed - seen.request_counts.failed,
                 seen.request_counts.total,
-                seen.progress.completion_at if seen.progress.completion_at is not None else "an unknown time",
+                readable_time(seen.progress.completion_at, moment),
                 seen.completion_window,
-                seen.expires_at,
+                readable_time(seen.expires_at, moment),
             )
+
+
+def readable_time(unix_s: float | None, now_s: float) -> str:
+    """A moment for a log line: UTC to the second, and how far from ``now_s`` it is
+    (``2026-12-07 04:10:00 UTC, in 1h 5m``); "an unknown time" for None."""
+    if unix_s is None:
+        return "an unknown time"
+    moment = datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    seconds = round(abs(unix_s - now_s))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    span = " ".join(
+        f"{value}{unit}" for value, unit in ((hours, "h"), (minutes, "m"), (seconds, "s")) if value
+    )
+    if not span:
+        return f"{moment}, now"
+    return f"{moment}, in {span}" if unix_s > now_s else f"{moment}, {span} ago"
