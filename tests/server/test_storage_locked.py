@@ -12,6 +12,7 @@ saved later, off the request path). Once the lock is released everything works a
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ def _routes(tmp_path: Path) -> list[tuple[str, str]]:
     """(method, path template) of every route the app registers, HEAD and OPTIONS aside."""
     app = in_process_app(tmp_path / "routes-only")
     found = {
-        (method, route.path.replace(":str", ""))
+        (method, re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path))  # {model_id:path} -> {model_id}
         for route in app.routes
         if isinstance(route, HTTPRoute)
         for method in route.methods
@@ -58,6 +59,7 @@ def _call(client: httpx.Client, method: str, template: str, ids: dict[str, str])
             "upload_id": ids["upload_id"],
             "name": "x",
             "path": "x",
+            "model_id": "simulated",
         }
     )
     if (method, template) == ("POST", "/v1/files"):
