@@ -247,6 +247,26 @@ def test_the_batch_table_pages_newest_first(server_factory: Callable[..., LiveSe
     assert shown() == newest_first[:20]
 
 
+def test_a_finished_batch_s_row_is_left_in_place_by_the_polls_so_a_click_is_never_lost(
+    live_server: LiveServer, page: Page
+) -> None:
+    """A poll that redrew a row between the press and the release of a click swallowed the click
+    (seen under load): rows whose batch did not change are the same nodes poll after poll."""
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        batch = submit(api, [chat_line("still")])
+        wait_for_status(api, batch["id"], {"completed"})
+    row = f'tr[data-batch-id="{batch["id"]}"]'
+    page.goto(live_server.base_url + "/")
+    page.wait_for_selector(row + '[data-status="completed"]')
+    page.eval_on_selector(row, "row => { row.marked = true; }")
+    for _ in range(3):  # three polls that each read the batch list again
+        before = page.inner_text("#updated")
+        page.wait_for_function("before => document.getElementById('updated').textContent !== before", arg=before)
+    assert page.eval_on_selector(row, "row => row.marked === true")
+    page.click(row)
+    page.wait_for_function("id => document.getElementById('detail-id').textContent === id", arg=batch["id"])
+
+
 # --- the layout at phone and desktop widths, results, the icon, the first paint ---------------------
 
 WIDTHS = (360, 420, 1280)

@@ -383,7 +383,19 @@
     if (!page.data.length) {
       rows.replaceChildren(element("tr", {}, element("td", { colspan: "7", class: "muted", text: "no batches yet" })));
     } else {
-      rows.replaceChildren(...page.data.map(batchRow));
+      // A row whose batch has not changed is left in place, untouched: a poll that redrew it while
+      // it is being clicked would swallow the click (the press and the release on different nodes).
+      const shown = new Map([...rows.querySelectorAll("tr[data-batch-id]")].map((row) => [row.dataset.batchId, row]));
+      const wanted = page.data.map((batch) => {
+        const drawn = JSON.stringify(batch);
+        const old = shown.get(batch.id);
+        if (old && old.dataset.drawn === drawn) return old;
+        const row = batchRow(batch);
+        row.dataset.drawn = drawn;
+        return row;
+      });
+      const same = wanted.length === rows.children.length && wanted.every((row, i) => rows.children[i] === row);
+      if (!same) rows.replaceChildren(...wanted);
     }
     $("older").disabled = !page.has_more;
     $("older").dataset.after = page.last_id || "";
