@@ -1,10 +1,12 @@
 """Retrying what did not succeed from both clients and the `batchgen` command, against a live
-server whose simulated engine fails about 30% of requests for good (0.67 per attempt, 3 attempts)."""
+server whose simulated engine fails about 30% of requests for good (0.67 per attempt, 3 attempts),
+and whose context is 50 tokens, so that a long prompt fails in a way no retry can fix."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +20,17 @@ from tests.live import LiveServer, chat_line, start_server, write_jsonl
 
 pytestmark = pytest.mark.live
 
-FLAGS = ("--simulated-failure-rate", "0.67", "--max-pool-size", "32")
+FLAGS = ("--simulated-failure-rate", "0.67", "--max-pool-size", "32", "--max-context-length", "50")
+#: A prompt of more than the servers' 50 tokens: context_length_exceeded on every attempt.
+LONG_PROMPT = " ".join(["word"] * 80)
+
+
+@pytest.fixture(scope="module")
+def steady_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server that fails nothing but prompts past its 50-token context."""
+    live = start_server(tmp_path_factory.mktemp("retry-steady") / "storage", "--max-context-length", "50")
+    yield live
+    live.stop()
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +129,7 @@ def test_the_command_retries_with_submit_and_with_retry(server: LiveServer, tmp_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     batch = json.loads(done.stdout)
-    assert batch["retries"] and "retries made" in done.stderr
+    assert batch["retries"] and re.search(r"\b\d+ retr(y|ies) made", done.stderr), done.stderr
     _one_success_each(_records((tmp_path / "out.jsonl").read_bytes()), ids)
 
     with BatchGenHttpClient(server.base_url) as client:
@@ -149,3 +161,54 @@ def test_the_command_retries_with_submit_and_with_retry(server: LiveServer, tmp_
     assert usage.returncode == 2 and "--retry-failed" in usage.stderr
     assert "--retry-failed" in batchgen(server, "submit", "--help").stdout
     assert "merged" in batchgen(server, "retry", "--help").stdout
+
+
+def test_a_line_no_retry_can_fix_is_not_retried_and_the_command_exits_non_zero(
+    steady_server: LiveServer, tmp_path: Path
+) -> None:
+    lines = [chat_line("short-1", "a short question"), chat_line("too-long", LONG_PROMPT)]
+    write_jsonl(tmp_path / "in.jsonl", [*lines, chat_line("short-2", "another one")])
+    done = batchgen(
+        steady_server, "submit", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+        "--retry-failed", "3", "--poll-interval", "0.05", "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 6, done.stderr
+    batch = json.loads(done.stdout)
+    assert batch["retries"] == [] and batch["request_counts"]["failed"] == 1
+    assert "batchgen: 0 retries made;" in done.stderr, done.stderr
+    assert (
+        "batchgen: 1 request failed: 1 request with an error no retry can fix (context_length_exceeded: 1)"
+        in done.stderr
+    ), done.stderr
+    records = {record["custom_id"]: record for record in _records((tmp_path / "out.jsonl").read_bytes())}
+    assert records["too-long"]["error"]["code"] == "context_length_exceeded"
+    with BatchGenHttpClient(steady_server.base_url) as client:
+        made = [
+            listed["id"] for listed in client.list_batches()["data"] if listed.get("retry_of") == batch["id"]
+        ]
+    assert made == [], "a retry was made of a line no retry can fix"
+    assert (
+        "6 " in batchgen(steady_server, "submit", "--help").stdout + batchgen(steady_server, "--help").stdout
+    )
+
+
+def test_retries_stop_once_only_failures_no_retry_can_fix_are_left(
+    server: LiveServer, tmp_path: Path
+) -> None:
+    ids = _input(tmp_path / "in.jsonl", 100)
+    with (tmp_path / "in.jsonl").open("a") as lines:
+        lines.write(json.dumps(chat_line("too-long", LONG_PROMPT)) + "\n")
+    done = batchgen(
+        server, "submit", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+        "--retry-failed", "20", "--poll-interval", "0.05", "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 6, done.stderr
+    batch = json.loads(done.stdout)
+    # the transient failures are gone within a few rounds; the long line alone would retry 20 times
+    assert 0 < len(batch["retries"]) < 20, done.stderr
+    assert "1 request with an error no retry can fix (context_length_exceeded: 1)" in done.stderr, done.stderr
+    records = _records((tmp_path / "out.jsonl").read_bytes())
+    _one_success_each(records[:-1], ids)
+    assert (
+        records[-1]["custom_id"] == "too-long" and records[-1]["error"]["code"] == "context_length_exceeded"
+    )

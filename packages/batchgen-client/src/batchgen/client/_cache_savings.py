@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.client._wording import count_of
+
 __all__ = ["CacheSavings", "cache_savings", "format_cache_savings"]
 
 
@@ -50,8 +52,7 @@ def format_cache_savings(batch: Mapping[str, Any]) -> str | None:
     savings = cache_savings(batch)
     if savings is None or savings.requests == 0:
         return None
-    noun = "request" if savings.requests == 1 else "requests"
     return (
-        f"{savings.requests:,} {noun} answered from the result cache "
-        f"({savings.saved_tokens:,} tokens not computed again)"
+        f"{count_of(savings.requests, 'request')} answered from the result cache "
+        f"({count_of(savings.saved_tokens, 'token')} not computed again)"
     )

@@ -31,6 +31,7 @@ from batchgen.client._chunked import ChunkedUpload, completed_file, part_id
 from batchgen.client._exceptions import APIStatusError
 from batchgen.client._files import Download, partial_download
 from batchgen.client._follow import Following, ResultTail
+from batchgen.client._line_errors import LineTally
 from batchgen.client._methods import async_method, method
 from batchgen.client._requests import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, JSONObject, RequestSpec
 from batchgen.client._retries import RetryRounds
@@ -244,7 +245,10 @@ class BatchGenHttpClient(_BaseClient):
     def _retry_rounds(self, rounds: RetryRounds, latest: JSONObject) -> tuple[JSONObject, JSONObject | None]:
         """Retry until nothing is left or the rounds run out: (the first batch again, the last retry)."""
         last = None
-        while (spec := rounds.retry(latest)) is not None:
+        while (merged := rounds.merged(latest)) is not None:
+            spec = rounds.retry(self._tally(merged))
+            if spec is None:  # every failure left is one no retry can fix
+                break
             try:
                 created = self._call(spec)
             except APIStatusError as exc:
@@ -252,6 +256,18 @@ class BatchGenHttpClient(_BaseClient):
                 break
             latest = last = self._wait(rounds.wait(created))
         return self._call(rounds.original()), last
+
+    def _tally(self, spec: RequestSpec) -> LineTally:
+        """The tally of the result lines `spec` answers with, read as they arrive."""
+        tally = LineTally()
+        response = self._send(spec, stream=True)
+        try:
+            with req.translate_transport_errors(spec):
+                for chunk in response.iter_bytes():
+                    tally.feed(chunk)
+        finally:
+            response.close()
+        return tally.finish()
 
     # --- the methods: one builder each, shared with AsyncBatchGenClient ------------------------
 
@@ -425,7 +441,10 @@ class AsyncBatchGenClient(_BaseClient):
     ) -> tuple[JSONObject, JSONObject | None]:
         """Retry until nothing is left or the rounds run out: (the first batch again, the last retry)."""
         last = None
-        while (spec := rounds.retry(latest)) is not None:
+        while (merged := rounds.merged(latest)) is not None:
+            spec = rounds.retry(await self._tally(merged))
+            if spec is None:  # every failure left is one no retry can fix
+                break
             try:
                 created = await self._call(spec)
             except APIStatusError as exc:
@@ -433,6 +452,18 @@ class AsyncBatchGenClient(_BaseClient):
                 break
             latest = last = await self._wait(rounds.wait(created))
         return await self._call(rounds.original()), last
+
+    async def _tally(self, spec: RequestSpec) -> LineTally:
+        """The tally of the result lines `spec` answers with, read as they arrive."""
+        tally = LineTally()
+        response = await self._send(spec, stream=True)
+        try:
+            with req.translate_transport_errors(spec):
+                async for chunk in response.aiter_bytes():
+                    tally.feed(chunk)
+        finally:
+            await response.aclose()
+        return tally.finish()
 
     # --- the methods: one builder each, shared with BatchGenHttpClient -------------------------
 

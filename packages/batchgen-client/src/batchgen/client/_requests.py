@@ -28,6 +28,7 @@ from batchgen.client._exceptions import (
     RetriesExhausted,
 )
 from batchgen.client._options import DEFAULT_COMPLETION_WINDOW, BatchOptions
+from batchgen.client._wording import count_of
 
 JSONObject = dict[str, Any]
 """What every API call returns: the decoded JSON object, as the server sent it."""
@@ -321,9 +322,8 @@ def error_from_response(
     status = response.status_code
     detail = _error_message(body)
     if exhausted:
-        message = (
-            f"{spec.describe()} returned HTTP {status} after {attempts} attempts ({attempts - 1} retries)"
-        )
+        tries = f"{count_of(attempts, 'attempt')} ({count_of(attempts - 1, 'retry', 'retries')})"
+        message = f"{spec.describe()} returned HTTP {status} after {tries}"
         message = f"{message}: {detail}" if detail else message
         return RetriesExhausted(message, status_code=status, attempts=attempts, body=body, response=response)
     message = f"{spec.describe()} returned HTTP {status}"

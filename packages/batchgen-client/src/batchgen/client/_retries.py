@@ -2,11 +2,17 @@
 rounds of `submit_batch(..., retry_failed=N)`.
 
     rounds = submission.rounds(batch)          # after the first batch ended
-    while (spec := rounds.retry(latest)) is not None:
+    while (merged := rounds.merged(latest)) is not None:
+        spec = rounds.retry(tally of merged)   # (`_line_errors.LineTally`) None: nothing retryable
+        if spec is None: break
         try: created = call(spec)
         except APIStatusError as exc: rounds.stop_on(exc) (re-raises unless nothing is left)
         latest = wait(rounds.wait(created))
     batch = call(rounds.original())            # the first batch again, its `retries` listed
+
+A round retries only what a retry may fix: lines whose error code is not one of
+`PERMANENT_ERROR_CODES`, and lines that never ran. The server's retry takes every failed line or
+none, so when a retryable failure is left, the lines that failed for good run again beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 from batchgen.client._exceptions import APIStatusError, BatchGenClientError
 from batchgen.client._files import Download
+from batchgen.client._line_errors import LineTally
 from batchgen.client._requests import JSONObject, RequestSpec, StrPath, _idempotency, _segment
 from batchgen.client._wait import ProgressCallback, Wait
 
@@ -98,17 +105,32 @@ class RetryRounds:
     timeout: float | None
     progress: bool | None
     on_progress: ProgressCallback | None
+    total: int | None = None
+    """The requests of the original batch (its `request_counts.total`), if it said."""
     made: list[str] = field(default_factory=list)
 
-    def retry(self, latest: Mapping[str, Any]) -> RequestSpec | None:
-        """The next retry to ask for, or None: the limit is reached, or the latest batch
-        completed with no failed line (nothing is left)."""
+    def merged(self, latest: Mapping[str, Any]) -> RequestSpec | None:
+        """The merged results to read before the next retry (`retry` judges them), or None: the
+        limit is reached, or the latest batch completed with no failed line (nothing is left)."""
         if len(self.made) >= self.limit:
             return None
         counts = latest.get("request_counts") or {}
         if latest.get("status") == "completed" and not counts.get("failed"):
             return None
-        return retry_batch(self.original_id)
+        return _merged_results(self.original_id)
+
+    def retry(self, tally: LineTally) -> RequestSpec | None:
+        """The next retry, given the tally of the merged results so far: of the failed lines if
+        any may succeed when run again, and of the lines that never ran if there are any; None
+        when neither is left (every failure is one no retry can fix)."""
+        outcomes = []
+        if tally.retryable:
+            outcomes.append("failed")
+        if self.total is None or tally.lines < self.total:
+            outcomes.append("not_run")
+        if not outcomes:
+            return None
+        return retry_batch(self.original_id, outcomes)
 
     @staticmethod
     def stop_on(error: APIStatusError) -> None:

@@ -60,10 +60,12 @@ def submit_batch(
     (`upload_file_chunked`), so it may be larger than the server's limit for one upload.
 
     `retry_failed=N` retries what did not succeed (`retry_batch`), up to N times, each time once
-    the batch before has ended, until nothing is left; the output path then receives the merged
-    results (`download_merged_results_to`: one line per request, its best result), and the
-    batch returned is the first one, its `retries` listing the retries made (`raise_on_failure`
-    judges the last of them). It cannot be combined with `error_file_path`.
+    the batch before has ended, until nothing retryable is left: a failure whose error code is one
+    of `PERMANENT_ERROR_CODES` (`context_length_exceeded`, `invalid_request`, ...) is never the
+    reason for a retry. The output path then receives the merged results
+    (`download_merged_results_to`: one line per request, its best result), and the batch returned
+    is the first one, its `retries` listing the retries made (`raise_on_failure` judges the last
+    of them). It cannot be combined with `error_file_path`.
     """
     check_poll_interval(poll_interval)
     if isinstance(retry_failed, bool) or not isinstance(retry_failed, int) or retry_failed < 0:
@@ -140,6 +142,7 @@ class Submission:
             self.timeout,
             self.progress,
             self.on_progress,
+            total=_total(batch),
         )
 
     def downloads(self, batch: Mapping[str, Any]) -> list[Download]:
@@ -161,6 +164,13 @@ class Submission:
         judges `last`, the last retry made, when there is one."""
         finish_wait(last if last is not None else batch, raise_on_failure=self.raise_on_failure)
         return batch
+
+
+def _total(batch: Mapping[str, Any]) -> int | None:
+    """The batch's `request_counts.total`, if it is a count."""
+    counts = batch.get("request_counts")
+    total = counts.get("total") if isinstance(counts, Mapping) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
 
 
 def object_id(obj: Mapping[str, Any], kind: str) -> str:

@@ -21,6 +21,8 @@ Exit status:
     3    the server answered with an error (its message is printed) or with something unreadable
     4    the server could not be reached, even after retrying
     5    the server refused the API key (401: missing, wrong or revoked); it is not retried
+    6    submit --retry-failed: the batches completed, but requests are still failed once the
+         retries ended (their errors are not retryable, or N retries did not fix them)
     130  interrupted (Ctrl-C); a submitted batch keeps running on the server
 """
 
@@ -31,6 +33,7 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -46,12 +49,14 @@ from batchgen.client._exceptions import (
     BatchGenClientError,
     batch_error_summary,
 )
+from batchgen.client._line_errors import LineTally
 from batchgen.client._options import BatchOptions, flag_of
 from batchgen.client._progress import AT_RISK_MARKER, is_at_risk
 from batchgen.client._requests import DEFAULT_BASE_URL, ENDPOINTS, JSONObject
 from batchgen.client._retry import RetryPolicy
 from batchgen.client._wait import ADAPTIVE_POLLING
 from batchgen.client._watch import active_batch_ids, board_for, watch_batches
+from batchgen.client._wording import count_of
 
 __all__ = [
     "BASE_URL_ENV",
@@ -59,6 +64,7 @@ __all__ = [
     "EXIT_CANNOT_CONNECT",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_REQUESTS_FAILED",
     "EXIT_SERVER_ERROR",
     "EXIT_UNAUTHORIZED",
     "EXIT_USAGE",
@@ -72,6 +78,7 @@ EXIT_USAGE = 2
 EXIT_SERVER_ERROR = 3
 EXIT_CANNOT_CONNECT = 4
 EXIT_UNAUTHORIZED = 5
+EXIT_REQUESTS_FAILED = 6
 EXIT_INTERRUPTED = 130
 
 BASE_URL_ENV = "BATCHGEN_BASE_URL"
@@ -133,8 +140,44 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     if not args.retry_failed:
         return _exit_for(batch)
     last = client.get_batch(made[-1]) if made else batch
-    _say(f"{len(made)} retries made; wrote the merged results of {batch.get('id')} to {args.output}")
-    return _exit_for(last)
+    retries = count_of(len(made), "retry", "retries")
+    _say(f"{retries} made; wrote the merged results of {batch.get('id')} to {args.output}")
+    ended = _exit_for(last)
+    if ended != EXIT_OK:
+        return ended
+    return _exit_for_failures(_tally_file(Path(args.output)), retries)
+
+
+def _tally_file(path: Path) -> LineTally:
+    """The tally of the result lines in a file."""
+    tally = LineTally()
+    with path.open("rb") as lines:
+        while chunk := lines.read(1 << 20):
+            tally.feed(chunk)
+    return tally.finish()
+
+
+def _exit_for_failures(tally: LineTally, retries: str) -> int:
+    """0 when no request is left failed; otherwise say which failed and why, and 6."""
+    if not tally.failed:
+        return EXIT_OK
+    reasons = []
+    if tally.permanent:
+        reasons.append(
+            f"{count_of(tally.permanent.total(), 'request')} with an error no retry can fix "
+            f"({_by_code(tally.permanent)})"
+        )
+    if tally.retryable:
+        reasons.append(
+            f"{count_of(tally.retryable.total(), 'request')} still failing after {retries} "
+            f"({_by_code(tally.retryable)})"
+        )
+    _say(f"{count_of(tally.failed, 'request')} failed: " + "; ".join(reasons))
+    return EXIT_REQUESTS_FAILED
+
+
+def _by_code(counts: Counter[str]) -> str:
+    return ", ".join(f"{code}: {count:,}" for code, count in counts.most_common())
 
 
 def _retry(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
@@ -155,7 +198,8 @@ def _retry(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     _print_json(retry)
     if args.output is not None:
         path = client.download_merged_results_to(args.id, args.output)
-        _say(f"wrote the merged results of {args.id} and its retries to {path} ({path.stat().st_size} bytes)")
+        size = count_of(path.stat().st_size, "byte")
+        _say(f"wrote the merged results of {args.id} and its retries to {path} ({size})")
     return _exit_for(retry)
 
 
@@ -198,7 +242,8 @@ def _download(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
         if not _is_batch_id(args.id) or args.errors:
             raise UsageError("--merged needs a batch id (and no --errors)")
         path = client.download_merged_results_to(args.id, args.output)
-        _say(f"wrote {path} ({path.stat().st_size} bytes: the merged results of {args.id} and its retries)")
+        size = count_of(path.stat().st_size, "byte")
+        _say(f"wrote {path} ({size}: the merged results of {args.id} and its retries)")
         return EXIT_OK
     if _is_batch_id(args.id):
         batch = client.get_batch(args.id)
@@ -210,7 +255,7 @@ def _download(client: BatchGenHttpClient, args: argparse.Namespace) -> int:
     elif args.errors:
         raise UsageError("--errors needs a batch id, not a file id")
     path = client.download_file_to(file_id, args.output)
-    _say(f"wrote {path} ({path.stat().st_size} bytes of {file_id})")
+    _say(f"wrote {path} ({count_of(path.stat().st_size, 'byte')} of {file_id})")
     return EXIT_OK
 
 
@@ -253,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Submit batches to a BatchGen server, follow them and fetch their results.",
         epilog="exit status: 0 ok; 1 batch ended failed/expired/cancelled; 2 usage error; "
-        "3 server error; 4 cannot connect; 5 API key refused (401); 130 interrupted",
+        "3 server error; 4 cannot connect; 5 API key refused (401); 6 requests still failed after "
+        "submit --retry-failed; 130 interrupted",
         parents=[_global_options(suppress=False)],
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
@@ -287,8 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=0,
         metavar="N",
-        help="retry what did not succeed up to N times, until nothing is left; OUT then gets the merged "
-        "results, every request's best line (default: 0, no retry)",
+        help="retry what did not succeed up to N times, until nothing retryable is left: a request whose "
+        "error no retry can fix (context_length_exceeded, invalid_request, model_not_found, ...) is no "
+        "reason to retry; OUT then gets the merged results, every request's best line. Exit status 6 "
+        "when requests are still failed at the end (default: 0, no retry)",
     )
     submit.add_argument(
         "--chunked-upload-threshold",
