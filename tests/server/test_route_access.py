@@ -237,6 +237,31 @@ def test_an_unknown_route_or_method_is_told_only_to_a_caller_with_a_key(
     assert set(known.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_every_response_of_every_route_and_method_names_its_own_request(keyed: Keyed) -> None:
+    """With a key, without one, and on a route or method that does not exist: each response
+    carries an ``x-request-id`` of its own (``request_ids``), whatever its status."""
+    admin = {"Authorization": f"Bearer {keyed.keys['admin']}"}
+    answered: list[tuple[str, str, int, str | None]] = []
+    for path, method, _ in routes(keyed.app):
+        if method == "DELETE" or path.endswith("/cancel"):
+            continue  # they would change alice's objects for the other tests
+        url = concrete(path, keyed.objects)
+        for headers in ({}, admin):
+            response = keyed.client.request(method, url, headers=headers)
+            answered.append((method, url, response.status_code, response.headers.get("x-request-id")))
+    for method, url in (("GET", "/v1/nowhere"), ("PATCH", "/v1/files"), ("TRACE", "/health")):
+        for headers in ({}, admin):
+            response = keyed.client.request(method, url, headers=headers)
+            answered.append((method, url, response.status_code, response.headers.get("x-request-id")))
+    assert {status // 100 for *_, status, _ in answered} >= {2, 4}
+    assert {401, 404, 405} <= {status for *_, status, _ in answered}
+    missing = [(method, url, status) for method, url, status, request_id in answered if not request_id]
+    assert not missing, missing
+    ids = [request_id for *_, request_id in answered]
+    assert len(set(ids)) == len(ids), "two responses named the same request"
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", str(each)) for each in ids)
+
+
 # --- odd path spellings ---------------------------------------------------------------------------
 
 _SPELLINGS = [

@@ -6,7 +6,8 @@ the app can exit non-zero and be restarted (``cli`` does).
 
 Access is decided per matched route (``auth``): once a key exists, every route not declared open
 needs one, and the ``caller`` dependency tells each controller which tenant is calling. A path
-that is not canonical is refused before routing (``request_paths``).
+that is not canonical is refused before routing (``request_paths``). Every response, that refusal
+included, names its request in ``x-request-id`` (``request_ids``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from batchgen.server.errors import handle_http_error, handle_service_error, hand
 from batchgen.server.metrics import HttpMetricsMiddleware, WebhookCollector, build_registry, metrics
 from batchgen.server.openapi_pages import openapi_config
 from batchgen.server.priority import lower_api_priority, resolve_api_nice
+from batchgen.server.request_ids import RequestIds
 from batchgen.server.request_paths import CanonicalPaths
 from batchgen.server.settings import ServerSettings
 from batchgen.server.webhooks import WebhookDeliverer
@@ -83,8 +85,7 @@ def create_app(
         registry.register(WebhookCollector(deliverer.counts))
 
     def apply_weights(limits: dict[str, Any]) -> None:
-        for tenant, tenant_limits in limits.items():
-            service.set_tenant_weight(tenant, tenant_limits.weight)
+        service.set_tenant_limits(limits)  # the weights, and the limits an admin's calls for a tenant meet
 
     shared = service.settings.shared
     keys = open_key_store(
@@ -171,5 +172,5 @@ def create_app(
     )
     keys.has_keys()  # load the keys (and the tenants' weights) now, not on the first request
     open_options_of_open_routes(app)
-    app.asgi_handler = CanonicalPaths(app.asgi_handler)
+    app.asgi_handler = RequestIds(CanonicalPaths(app.asgi_handler))
     return app

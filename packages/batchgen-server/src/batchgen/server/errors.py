@@ -2,7 +2,8 @@
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the
 matching status, and ``Retry-After`` on 429, 503 and 507. Controllers never build error responses.
-An HTTP error of Litestar's keeps the headers it carries (``Allow`` on a 405).
+An HTTP error of Litestar's keeps the headers it carries (``Allow`` on a 405). An unexpected error
+is logged with the request's id (``request_ids``), the one its 500 carries in ``x-request-id``.
 
 A storage fault (a full disk: 507 Insufficient Storage; an I/O error or a read-only folder: 503)
 answers with its reason wherever it is raised, also from the server's own writes (an upload being
@@ -27,6 +28,7 @@ from batchgen.core.errors import (
     StorageUnavailable,
 )
 from batchgen.core.storage.faults import storage_fault
+from batchgen.server.request_ids import request_id_of
 
 logger = logging.getLogger("batchgen.server")
 
@@ -100,7 +102,7 @@ def handle_unexpected_error(request: Request, exc: Exception) -> Response[dict[s
     if fault is not None:
         logger.warning("%s %s: %s", request.method, request.url.path, fault.message)
         return handle_service_error(request, fault)
-    logger.exception("unexpected error", exc_info=exc)
+    logger.exception("unexpected error", exc_info=exc, extra={"request_id": request_id_of(request.scope)})
     return error_response(
         500, "The server hit an internal error.", type_="server_error", code="internal_error"
     )

@@ -8,7 +8,9 @@ counts, ``duration_s``, ``reason``, ``method``, ``path``, ``status``, …); a tr
 ``exception``.
 
 The access log (one line per HTTP request) is off unless ``--access-log`` is given or the level is
-``debug``: polling clients would otherwise fill the log.
+``debug``: polling clients would otherwise fill the log. Each access line names its request's id
+(``request_ids``, the response's ``x-request-id``): a ``request_id`` field in JSON, and
+`` request_id=req_…`` at the end of a text line (as does any other record that carries one).
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ _RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, No
     "asctime",
     "color_message",  # uvicorn's message with terminal colours
 }
+
+
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT``, then `` request_id=…`` when the record names a request."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        request_id = getattr(record, "request_id", None)
+        return line if request_id is None else f"{line} request_id={request_id}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -59,7 +73,7 @@ def configure_logging(level: str, log_format: str) -> None:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
