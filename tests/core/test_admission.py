@@ -9,16 +9,21 @@ pacer hands turns to parked request tasks in order.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchgen.core import BatchService, BatchStatus, ServiceSettings, load_backend
 from batchgen.core.errors import IntakeFull
 from batchgen.core.scheduling.drain_meter import DrainMeter
 from batchgen.core.scheduling.pacer import Pacer
+from tests.examples import examples
 
 
 @pytest.fixture
@@ -109,16 +114,83 @@ class _Clock:
 def test_drain_meter_estimates_from_recent_finishes() -> None:
     clock = _Clock()
     meter = DrainMeter(window_s=10, clock=clock)
-    assert meter.wait_for(5) == 10  # nothing finished yet: look again after one window
+    clock.now += 500  # idle long before the work begins: that time is not part of the rate
+    meter.admitted(40)
+    assert meter.wait_for(5) == 1  # nothing finished yet, and the work has only just begun
+    clock.now += 3.5
+    assert meter.wait_for(5) == 4  # nothing finished in 3.5 s: look again after as long
     for _ in range(10):
         clock.now += 1
         meter.record(20)
+        meter.admitted(20)
     assert meter.rate() == pytest.approx(20, rel=0.15)
     assert meter.wait_for(100) == 5
     assert meter.wait_for(0) == 1  # never less than a second
     assert meter.wait_for(10**9) == 300  # never more than five minutes
     clock.now += 60  # the finishes left the window: the rate follows the current load
-    assert meter.rate() == 0 and meter.wait_for(100) == 10
+    assert meter.rate() == 0 and meter.wait_for(100) == 10  # nothing for a window: look again after one
+
+
+def test_a_new_busy_period_measures_afresh_and_a_refilled_slot_continues_the_old_one() -> None:
+    clock = _Clock()
+    meter = DrainMeter(window_s=30, clock=clock)
+    meter.admitted(1)
+    for _ in range(4):  # one slot, refilled the moment it frees: one busy period
+        clock.now += 2
+        meter.record()
+        meter.admitted()
+    assert meter.rate() == pytest.approx(0.5)
+    clock.now += 2
+    meter.record()  # the slot stands empty ...
+    clock.now += 5
+    meter.admitted()  # ... long enough that this admission begins a new busy period
+    clock.now += 1
+    assert meter.rate() == 0 and meter.wait_for(3) == 1
+    meter.record(4)
+    assert meter.rate() == pytest.approx(4)  # 4 in the one second since it began, not in the last 13
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    created_at=st.floats(0, 1, exclude_max=True),
+    idle_s=st.floats(0, 3600),
+    window_s=st.sampled_from([1.0, 10.0, 30.0, 45.5]),
+    in_flight=st.integers(1, 64),
+    rate=st.floats(0.02, 100),
+    busy_s=st.floats(0, 90),
+    places=st.integers(-5, 100_000),
+)
+def test_retry_after_is_at_least_a_second_and_never_far_above_the_drain_time(
+    created_at: float,
+    idle_s: float,
+    window_s: float,
+    in_flight: int,
+    rate: float,
+    busy_s: float,
+    places: int,
+) -> None:
+    """The slots finish one request every ``1 / rate`` seconds, each refilled at once, from the
+    moment the work began (after the meter stood idle for ``idle_s``). However long the work has
+    run, the estimate for ``places`` more to finish is at least a second and at most twice their
+    drain time at that rate (a single finish seen early may halve the measured rate), never a
+    fixed fallback above it."""
+    clock = _Clock()
+    clock.now += created_at
+    meter = DrainMeter(window_s=window_s, clock=clock)
+    clock.now += idle_s
+    began = clock.now
+    meter.admitted(in_flight)
+    finish_times = (began + (i + 1) / rate for i in range(math.floor(busy_s * rate)))
+    for _, same_second in itertools.groupby(finish_times, key=int):
+        times = list(same_second)
+        clock.now = times[-1]  # a bucket counts whole seconds: the finishes of one second at once
+        meter.record(len(times))
+        meter.admitted(len(times))
+    clock.now = began + busy_s
+    retry_after = meter.wait_for(places)
+    assert 1 <= retry_after <= 300
+    drain_s = max(places, 0) / rate
+    assert retry_after <= max(1, math.ceil(2 * drain_s * (1 + 1e-9)))
 
 
 @pytest.mark.anyio

@@ -12,7 +12,8 @@ of single requests (``run_request``) is run in groups of one.
 The loop stays responsive under load: ``run`` admits at most ``ADMIT_PER_TURN`` requests per turn
 of the event loop, and every group's task asks the ``Pacer`` for a turn before each group, so
 thousands of requests that need no I/O cannot hold the loop for long. Each finished request is
-counted on the intake pool's drain meter (the basis of ``Retry-After`` when the pool is full).
+counted on the intake pool's drain meter, as is each admission (the meter measures the rate over
+the time the slots have been busy): the basis of ``Retry-After`` when the pool is full.
 
 With several served models, ``shares`` (``ModelShares``) keeps any one model from holding more
 than its fair share of the slots while another model has queued work; every admission, the
@@ -161,6 +162,7 @@ class Scheduler:
         self.scheduling_pool.acquire(entry.batch_id)
         if self.shares is not None:
             self.shares.acquire(entry.batch_id)
+        self.intake_pool.drain.admitted()
         return entry
 
     def finish(self, entry: IntakeEntry) -> None:
