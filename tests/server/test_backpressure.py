@@ -1,13 +1,19 @@
 """Backpressure: a full intake pool answers 429 with Retry-After, and pool status tracks the work.
 
-The real app runs in this process (Litestar's test client) over real SQLite and files.
+The real app runs in this process (Litestar's test client) over real SQLite and files; the
+Retry-After of a pool that drains in seconds is checked against a real ``batchgen-server``.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import httpx
+import pytest
 
 from tests.helpers import ApiFactory, chat_line, jsonl, post_batch, upload, wait_for_status
+from tests.live import LiveServer
 
 
 def _create(client: httpx.Client, name: str, count: int) -> httpx.Response:
@@ -34,6 +40,7 @@ def test_full_intake_pool_gives_429_then_accepts_after_draining(api_factory: Api
         "completion_tokens_total": 0,
         "engine_running": 0,
         "engine_waiting": 0,
+        "engines": [{"model": "simulated", "running": 0, "generated_tokens": None}],
         "generated_tokens_total": 0,
         "generated_tokens_counted": "when_finished",
         "requests_per_second": 0.0,
@@ -94,3 +101,32 @@ def test_second_active_batch_on_the_same_file_is_400(api_factory: ApiFactory) ->
     client.post(f"/v1/batches/{first['id']}/cancel")
     wait_for_status(client, first["id"], {"cancelled"})
     assert post_batch(client, file_id).status_code == 200
+
+
+@pytest.mark.live
+def test_retry_after_of_a_pool_that_drains_in_seconds_is_seconds(
+    server_factory: Callable[..., LiveServer],
+) -> None:
+    """Two slots of 1.5 s requests and an intake pool of 8 that a batch of 8 holds: room for a
+    batch of 3 comes within a few seconds of the work beginning, so the Retry-After told meanwhile
+    is at most about that (twice the drain measured from the first create, to leave room for the
+    estimate), never a fixed 30."""
+    server = server_factory(
+        "--max-intake-capacity", "8", "--max-pool-size", "2", "--simulated-latency-s", "1.5"
+    )  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        first_file = upload(client, jsonl(*[chat_line(f"first-{i}") for i in range(8)]))["id"]
+        second_file = upload(client, jsonl(*[chat_line(f"second-{i}") for i in range(3)]))["id"]
+        began = time.monotonic()
+        first = post_batch(client, first_file)
+        assert first.status_code == 200, first.text
+        refused = post_batch(client, second_file)  # 8 places held: at most 2 come free before it
+        assert refused.status_code == 429, refused.text
+        retry_after = int(refused.headers["Retry-After"])
+        deadline = time.monotonic() + 60
+        while client.get("/v1/pool/status").json()["intake_pool_size"] > 5:  # room for three
+            assert time.monotonic() < deadline, "the intake pool never drained"
+            time.sleep(0.05)
+        drained_s = time.monotonic() - began
+        assert 1 <= retry_after <= 2 * drained_s + 1, (retry_after, drained_s)
+        assert post_batch(client, second_file).status_code == 200

@@ -72,6 +72,7 @@ def test_guide_curl_flow(live_server: LiveServer, tmp_path: Path) -> None:
         "completion_tokens_total",
         "engine_running",
         "engine_waiting",
+        "engines",
         "generated_tokens_total",
         "generated_tokens_counted",
         "requests_per_second",

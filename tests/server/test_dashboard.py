@@ -291,3 +291,45 @@ def test_the_openai_sdk_reads_batch_objects_with_the_pace_fields(live_server: Li
     assert retrieved.model_extra is not None and set(PACE_FIELDS) <= set(retrieved.model_extra)
     listed = client.batches.list(limit=5)
     assert batch["id"] in [item.id for item in listed.data]
+
+
+class _Silent:
+    """A backend that says nothing of its engine (as the embeddings and openai backends): the
+    simulated one without its ``engine_activity``."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine_activity":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_model_that_cannot_tell_what_its_engine_runs_does_not_blank_the_others(tmp_path: Path) -> None:
+    """Two models, one whose backend cannot tell (the default setup's embeddings model): the pool
+    status still gives the other's figure, and the Engine card shows it, naming the silent one."""
+    import anyio
+
+    from batchgen.core import BatchService, ServiceSettings
+    from batchgen.core.backends.served_models import ServedModel
+    from batchgen.core.backends.simulated import SimulatedBackend
+    from batchgen.server import dashboard_snapshot
+
+    async def main() -> dict[str, Any]:
+        models = [
+            ServedModel(SimulatedBackend(model_name="chat")),
+            ServedModel(_Silent(SimulatedBackend(model_name="embed"))),
+        ]
+        async with BatchService(ServiceSettings(storage_path=tmp_path), models) as service:
+            return service.pool_status().to_dict()
+
+    pool = anyio.run(main)
+    assert (pool["engine_running"], pool["engine_waiting"]) == (None, None)  # no sum of all
+    assert list(pool["engines"]) == [
+        {"model": "chat", "running": 0, "generated_tokens": None},
+        {"model": "embed", "running": None, "generated_tokens": None},
+    ]
+    text = dashboard_snapshot.engine_text(pool)
+    assert text.startswith("running on the engine: 0 (chat: 0) · admitted: 0 · slots: ")
+    assert "(embed: its backend cannot tell" in text and "cannot tell how many of them" not in text

@@ -261,7 +261,9 @@ def test_a_finished_batch_s_row_is_left_in_place_by_the_polls_so_a_click_is_neve
     page.eval_on_selector(row, "row => { row.marked = true; }")
     for _ in range(3):  # three polls that each read the batch list again
         before = page.inner_text("#updated")
-        page.wait_for_function("before => document.getElementById('updated').textContent !== before", arg=before)
+        page.wait_for_function(
+            "before => document.getElementById('updated').textContent !== before", arg=before
+        )
     assert page.eval_on_selector(row, "row => row.marked === true")
     page.click(row)
     page.wait_for_function("id => document.getElementById('detail-id').textContent === id", arg=batch["id"])
@@ -502,3 +504,153 @@ def test_the_details_show_the_order_of_the_batch_s_results(
         page.wait_for_function(
             "text => document.getElementById('detail-fields').textContent.includes(text)", arg=shown
         )
+
+
+def test_selecting_a_batch_brings_its_details_into_view_on_a_small_screen(
+    live_server: LiveServer, browser: Browser
+) -> None:
+    """The details open below the table: on a small screen, out of sight, unless the page scrolls
+    to them when a row is clicked."""
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        batches = [submit(api, [chat_line(f"seen-{i}")]) for i in range(4)]
+        for batch in batches:
+            wait_for_status(api, batch["id"], {"completed"})
+    context = browser.new_context(viewport={"width": 360, "height": 560})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.goto(live_server.base_url + "/")
+        row = f'tr[data-batch-id="{batches[-1]["id"]}"]'  # the newest: the first row, far above the details
+        page.click(row)
+        page.wait_for_function(
+            "id => document.getElementById('detail-id').textContent === id", arg=batches[-1]["id"]
+        )
+        page.wait_for_function(
+            """() => {
+                const box = document.getElementById('detail').getBoundingClientRect();
+                return box.top >= 0 && box.top < window.innerHeight && box.bottom > 0;
+            }"""
+        )
+    finally:
+        context.close()
+
+
+MAXIMA = (0.0004, 0.0007, 0.003, 0.01, 0.04, 0.1, 0.13, 0.6, 1, 2.2, 7, 12, 99, 250, 999, 4_321, 60_000, 1e6)
+
+
+def test_the_plots_value_labels_are_distinct_and_readable_at_any_scale(
+    live_server: LiveServer, page: Page
+) -> None:
+    """Small rates drew "0.1, 0.0, 0.0, 0.0": every axis, from a peak of 0.0004 to a million, has
+    five distinct labels, each short enough for the axis, increasing with the value they mark."""
+    page.goto(live_server.base_url + "/")
+    page.wait_for_selector("#requests-plot[data-ticks]")
+    axes: list[list[str]] = page.evaluate(
+        "maxima => maxima.map((peak) => BatchGenDashboard.tickLabels(BatchGenDashboard.niceCeiling(peak)))",
+        list(MAXIMA),
+    )
+    for peak, labels in zip(MAXIMA, axes, strict=True):
+        assert len(set(labels)) == 5 and labels[0] == "0", (peak, labels)
+        assert all(len(label) <= 9 for label in labels), (peak, labels)
+        units = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+        values = [
+            float(label[:-1]) * units[label[-1]] if label[-1] in units else float(label) for label in labels
+        ]
+        assert values == sorted(values) and values[-1] >= peak, (peak, labels)
+    # and the plot draws them: a server whose requests end at 0.0004 a second
+    page.route(
+        "**/v1/pool/status",
+        lambda route: route.fulfill(
+            json={**route.fetch().json(), "requests_per_second": 0.0004},
+            headers={"Cache-Control": "no-store"},
+        ),
+    )
+    page.wait_for_function(
+        "() => document.getElementById('requests-plot').dataset.ticks === '0 0.000125 0.00025 0.000375 0.0005'"
+    )
+
+
+def test_an_engine_that_cannot_tell_does_not_blank_what_the_others_report(
+    live_server: LiveServer, page: Page
+) -> None:
+    """The default setup: a chat model whose backend counts what its engine runs beside an
+    embeddings model whose backend cannot. The card shows the first's figure and names the
+    second, rather than "cannot tell" for both (here the server's answer gets that second model)."""
+
+    def with_a_silent_model(route: Route) -> None:
+        pool = route.fetch().json()
+        pool["engines"] = [*pool["engines"], {"model": "embed", "running": None, "generated_tokens": None}]
+        route.fulfill(json={**pool, "engine_running": None, "engine_waiting": None})
+
+    page.route("**/v1/pool/status", with_a_silent_model)
+    page.goto(live_server.base_url + "/")
+    page.wait_for_function(
+        "() => document.getElementById('slots-text').textContent.startsWith('running on the engine: 0 (simulated: 0)')"
+    )
+    text = page.inner_text("#slots-text")
+    assert "embed: its backend cannot tell" in text and "cannot tell how many of them" not in text
+
+
+# --- the replicas table (a server that is one of several) --------------------------------------------
+
+
+def test_a_killed_replica_is_shown_not_reporting_and_the_replicas_fit_a_phone(
+    postgres_url: str, tmp_path: Path, browser: Browser
+) -> None:
+    """Replica b dies (SIGKILL): within a few report intervals a's pool status and its Replicas
+    table say b is not reporting, long before b's reports drop out of the list (three leases, 30 s
+    here). At 360 and 420 px every column of the table is on screen, as labelled cards, without
+    sideways scrolling."""
+    import signal
+
+    from tests.replica_fleet import Blobs, start_replica
+
+    blobs = Blobs(f"file://{tmp_path / 'shared'}")
+    a = start_replica(tmp_path, postgres_url, blobs, "a", lease_s=10)
+    b = start_replica(tmp_path, postgres_url, blobs, "b", lease_s=10)
+    try:
+        for width in (360, 420):
+            context = browser.new_context(viewport={"width": width, "height": 800})
+            try:
+                page = context.new_page()
+                page.set_default_timeout(WAIT_MS)
+                page.goto(a.base_url + "/")
+                page.wait_for_selector('#replica-rows tr[data-replica-id="a"]')
+                page.wait_for_selector('#replica-rows tr[data-replica-id="b"]')
+                if width == 360:
+                    b.process.send_signal(signal.SIGKILL)
+                    b.process.wait()
+                    page.wait_for_selector('#replica-rows tr[data-replica-id="b"][data-reporting="false"]')
+                    assert "not reporting" in page.inner_text(
+                        'tr[data-replica-id="b"] td[data-label="Health"]'
+                    )
+                    listed = {r["id"]: r for r in httpx.get(f"{a.api_url}/pool/status").json()["replicas"]}
+                    assert listed["b"]["reporting"] is False and listed["b"]["healthy"] is False
+                    assert listed["a"]["reporting"] is True
+                layout = page.evaluate(
+                    """() => {
+                        const section = document.getElementById('replicas').getBoundingClientRect();
+                        const cells = [...document.querySelectorAll('#replica-rows td')];
+                        const wrap = document.querySelector('#replicas .table-wrap');
+                        return {
+                            scrollWidth: document.scrollingElement.scrollWidth,
+                            wrapScrolls: wrap.scrollWidth > wrap.clientWidth + 1,
+                            cells: cells.length,
+                            outside: cells.filter((td) => {
+                                const r = td.getBoundingClientRect();
+                                return r.width === 0 || r.left < section.left - 0.5 || r.right > section.right + 0.5;
+                            }).map((td) => td.dataset.label),
+                            header: getComputedStyle(document.querySelector('#replicas thead')).display,
+                            label: getComputedStyle(cells[cells.length - 1], '::before').content,
+                        };
+                    }"""
+                )
+                assert layout["scrollWidth"] <= width, layout
+                assert not layout["wrapScrolls"], layout
+                assert layout["cells"] == 14 and layout["outside"] == [], layout
+                assert layout["header"] == "none" and layout["label"] == '"Reported"', layout
+            finally:
+                context.close()
+    finally:
+        a.stop()
+        b.stop()

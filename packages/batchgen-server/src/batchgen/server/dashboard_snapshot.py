@@ -96,19 +96,31 @@ def intake_text(pool: dict[str, Any] | None) -> str:
 
 
 def engine_text(pool: dict[str, Any] | None) -> str:
-    """What the engine runs versus what was admitted and waits for it (see dashboard.js)."""
+    """What the engine runs versus what was admitted and waits for it; where some models'
+    backends cannot tell, the sum of those that can, naming the others (see dashboard.js)."""
     if pool is None:
         return KEY_NEEDED
-    admitted, capacity = pool["scheduling_pool_active"], pool["scheduling_pool_capacity"]
+    admitted, slots = _n(pool["scheduling_pool_active"]), f"slots: {_n(pool['scheduling_pool_capacity'])}"
     running, waiting = pool.get("engine_running"), pool.get("engine_waiting")
-    if running is None or waiting is None:
+    if running is not None and waiting is not None:
         return (
-            f"admitted: {_n(admitted)} · slots: {_n(capacity)} "
+            f"running on the engine: {_n(running)} · admitted, waiting for the engine: {_n(waiting)} · "
+            f"{slots}"
+        )
+    engines = pool.get("engines") or ()
+    telling = [engine for engine in engines if engine.get("running") is not None]
+    if not telling:
+        return (
+            f"admitted: {admitted} · {slots} "
             "(this backend cannot tell how many of them its engine is computing)"
         )
+    each = ", ".join(f"{engine['model']}: {_n(engine['running'])}" for engine in telling)
+    silent = [str(engine["model"]) for engine in engines if engine.get("running") is None]
+    cannot = "their backends cannot" if len(silent) > 1 else "its backend cannot"
     return (
-        f"running on the engine: {_n(running)} · admitted, waiting for the engine: {_n(waiting)} · "
-        f"slots: {_n(capacity)}"
+        f"running on the engine: {_n(sum(engine['running'] for engine in telling))} ({each}) · "
+        f"admitted: {admitted} · {slots} ({', '.join(silent)}: {cannot} tell how many of its "
+        "requests the engine is computing; not counted)"
     )
 
 
@@ -191,8 +203,14 @@ def replica_rows(pool: dict[str, Any] | None) -> str:
     empty for a single process, whose page hides the table."""
     rows = []
     for report in (pool or {}).get("replicas") or ():
-        healthy = bool(report.get("healthy"))
-        health = "healthy" if healthy else "unhealthy: " + "; ".join(map(str, report.get("problems") or ()))
+        reporting = report.get("reporting") is not False  # False: it missed two reports
+        healthy = reporting and bool(report.get("healthy"))
+        if not reporting:
+            health = f"not reporting (last report {float(report.get('seen_s_ago', 0)):.0f}s ago)"
+        elif healthy:
+            health = "healthy"
+        else:
+            health = "unhealthy: " + "; ".join(map(str, report.get("problems") or ()))
         cells = [
             ("Replica", f"<code>{html.escape(str(report.get('id', '')))}</code>"),
             (
@@ -206,5 +224,6 @@ def replica_rows(pool: dict[str, Any] | None) -> str:
             ("Reported", f"{float(report.get('seen_s_ago', 0)):.0f}s ago"),
         ]
         tds = _cells(cells)
-        rows.append(f'<tr data-replica-id="{html.escape(str(report.get("id", "")))}">{tds}</tr>')
+        silent = "" if reporting else ' data-reporting="false"'
+        rows.append(f'<tr data-replica-id="{html.escape(str(report.get("id", "")))}"{silent}>{tds}</tr>')
     return "".join(rows)

@@ -149,32 +149,61 @@
   }
 
   // The engine: what it is computing versus what was admitted to a slot and waits for it. Only
-  // the backend can tell the first (engine_running); where it cannot, the page says "admitted".
+  // the backends can tell the first, each for its own model (engines[].running). When every one
+  // can, the server sums them (engine_running, engine_waiting); when some cannot, the page sums
+  // those that can and names the others; when none can, it says only "admitted".
+  const known = (value) => value !== null && value !== undefined;
+
+  function engineText(pool) {
+    const admitted = pool.scheduling_pool_active.toLocaleString();
+    const slots = `slots: ${pool.scheduling_pool_capacity.toLocaleString()}`;
+    if (known(pool.engine_running) && known(pool.engine_waiting)) {
+      return `running on the engine: ${pool.engine_running.toLocaleString()} · admitted, waiting for the ` +
+        `engine: ${pool.engine_waiting.toLocaleString()} · ${slots}`;
+    }
+    const engines = Array.isArray(pool.engines) ? pool.engines : [];
+    const telling = engines.filter((engine) => known(engine.running));
+    if (!telling.length) {
+      return `admitted: ${admitted} · ${slots} (this backend cannot tell how many of them its engine is computing)`;
+    }
+    const running = telling.reduce((sum, engine) => sum + engine.running, 0);
+    const each = telling.map((engine) => `${engine.model}: ${engine.running.toLocaleString()}`).join(", ");
+    const silent = engines.filter((engine) => !known(engine.running)).map((engine) => engine.model);
+    return `running on the engine: ${running.toLocaleString()} (${each}) · admitted: ${admitted} · ${slots} ` +
+      `(${silent.join(", ")}: ${silent.length > 1 ? "their backends cannot" : "its backend cannot"} tell ` +
+      "how many of its requests the engine is computing; not counted)";
+  }
+
   function engineGauge(pool) {
     const admitted = pool.scheduling_pool_active;
     const capacity = pool.scheduling_pool_capacity;
-    const running = pool.engine_running;
-    const waiting = pool.engine_waiting;
     const share = (n) => (capacity > 0 ? n / capacity : 0);
     const fill = $("slots-fill");
     const queued = $("waiting-fill");
-    const text = $("slots-text");
-    const card = text.closest(".card");
-    if (running === null || running === undefined || waiting === null || waiting === undefined) {
+    const card = $("slots-text").closest(".card");
+    const telling = (Array.isArray(pool.engines) ? pool.engines : []).filter((engine) => known(engine.running));
+    let running = pool.engine_running;
+    if (known(running) && known(pool.engine_waiting)) {
+      fillTo(fill, share(running));
+      fillTo(queued, share(pool.engine_waiting));
+      fill.dataset.level = "low";
+      queued.dataset.level = "";
+    } else if (telling.length) { // green: what the engines that can tell compute; blue: the rest admitted
+      running = Math.min(admitted, telling.reduce((sum, engine) => sum + engine.running, 0));
+      fillTo(fill, share(running));
+      fillTo(queued, share(admitted - running));
+      fill.dataset.level = "low";
+      queued.dataset.level = "unknown";
+    } else {
+      running = null;
       fillTo(fill, share(admitted));
       fillTo(queued, 0);
       fill.dataset.level = "unknown";
-      text.textContent = `admitted: ${admitted.toLocaleString()} · slots: ${capacity.toLocaleString()} ` +
-        "(this backend cannot tell how many of them its engine is computing)";
-    } else {
-      fillTo(fill, share(running));
-      fillTo(queued, share(waiting));
-      fill.dataset.level = "low";
-      text.textContent = `running on the engine: ${running.toLocaleString()} · admitted, waiting for the ` +
-        `engine: ${waiting.toLocaleString()} · slots: ${capacity.toLocaleString()}`;
+      queued.dataset.level = "";
     }
-    card.dataset.running = running === null || running === undefined ? "" : String(running);
-    card.dataset.waiting = waiting === null || waiting === undefined ? "" : String(waiting);
+    $("slots-text").textContent = engineText(pool);
+    card.dataset.running = known(running) ? String(running) : "";
+    card.dataset.waiting = known(pool.engine_waiting) ? String(pool.engine_waiting) : "";
     card.dataset.admitted = String(admitted);
   }
 
@@ -213,6 +242,23 @@
     return 10 * power;
   }
 
+  // The value axis's labels, 0 to top in four steps: each as exact as it takes to tell it from the
+  // others at any scale (0.000125 ... 1.875M), trailing zeros dropped, thousands as k, M, G, T.
+  const UNITS = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"], [1, ""]];
+
+  function tickLabels(top) {
+    const step = top / 4;
+    return [0, 1, 2, 3, 4].map((i) => {
+      const value = (top * i) / 4;
+      if (value === 0) return "0";
+      const [unit, suffix] = UNITS.find(([size]) => value >= size) || [1, ""];
+      let digits = 0;
+      while (digits < 15 && Math.abs(Number((value / unit).toFixed(digits)) * unit - value) > step * 1e-3) digits += 1;
+      const text = (value / unit).toFixed(digits).replace(/(\.\d*?)0+$/, "$1").replace(/\.$/, "");
+      return text + suffix;
+    });
+  }
+
   function drawPlot(canvas, points, now) {
     const ratio = window.devicePixelRatio || 1;
     const cssWidth = canvas.clientWidth || canvas.width;
@@ -228,12 +274,13 @@
     const ink = styles.getPropertyValue("--plot-ink").trim() || "#2563eb";
     const grid = styles.getPropertyValue("--plot-grid").trim() || "#e5e7eb";
     const label = styles.getPropertyValue("--plot-label").trim() || "#6b7280";
-    const left = 44;
+    const top = niceCeiling(Math.max(0, ...points.map((p) => p.value)));
+    const ticks = tickLabels(top);
+    context.font = "11px system-ui, sans-serif";
+    const left = Math.max(44, ...ticks.map((text) => Math.ceil(context.measureText(text).width) + 10));
     const bottom = cssHeight - 18;
     const width = cssWidth - left - 8;
     const height = bottom - 8;
-    const top = niceCeiling(Math.max(0, ...points.map((p) => p.value)));
-    context.font = "11px system-ui, sans-serif";
     context.fillStyle = label;
     context.strokeStyle = grid;
     context.lineWidth = 1;
@@ -243,7 +290,7 @@
       context.moveTo(left, y);
       context.lineTo(left + width, y);
       context.stroke();
-      context.fillText(number((top * i) / 4), 4, y + 4);
+      context.fillText(ticks[i], 4, y + 4);
     }
     // The time axis grows with the history, from one minute up to PLOT_SECONDS.
     const history = points.length ? now - points[0].t : 0;
@@ -254,6 +301,7 @@
       const text = ago === 0 ? "now" : ago % 60 ? `-${ago}s` : `-${ago / 60}m`;
       context.fillText(text, Math.max(left - 10, x - 12), cssHeight - 4);
     }
+    canvas.dataset.ticks = ticks.join(" ");
     canvas.dataset.points = String(points.length);
     canvas.dataset.peak = String(Math.max(0, ...points.map((p) => p.value)));
     if (points.length < 2) return;
@@ -280,8 +328,11 @@
     $("replicas").hidden = !Array.isArray(reports) || reports.length === 0;
     if ($("replicas").hidden) return;
     const rows = reports.map((report) => {
-      const healthy = Boolean(report.healthy);
-      const health = healthy ? "healthy" : `unhealthy: ${(report.problems || []).join("; ")}`;
+      // The server marks a replica not reporting once it missed two reports (killed, cut off).
+      const reporting = report.reporting !== false;
+      const healthy = reporting && Boolean(report.healthy);
+      const health = !reporting ? `not reporting (last report ${Math.round(report.seen_s_ago || 0)}s ago)`
+        : healthy ? "healthy" : `unhealthy: ${(report.problems || []).join("; ")}`;
       const cells = [
         ["Replica", element("code", {}, String(report.id))],
         ["Health", element("span", { class: `status ${healthy ? "completed" : "failed"}` }, health)],
@@ -291,11 +342,13 @@
         ["Commits refused", (report.commits_refused || 0).toLocaleString()],
         ["Reported", `${Math.round(report.seen_s_ago || 0)}s ago`],
       ];
-      return element(
+      const row = element(
         "tr",
         { "data-replica-id": String(report.id) },
         ...cells.map(([label, content]) => element("td", { "data-label": label }, content)),
       );
+      if (!reporting) row.dataset.reporting = "false";
+      return row;
     });
     $("replica-rows").replaceChildren(...rows);
   }
@@ -416,6 +469,12 @@
     $("detail-notice").textContent = "";
     for (const row of document.querySelectorAll("#batch-rows tr")) {
       row.classList.toggle("selected", row.dataset.batchId === batchId);
+    }
+    // The panel sits below the table: bring its top into view unless it is already in the upper half.
+    const top = $("detail").getBoundingClientRect().top;
+    if (top < 0 || top > window.innerHeight / 2) {
+      const still = window.matchMedia("(prefers-reduced-motion: reduce)").matches;
+      $("detail").scrollIntoView({ block: "start", behavior: still ? "auto" : "smooth" });
     }
     refreshDetail().catch(showProblem);
   }
@@ -664,6 +723,9 @@
     if (snapshot.pool) drawPool(snapshot.pool);
     if (snapshot.batches) drawBatches(snapshot.batches);
   }
+
+  // What the tests (and anyone at the console) may call to check the page's formatting.
+  window.BatchGenDashboard = Object.freeze({ niceCeiling, tickLabels });
 
   start();
 })();
