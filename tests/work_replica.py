@@ -4,8 +4,8 @@
 and the segment store at BLOB_URL (``file:///...`` or ``s3://...``, credentials from the
 environment) until SIGTERM, then prints its leases lost and commits refused as
 a JSON line. Each line takes ``--line-s`` seconds and produces
-``{"custom_id": "<batch>-<line>", "replica": REPLICA}``, or an error line for every line number
-divisible by ``--error-every``.
+``{"custom_id": "<batch>-<line>", "replica": REPLICA}`` with a response, or with an error for every
+line number divisible by ``--error-every`` (``result_line``).
 
 ``launch`` starts one as a subprocess (inside a network namespace if given a command prefix) and
 waits for its ``ready`` line: the tests and the benchmarks that run replicas share it.
@@ -66,12 +66,22 @@ def custom_id(batch_id: str, line: int) -> str:
     return f"{batch_id}-{line}"
 
 
+def result_line(kind: str, **fields: object) -> LineResult:
+    """A line of ``kind`` holding ``fields``: a completed request's in the output (``OUTPUT``), a
+    failed one's in the errors (``ERRORS``), as the counts tell them apart
+    (``requests.line_outcomes``)."""
+    if kind == OUTPUT:
+        outcome: dict[str, object] = {"response": {"status_code": 200}, "error": None}
+    else:
+        outcome = {"response": None, "error": {"code": "backend_error", "message": "the test failed it"}}
+    return LineResult(kind, (json.dumps({**fields, **outcome}) + "\n").encode())
+
+
 async def _main(arguments: argparse.Namespace) -> None:
     async def run_line(batch_id: str, line: int) -> LineResult:
         await asyncio.sleep(arguments.line_s)
         kind = ERRORS if arguments.error_every and line % arguments.error_every == 0 else OUTPUT
-        data = json.dumps({"custom_id": custom_id(batch_id, line), "replica": arguments.owner}) + "\n"
-        return LineResult(kind, data.encode())
+        return result_line(kind, custom_id=custom_id(batch_id, line), replica=arguments.owner)
 
     async with PostgresShardLedger(arguments.url) as ledger:
         await ledger.create_schema()

@@ -191,7 +191,8 @@ async def test_committed_lines_and_cancels_free_what_they_held(postgres_url: str
         assert full.value.reason == CAPACITY and full.value.held.queued == 200
         [lease] = await ledger.claim("replica-a", 1, 60)
         lines = tuple(range(lease.shard.first_line, lease.shard.first_line + 60))
-        await ledger.commit(lease, [SegmentPart(OUTPUT, "segments/batch_a/output/0/1-0.jsonl", 10, lines)])
+        part = SegmentPart(OUTPUT, "segments/batch_a/output/0/1-0.jsonl", 10, lines, failed_lines=0)
+        await ledger.commit(lease, [part])
         await ledger.add_batch("batch_b", 150, 100, tenant="t", limits=limits)  # 140 + 150 fit in 300
         with pytest.raises(IntakeFull) as full:
             await ledger.add_batch("batch_c", 1, 100, tenant="t", limits=limits)

@@ -29,6 +29,7 @@ from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
 from tests.helpers import chat_line, jsonl
+from tests.work_replica import result_line
 
 pytestmark = pytest.mark.live
 
@@ -39,7 +40,7 @@ def anyio_backend() -> str:
 
 
 def _line(batch_id: str, line: int) -> LineResult:
-    return LineResult(OUTPUT, (json.dumps({"custom_id": f"{batch_id}-{line}"}) + "\n").encode())
+    return result_line(OUTPUT, custom_id=f"{batch_id}-{line}")
 
 
 async def _served_ids(ledger: PostgresShardLedger, store: SegmentFiles, batch_id: str) -> Counter[str]:

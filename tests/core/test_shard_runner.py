@@ -40,7 +40,7 @@ from batchgen.core.work.shards import ERRORS, OUTPUT, Segment
 from tests.netns import Namespace
 from tests.postgres import PostgresServer
 from tests.seaweedfs import SeaweedServer
-from tests.work_replica import launch
+from tests.work_replica import launch, result_line
 
 pytestmark = pytest.mark.live
 
@@ -68,9 +68,7 @@ def _committed_bytes(store: SegmentStore, segment: Segment) -> bytes:
 
 def _line(batch_id: str, line: int, owner: str) -> LineResult:
     kind = ERRORS if line % 13 == 0 else OUTPUT
-    return LineResult(
-        kind, (json.dumps({"custom_id": f"{batch_id}-{line}", "replica": owner}) + "\n").encode()
-    )
+    return result_line(kind, custom_id=f"{batch_id}-{line}", replica=owner)
 
 
 async def _wait_finished(ledger: PostgresShardLedger, batch_id: str, timeout_s: float) -> None:

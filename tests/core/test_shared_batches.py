@@ -4,15 +4,16 @@
 through ``ShardRunner`` and both replicas, looking at once, end it with exactly the same record,
 its counts the committed lines and its times the ledger's; a cancel on one replica ends it
 ``cancelled`` on both with the lines committed by then; error lines kept apart get one error file
-however many replicas end the batch together; a batch over the global intake records nothing; a
-record that fails leaves no work running. The paths naming a batch's segments are read back as
-they were made, for any batch id.
+however many replicas end the batch together, and error lines kept with the output count as
+failed, as in one process; a batch over the global intake records nothing; a record that fails
+leaves no work running. The paths naming a batch's segments are read back as they were made, for
+any batch id.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,12 +24,15 @@ from hypothesis import strategies as st
 
 from batchgen.core.batches.shared_batches import SharedBatches, result_file_id, segment_path, segments_of
 from batchgen.core.models import Batch, BatchStatus, RequestCounts
+from batchgen.core.requests.line_outcomes import LineOutcome, line_outcome
+from batchgen.core.requests.results import error_line
 from batchgen.core.storage.postgres_metadata import PostgresMetadataStore
 from batchgen.core.work.intake import IntakeFull, IntakeLimits
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
 from batchgen.core.work.shards import ERRORS, OUTPUT
+from tests.work_replica import result_line
 
 
 @pytest.fixture
@@ -76,7 +80,7 @@ def _runner(ledger: PostgresShardLedger, segments: SegmentFiles, line_s: float =
     async def run_line(batch_id: str, line: int) -> LineResult:
         await asyncio.sleep(line_s)
         kind = ERRORS if line % 7 == 0 else OUTPUT
-        return LineResult(kind, (json.dumps({"custom_id": f"{batch_id}-{line}"}) + "\n").encode())
+        return result_line(kind, custom_id=f"{batch_id}-{line}")
 
     return ShardRunner(ledger, segments, run_line, replica_id="runner", commit_interval_s=0.05, poll_s=0.05)
 
@@ -169,6 +173,42 @@ async def test_a_cancel_on_one_replica_ends_the_batch_cancelled_on_both(
         counts = cancelled.request_counts
         committed = await _committed_lines(ledger, segments, batch.id)
         assert 50 <= counts.completed + counts.failed == committed < 2000
+    finally:
+        replicas.close()
+
+
+@pytest.mark.anyio
+async def test_error_lines_kept_with_the_output_count_as_failed_on_every_replica(
+    postgres_url: str, ledger: PostgresShardLedger, tmp_path: Path
+) -> None:
+    """The user guide's convention: error lines go to the output segments with the results, and
+    count as failed all the same, as one process counts them (by what each line records)."""
+    segments = SegmentFiles(tmp_path)
+    replicas = _Replicas(postgres_url, ledger, segments)
+    failing = {line for line in range(300) if line % 3 == 0 or line % 11 == 0}
+
+    async def run_line(batch_id: str, line: int) -> LineResult:
+        if line in failing:  # as the line runner makes it: in the output, the guide's way
+            return LineResult(OUTPUT, error_line(f"{batch_id}-{line}", "context_length_exceeded", "too long"))
+        return result_line(OUTPUT, custom_id=f"{batch_id}-{line}")
+
+    runner = ShardRunner(ledger, segments, run_line, replica_id="runner", commit_interval_s=0.05, poll_s=0.05)
+    try:
+        batch = await replicas.views[0].share(_new_batch("batch_mixed", 300))
+        task = asyncio.create_task(runner.run())
+        ended = await asyncio.gather(*(_until_ended(view, batch) for view in replicas.views))
+        runner.stop()
+        await task
+        assert ended[0] == ended[1] and ended[0].status is BatchStatus.COMPLETED
+        output = b"".join(segments.read(await ledger.segments(batch.id, OUTPUT))).splitlines()
+        recorded = Counter(line_outcome(line) for line in output)
+        counts = ended[0].request_counts
+        assert (counts.completed, counts.failed) == (300 - len(failing), len(failing))
+        assert (counts.completed, counts.failed) == (
+            recorded[LineOutcome.COMPLETED],
+            recorded[LineOutcome.FAILED],
+        )
+        assert ended[0].error_file_id is None
     finally:
         replicas.close()
 

@@ -227,7 +227,8 @@ async def _commit_shuffled(
             if mine:
                 key = segment_key(batch_id, kind, lease.shard.shard_no, lease.epoch, next(numbers))
                 size = store.write(key, b"".join(_line(batch_id, line)[1] for line in mine))
-                parts.append(SegmentPart(kind, key, size, tuple(mine)))
+                failed_lines = len(mine) if kind == ERRORS else 0
+                parts.append(SegmentPart(kind, key, size, tuple(mine), failed_lines=failed_lines))
         await ledger.commit(lease, parts)
     return {line for _, lines in pending for line in lines}
 

@@ -7,6 +7,9 @@
 - A batch that cannot finish in its window says ``at_risk`` (REST, the ``openai`` SDK, both
   clients, ``batchgen status``), ``/metrics`` counts it, and exactly one ``batch.at_risk`` event
   reaches the webhook receiver, also across a kill -9 and a restart that resumes the batch.
+- A batch with a ``1s`` window on a server too slow to finish it ends timed out, but not before a
+  whole second has passed since the test asked for it (its ``expires_at`` says so too: the window
+  counts from the exact moment of its creation, not from the whole second ``created_at`` shows).
 """
 
 from __future__ import annotations
@@ -163,3 +166,25 @@ def test_a_batch_that_cannot_finish_in_time_is_at_risk_and_sends_one_event_acros
             assert _metric(server.base_url, "batchgen_batches_at_risk") == 0
             receiver.wait_for_deliveries(2, timeout_s=15)  # the cancel's event
             assert set(_at_risk_ids(receiver)) == {event_id}
+
+
+def test_a_one_second_window_is_never_cut_short(server_factory: Callable[..., LiveServer]) -> None:
+    """A ``1s`` batch on a server too slow to finish it ends timed out, but never before a whole
+    second has passed since it was created (its times are whole seconds; its window is not)."""
+    server = server_factory("--simulated-latency-s", "60")
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        file_id = upload(client, jsonl(chat_line("slow-0"), chat_line("slow-1")))["id"]
+        sent = time.time()  # the batch is created after this, on the same clock
+        batch = create_batch(client, file_id, completion_window="1s")
+        assert batch["expires_at"] >= sent + 1, batch  # its window counts from its exact creation
+        deadline = time.monotonic() + 60
+        while True:
+            seen = client.get(f"/v1/batches/{batch['id']}").json()
+            answered = time.time()  # the batch was seen so before this
+            if seen["status"] != "in_progress" and seen["status"] != "validating":
+                break
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        assert answered >= sent + 1, f"ended {answered - sent:.3f} s after it was asked for: {seen}"
+    assert seen["status"] == "failed" and "timed out" in seen["errors"]["data"][0]["message"], seen
+    assert seen["failed_at"] >= seen["expires_at"] >= seen["created_at"] + 1

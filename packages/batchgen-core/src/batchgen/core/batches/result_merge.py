@@ -31,6 +31,8 @@ from typing import Any
 
 import msgspec
 
+from batchgen.core.requests.line_outcomes import LineOutcome, outcome
+
 __all__ = ["FamilyIndex", "Outcome", "is_success"]
 
 #: Rows written to the index per statement, and bytes of the merged view handed out per chunk.
@@ -67,8 +69,10 @@ _read_result = msgspec.json.Decoder(_ResultLine).decode
 
 
 def is_success(line: _ResultLine) -> bool:
-    """Whether a result line is a success: a response below 400 and no error."""
-    return line.error is None and line.response is not None and line.response.status_code < 400
+    """Whether a result line is a success (``requests.line_outcomes``, the rule the batches'
+    counts go by): a response below 400 and no error."""
+    status_code = None if line.response is None else line.response.status_code
+    return outcome(status_code, line.error) is LineOutcome.COMPLETED
 
 
 def _complete_lines(path: Path) -> Iterator[tuple[int, bytes]]:

@@ -10,8 +10,9 @@ needs:
   ledger's work comes first, so a batch that does not fit (``IntakeFull``) records nothing; should
   the record then fail, the work is cancelled again (nothing runs for a batch nobody can see). The
   output file is recorded with it, so a client can read the lines committed so far.
-- ``view(batch)``: the batch as it stands now: its request counts are the ledger's committed lines
-  and its ``usage`` their tokens,
+- ``view(batch)``: the batch as it stands now: its request counts are the ledger's committed lines,
+  each counted completed or failed by what it records (``requests.line_outcomes``, the rule one
+  process counts by, wherever the line is kept), and its ``usage`` their tokens,
   and once the ledger says its work ended (every shard done, or cancelled) it is ended and saved
   so, ``completed`` (with an error file when there are error lines and they go apart, OpenAI's
   convention) or ``cancelled``. Whichever replica looks first saves the ending; every replica
@@ -49,8 +50,9 @@ import anyio
 import attrs
 
 from batchgen.core.batches.lifecycle import advance
+from batchgen.core.batches.options import parse_completion_window
 from batchgen.core.batches.output_order import INPUT
-from batchgen.core.clock import now
+from batchgen.core.clock import exact_now, now, reached
 from batchgen.core.files.content import SegmentContent
 from batchgen.core.models import (
     OUTPUT_PURPOSE,
@@ -199,10 +201,10 @@ class SharedBatches:
         """Stop the running batches past their completion window, and save the ending of every
         batch whose work has ended but whose record does not say so yet (any replica may; see the
         module): an ending is saved, with its webhook event, whether or not anyone asks."""
-        moment = now()
+        moment = exact_now()
         active = await self._calls(self._metadata.active_batches)
         for batch in active:
-            if batch.expires_at <= moment:
+            if reached(batch.expires_at, moment):
                 await self._ledger.cancel(batch.id, EXPIRED_WINDOW)
         ended = await self._ledger.stopped([batch.id for batch in active])
         for batch in active:
@@ -220,7 +222,7 @@ class SharedBatches:
                 return advance(batch, BatchStatus.EXPIRED, now=moment)
             message = (
                 f"The batch timed out: it did not finish within its completion window of "
-                f"{batch.completion_window} ({batch.expires_at - batch.created_at} s). "
+                f"{batch.completion_window} ({parse_completion_window(batch.completion_window)} s). "
                 f"{work.completed + work.failed} of {work.line_count} requests finished "
                 f"({work.completed} completed, {work.failed} failed); their lines are kept in the output file."
             )

@@ -47,6 +47,7 @@ from batchgen.core.ids import new_request_id
 from batchgen.core.models import BatchStatus, GenerationRequest, GenerationResult, SamplingParameters
 from batchgen.core.requests.embeddings_api import fit_dimensions
 from batchgen.core.requests.json_bounds import lines_within_bounds
+from batchgen.core.requests.line_outcomes import LineOutcome, line_outcome
 from batchgen.core.requests.parameters import ServerDefaults, resolve_sampling, sets_sampling
 from batchgen.core.requests.results import (
     body_output_line,
@@ -563,9 +564,13 @@ class _Lines:
             if active.status.is_terminal or not append(active, writer, b"".join(lines)):
                 continue
             telemetry = self._telemetry
-            for result, cached, store in results:
+            for line, (result, cached, store) in zip(lines, results, strict=True):
+                if line_outcome(line) is LineOutcome.FAILED:  # the one rule both topologies count by
+                    active.failed += 1
+                    telemetry.request_failed()
+                    continue
+                active.completed += 1
                 if cached is not None:
-                    active.completed += 1
                     active.prompt_tokens += cached.prompt_tokens
                     active.completion_tokens += cached.completion_tokens
                     active.cached += 1
@@ -574,11 +579,7 @@ class _Lines:
                     telemetry.request_completed(0, 0)  # nothing was computed for it
                     if self._cache is not None:
                         self._cache.served(cached)
-                elif result is None:
-                    active.failed += 1
-                    telemetry.request_failed()
-                else:
-                    active.completed += 1
+                elif result is not None:
                     active.prompt_tokens += result.prompt_tokens
                     active.completion_tokens += result.completion_tokens
                     prefix_cached = line_cached_tokens(active.batch.endpoint, result)  # as the line says

@@ -12,7 +12,7 @@ single process writes:
   one that failed transiently on every attempt, and one that raised something unexpected become
   error lines (an ``internal_error`` for the last, logged with its traceback); they go with the
   output under the user guide's convention, or to the error segments (``ERRORS``) under OpenAI's,
-  ``separate_error_file``.
+  ``separate_error_file``; either way they count as failed (``requests.line_outcomes``).
 
 What says this replica cannot give the line its answer now is raised instead, and the runner
 gives the shard back to the ledger, so the line runs again (here or on another replica) and is

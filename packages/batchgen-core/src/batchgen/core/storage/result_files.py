@@ -23,6 +23,8 @@ from typing import Any
 import attrs
 import msgspec
 
+from batchgen.core.requests.line_outcomes import LineOutcome, line_outcome
+
 _decode = msgspec.json.Decoder().decode
 
 
@@ -82,7 +84,7 @@ class FinishedLines:
     custom_ids: list[str]
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    failed: int = 0  # lines with an error instead of a response
+    failed: int = 0  # lines that record a failure (``requests.line_outcomes``)
     #: Lines the result cache answered (``"cached": true``), and their tokens.
     cached: int = 0
     cached_prompt_tokens: int = 0
@@ -114,7 +116,9 @@ def read_finished_lines(path: Path) -> FinishedLines:
         line = _decode(raw)
         custom_ids.append(line["custom_id"])
         response = line.get("response")
-        if response:
+        if line_outcome(raw) is LineOutcome.FAILED:  # the rule the running batch counted it by
+            failed += 1
+        elif response:
             prompt, completion, cached_tokens = line_tokens(response["body"].get("usage") or {})
             prompt_tokens += prompt
             completion_tokens += completion
@@ -124,8 +128,6 @@ def read_finished_lines(path: Path) -> FinishedLines:
                 cached_completion += completion
             else:
                 prefix_cached += cached_tokens
-        else:
-            failed += 1
     return FinishedLines(
         custom_ids,
         prompt_tokens,

@@ -101,7 +101,11 @@ class Lease:
 @attrs.frozen
 class SegmentPart:
     """What one commit adds: ``size`` bytes of ``object_key`` in the segment store, holding the
-    result (``OUTPUT``) or error (``ERRORS``) lines of the listed input ``lines``."""
+    result (``OUTPUT``) or error (``ERRORS``) lines of the listed input ``lines``.
+
+    ``failed_lines`` of them record a failure (``requests.line_outcomes``), the rest a completion:
+    the commit counts them so. An error segment holds failures only; an output segment may hold
+    both (the user guide's convention keeps error lines with the results)."""
 
     kind: SegmentKind
     object_key: str
@@ -111,12 +115,22 @@ class SegmentPart:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefix_cached_tokens: int = 0
+    failed_lines: int = attrs.field(kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in SEGMENT_KINDS:
             raise ValueError(f"a segment holds one of {SEGMENT_KINDS}, not {self.kind!r}")
         if self.size < 0:
             raise ValueError(f"a segment cannot be {self.size} bytes")
+        if not 0 <= self.failed_lines <= len(self.lines):
+            raise ValueError(f"{self.failed_lines} of a segment's {len(self.lines)} lines cannot fail")
+        if self.kind == ERRORS and self.failed_lines != len(self.lines):
+            raise ValueError("an error segment holds failed lines only")
+
+    @property
+    def completed_lines(self) -> int:
+        """How many of its lines record a completion."""
+        return len(self.lines) - self.failed_lines
 
 
 @attrs.frozen
