@@ -27,7 +27,7 @@ from batchgen.core import BatchService, BatchStatus, ServiceSettings
 from batchgen.core.backends.simulated import SimulatedBackend
 from batchgen.core.errors import IntakeFull, InvalidRequest, ServiceUnavailable, StorageUnavailable
 from batchgen.core.execution.shared_storage import SharedStorage
-from batchgen.core.models import Batch
+from batchgen.core.models import Batch, GenerationRequest, GenerationResult
 from batchgen.core.tenancy import Caller, TenantLimits
 from tests.helpers import chat_line, jsonl
 
@@ -139,18 +139,34 @@ async def test_a_batch_past_the_shared_intake_is_refused_and_nothing_is_recorded
 async def test_a_replica_started_later_takes_shards_of_a_running_batch(
     postgres_url: str, tmp_path: Path
 ) -> None:
+    late_started = anyio.Event()
+    # the early replica holds two shards (256 lines at once) and runs nothing of them until the
+    # late one has started, so the batch cannot end first however slow the machine is
     async with BatchService(
-        _settings(tmp_path, postgres_url, "early"), SimulatedBackend(latency_s=0.01)
+        _settings(tmp_path, postgres_url, "early", max_pool_size=256), _HeldBackend(late_started)
     ) as early:
         file = await early.create_file(jsonl(*(chat_line(f"r{i}") for i in range(4000))))
         batch = await early.create_batch(file.id, "/v1/chat/completions")
         async with BatchService(
             _settings(tmp_path, postgres_url, "late"), SimulatedBackend(latency_s=0.01)
         ) as late:
+            late_started.set()
             with anyio.fail_after(120):
                 ended = await late.wait_for_batch(batch.id, poll_interval=0.1)
             assert late.replica is not None and late.replica.runner.lines_committed > 0
     assert ended.status is BatchStatus.COMPLETED and ended.request_counts.completed == 4000
+
+
+class _HeldBackend(SimulatedBackend):
+    """The simulated backend, answering nothing until ``go`` is set."""
+
+    def __init__(self, go: anyio.Event) -> None:
+        super().__init__(latency_s=0.01)
+        self.go = go
+
+    async def _result(self, request: GenerationRequest) -> GenerationResult:
+        await self.go.wait()
+        return await super()._result(request)
 
 
 async def _create_batch(service: BatchService, file_id: str, caller: Caller) -> Batch:
@@ -191,24 +207,30 @@ async def test_a_replica_deletes_the_segments_no_commit_lists_and_keeps_the_comm
 ) -> None:
     """What a dead or fenced-out replica wrote and never committed is collected: a replica
     sweeps the store (here every 0.2 s, for segments older than 0.5 s) and deletes exactly the
-    objects the manifest does not list."""
+    objects of its batches that the manifest does not list; a segment of a batch its database
+    does not know (another cluster's) stays."""
     from batchgen.core.execution import replica_work
 
     monkeypatch.setattr(replica_work, "COLLECT_EVERY_S", 0.2)
     monkeypatch.setattr(replica_work, "ORPHAN_GRACE_S", 0.5)
-    orphan = tmp_path / "shared" / "segments" / "batch_gone" / "output" / "0" / "1-0.jsonl"
-    orphan.parent.mkdir(parents=True)
-    orphan.write_bytes(b'{"custom_id": "never committed"}\n')
+    segments = tmp_path / "shared" / "segments"
+    stranger = segments / "batch_unknown_here" / "output" / "0" / "1-0.jsonl"
+    stranger.parent.mkdir(parents=True)
+    stranger.write_bytes(b'{"custom_id": "not this database\'s"}\n')
     settings = _settings(tmp_path, postgres_url, "a")
     async with BatchService(settings, SimulatedBackend(latency_s=0.001)) as service:
         file = await service.create_file(jsonl(*(chat_line(f"r{i}") for i in range(600))))
         batch = await service.create_batch(file.id, "/v1/chat/completions")
+        orphan = segments / batch.id / "output" / "0" / "999-0.jsonl"  # an epoch no commit has
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b'{"custom_id": "never committed"}\n')
         with anyio.fail_after(60):
             ended = await service.wait_for_batch(batch.id, poll_interval=0.1)
             assert service.replica is not None
             while orphan.exists():
                 await anyio.sleep(0.1)
         assert service.replica.orphans_collected >= 1
+        assert stranger.exists()
         assert ended.output_file_id is not None
         output = await _read(service, ended.output_file_id)  # the committed segments are all there
         assert len(output.splitlines()) == 600

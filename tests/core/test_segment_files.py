@@ -10,9 +10,7 @@ only objects the manifest does not list and older than the grace period are orph
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,21 +21,10 @@ from batchgen.core.work.s3_segments import S3Segments
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import SegmentMissing, SegmentStore, open_segment_store, segment_key
 from batchgen.core.work.shards import ERRORS, OUTPUT, Segment
+from tests.core.segment_stores import StoreFactory
 from tests.examples import examples
-from tests.seaweedfs import SeaweedServer
 
 payloads = st.lists(st.binary(min_size=0, max_size=40), min_size=0, max_size=6)
-_fresh = itertools.count()
-StoreFactory = Callable[[], SegmentStore]
-
-
-@pytest.fixture(params=["files", pytest.param("s3", marks=pytest.mark.live)])
-def new_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> StoreFactory:
-    """Makes empty stores of one kind: a folder, or a prefix of a SeaweedFS bucket."""
-    if request.param == "files":
-        return lambda: SegmentFiles(tmp_path_factory.mktemp("segments"))
-    server: SeaweedServer = request.getfixturevalue("seaweed_server")
-    return lambda: S3Segments.from_url(server.url(f"test-{time.time_ns()}-{next(_fresh)}"), server.environ)
 
 
 def _committed(store: SegmentStore, contents: list[bytes], torn: bytes = b"") -> list[Segment]:
@@ -122,9 +109,10 @@ def test_orphans_are_the_unlisted_segments_older_than_the_grace(new_store: Store
         store.write(key, b"line\n")
     committed = {keys[0]}
     # just written: a writer about to commit them, so none is an orphan yet
-    assert store.orphans(committed, grace_s=60, now=written_at + 30) == []
-    # past the grace: the unlisted ones are
-    assert store.orphans(committed, grace_s=60, now=written_at + 120) == keys[1:]
+    assert store.orphans(committed, {"batch_1"}, grace_s=60, now=written_at + 30) == []
+    # past the grace: the unlisted ones are, of a batch the ledger knows; of another, none is
+    assert store.orphans(committed, {"batch_1"}, grace_s=60, now=written_at + 120) == keys[1:]
+    assert store.orphans(committed, {"batch_2"}, grace_s=60, now=written_at + 120) == []
     assert store.collect(keys[1:2]) == 1
     assert sorted(store.keys()) == [keys[0], keys[2]]
 
@@ -159,3 +147,36 @@ def test_blob_urls_open_their_store(tmp_path: Path) -> None:
     )
     assert isinstance(s3, S3Segments)
     assert repr(s3) == "S3Segments('s3://bucket/some/prefix')"
+
+
+@pytest.mark.parametrize("damage", ["deleted", "cut short"])
+def test_a_download_needing_a_lost_segment_is_refused_before_it_starts(
+    new_store: StoreFactory, damage: str
+) -> None:
+    """A response announces its length before its bytes: a segment that is gone or shorter than
+    committed, anywhere in the range asked for, is a 503 ``storage_unavailable`` before the first
+    byte, never a 200 that stops short (the other segments' ranges are still served)."""
+    import anyio
+
+    from batchgen.core.errors import StorageUnavailable
+    from batchgen.core.files.content import SegmentContent
+
+    store = new_store()
+    segments = _committed(store, [b"first line\n", b"second line\n", b"third line\n"])
+    lost = segments[1]
+    store._delete(lost.object_key)
+    if damage == "cut short":
+        store.write(lost.object_key, b"sec")
+    content = SegmentContent.of(store, segments)
+
+    async def read(start: int, stop: int) -> bytes:
+        return b"".join([chunk async for chunk in await content.open(start, stop)])
+
+    with pytest.raises(StorageUnavailable, match=lost.object_key):
+        anyio.run(read, 0, content.size)
+    first = segments[0].size
+    with pytest.raises(StorageUnavailable):
+        anyio.run(read, first - 1, first + 1)  # one byte of the lost one is enough
+    assert anyio.run(read, 0, first) == b"first line\n"
+    last_start = first + lost.size
+    assert anyio.run(read, last_start, content.size) == b"third line\n"

@@ -284,7 +284,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 payload = b"".join(_line_bytes(lease.batch_id, line) for line in chosen)
                 size = self.segments.write(object_key, payload)
                 self.payloads[object_key] = payload
-                parts.append(SegmentPart(kind, object_key, size, tuple(chosen)))
+                failed_lines = len(chosen) if kind == ERRORS else 0
+                parts.append(SegmentPart(kind, object_key, size, tuple(chosen), failed_lines=failed_lines))
         current = shard.live_owner == replica and shard.epoch == lease.epoch and batch.status == "running"
         try:
             committed = self.run(self.ledger.commit(lease, parts))
@@ -326,7 +327,11 @@ class LedgerMachine(RuleBasedStateMachine):
         again = data.draw(st.sampled_from(sorted(shard.done_lines)))
         fresh = [line for line in lease.shard.lines if line not in shard.done_lines][:1]
         part = SegmentPart(
-            OUTPUT, f"segments/{lease.batch_id}/output/x/{time.monotonic_ns()}", 0, (again, *fresh)
+            OUTPUT,
+            f"segments/{lease.batch_id}/output/x/{time.monotonic_ns()}",
+            0,
+            (again, *fresh),
+            failed_lines=0,
         )
         with pytest.raises(LineCommittedTwice):
             self.run(self.ledger.commit(lease, [part]))
@@ -388,7 +393,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert len(lines) == len(set(lines))
         committed = self.run(self.ledger.committed_keys())
         assert not committed & self.refused_keys
-        assert set(self.segments.orphans(committed, grace_s=-60)) == self.refused_keys
+        assert set(self.segments.orphans(committed, self.expected_bytes, grace_s=-60)) == self.refused_keys
 
 
 @pytest.fixture
@@ -442,15 +447,21 @@ async def test_a_lease_runs_out_on_the_database_clock_and_fences_its_old_owner(
         [new] = await ledger.claim("replica-b", 1, HOUR_S)
         assert (new.key, new.epoch) == (old.key, old.epoch + 1)
         key = segment_key("batch_one", OUTPUT, 0, old.epoch, 0)
-        zombie = SegmentPart(OUTPUT, key, segments.write(key, _line_bytes("batch_one", 0)), (0,))
+        zombie = SegmentPart(
+            OUTPUT, key, segments.write(key, _line_bytes("batch_one", 0)), (0,), failed_lines=0
+        )
         with pytest.raises(CommitRefused):
             await ledger.commit(old, [zombie])
         key = segment_key("batch_one", OUTPUT, 0, new.epoch, 0)
-        part = SegmentPart(OUTPUT, key, segments.write(key, _line_bytes("batch_one", 0)), (0, 1, 2, 3)[:1])
+        part = SegmentPart(
+            OUTPUT, key, segments.write(key, _line_bytes("batch_one", 0)), (0, 1, 2, 3)[:1], failed_lines=0
+        )
         await ledger.commit(new, [part])
         manifest = await ledger.segments("batch_one")
         assert [segment.epoch for segment in manifest] == [new.epoch]
-        assert segments.orphans(await ledger.committed_keys(), grace_s=-60) == [zombie.object_key]
+        assert segments.orphans(await ledger.committed_keys(), {"batch_one"}, grace_s=-60) == [
+            zombie.object_key
+        ]
         assert await collect_orphans(ledger, segments, grace_s=3600) == 0  # too young to go yet
         assert await collect_orphans(ledger, segments, grace_s=-60) == 1
         assert list(segments.keys()) == [part.object_key]
@@ -474,7 +485,9 @@ async def test_a_replica_that_took_its_own_shard_back_cannot_commit_under_the_ol
         assert (new.key, new.owner_id, new.epoch) == (old.key, old.owner_id, old.epoch + 1)
         key = segment_key("batch_self", OUTPUT, 0, old.epoch, 0)
         with pytest.raises(CommitRefused):
-            await ledger.commit(old, [SegmentPart(OUTPUT, key, segments.write(key, b"x\n"), (0,))])
+            await ledger.commit(
+                old, [SegmentPart(OUTPUT, key, segments.write(key, b"x\n"), (0,), failed_lines=0)]
+            )
         assert await ledger.segments("batch_self") == []
     finally:
         await ledger.close()
@@ -493,7 +506,9 @@ async def test_cancel_stops_commits_and_renewals_of_every_holder(postgres_url: s
         assert await ledger.renew("replica-a", HOUR_S) == {} == await ledger.renew("replica-b", HOUR_S)
         for lease in (a, b):
             key = segment_key("batch_c", OUTPUT, lease.shard.shard_no, lease.epoch, 0)
-            part = SegmentPart(OUTPUT, key, segments.write(key, b"x\n"), (lease.shard.first_line,))
+            part = SegmentPart(
+                OUTPUT, key, segments.write(key, b"x\n"), (lease.shard.first_line,), failed_lines=0
+            )
             with pytest.raises(CommitRefused):
                 await ledger.commit(lease, [part])
         work = await ledger.batch("batch_c")

@@ -12,11 +12,19 @@
                                                   error, read-only folder); nothing was changed
 
 The server maps each class to one HTTP status; the service never raises HTTP errors itself.
+
+``CannotStart`` is apart: the service cannot start as configured (a backend's engine missing, a
+replica whose database and blob store belong to different clusters). Its message is the
+paragraph the command prints instead of a traceback.
 """
 
 from __future__ import annotations
 
 import attrs
+
+
+class CannotStart(Exception):
+    """The service cannot start as it is configured; the message says why and what to change."""
 
 
 class BatchGenError(Exception):

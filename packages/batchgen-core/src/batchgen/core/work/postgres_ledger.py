@@ -62,9 +62,7 @@ from batchgen.core.models import DEFAULT_TENANT
 from batchgen.core.storage.postgres_schema import make_schema_async
 from batchgen.core.work.intake import IntakeFull, IntakeHeld, IntakeLimits
 from batchgen.core.work.shards import (
-    ERRORS,
     MAX_LEASE_S,
-    OUTPUT,
     SHARD_LINES,
     Lease,
     Segment,
@@ -136,6 +134,11 @@ CREATE TABLE IF NOT EXISTS replica_reports (
     replica_id text NOT NULL,
     report jsonb NOT NULL,
     seen_at timestamptz NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batchgen_cluster (
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    cluster_id text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE TABLE IF NOT EXISTS batch_segments (
     batch_id text NOT NULL REFERENCES batch_work ON DELETE CASCADE,
@@ -544,8 +547,8 @@ class PostgresShardLedger:
                 raise LineCommittedTwice(
                     f"lines {sorted(again)[:5]} of {lease.batch_id} are committed already"
                 )
-            completed = sum(len(part.lines) for part in parts if part.kind == OUTPUT)
-            failed = sum(len(part.lines) for part in parts if part.kind == ERRORS)
+            completed = sum(part.completed_lines for part in parts)
+            failed = sum(part.failed_lines for part in parts)
             cursor = await conn.execute(
                 "UPDATE batch_work SET completed = completed + %(completed)s, failed = failed + %(failed)s, "
                 "segments = segments + %(parts)s, prompt_tokens = prompt_tokens + %(prompt)s, "
@@ -618,6 +621,29 @@ class PostgresShardLedger:
             {"batch": batch_id, "kind": kind},
         )
         return sorted(key for (key,) in rows)
+
+    async def known_batches(self) -> set[str]:
+        """Every batch the ledger holds work of (running, cancelled or finished)."""
+        return {batch for (batch,) in await self._rows("SELECT batch_id FROM batch_work")}
+
+    async def holds_work(self) -> bool:
+        """Whether any batch was ever handed to the ledger."""
+        return bool(await self._rows("SELECT 1 FROM batch_work LIMIT 1"))
+
+    async def cluster_id(self) -> str | None:
+        """The id of the cluster this database belongs to, or None before one was recorded."""
+        rows = await self._rows("SELECT cluster_id FROM batchgen_cluster")
+        return str(rows[0][0]) if rows else None
+
+    async def record_cluster_id(self, cluster_id: str) -> str:
+        """Record ``cluster_id`` as the database's cluster unless it has one; the one it has now."""
+        await self._rows(
+            "INSERT INTO batchgen_cluster (cluster_id) VALUES (%(id)s) ON CONFLICT (only_row) DO NOTHING",
+            {"id": cluster_id},
+        )
+        found = await self.cluster_id()
+        assert found is not None  # inserted, or there already
+        return found
 
     async def committed_keys(self) -> set[str]:
         """Every object key the manifest lists (what segment collection must keep)."""

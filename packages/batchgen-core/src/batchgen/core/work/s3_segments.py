@@ -59,6 +59,20 @@ class S3Segments(SegmentStore):
             raise SegmentMissing(f"{segment.object_key} is shorter than its committed {segment.size} bytes")
         yield data
 
+    def _read_whole(self, key: str) -> bytes | None:
+        _check(key)
+        try:
+            return bytes(obstore.get(self._store, key).bytes())
+        except (NotFoundError, FileNotFoundError):
+            return None
+
+    def _stored_size(self, key: str) -> int | None:
+        _check(key)
+        try:
+            return int(obstore.head(self._store, key)["size"])
+        except (NotFoundError, FileNotFoundError):
+            return None
+
     def _listing(self, under: str = "") -> Iterator[tuple[str, float]]:
         for chunk in obstore.list(self._store, prefix=(SEGMENTS_PREFIX + under).rstrip("/")):
             for meta in chunk:

@@ -65,6 +65,18 @@ class SegmentFiles(SegmentStore):
         except FileNotFoundError as missing:
             raise SegmentMissing(f"committed segment {segment.object_key} is missing") from missing
 
+    def _read_whole(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _stored_size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
     def _listing(self, under: str = "") -> Iterator[tuple[str, float]]:
         for path in (self.segments_dir / under).rglob("*.jsonl"):
             with contextlib.suppress(FileNotFoundError):

@@ -12,32 +12,49 @@ only its committed ``size`` bytes. A zombie replica can write keys of its own ol
 commit is refused, so those bytes are never served; ``orphans`` finds such objects (not in the
 manifest, older than a grace period) for ``collect`` to delete.
 
+A store belongs to one cluster: ``mark_cluster`` writes the cluster's id once, under
+``segments/cluster-id``, beside the same id in the cluster's database (``cluster_identity``), and
+``probe`` writes, reads back and deletes an object, to show the store is readable and writable.
+
 ``SegmentStore`` is the base of the two stores: ``segment_files.SegmentFiles`` (a filesystem every
 replica mounts) and ``s3_segments.S3Segments`` (any S3-compatible object store). A store supplies
-``write``, ``_read_part``, ``_listing`` and ``_delete``; the rest is here. ``open_segment_store``
+``write``, ``_read_part``, ``_read_whole``, ``_listing`` and ``_delete``; the rest is here. ``open_segment_store``
 picks one from a blob URL (``file:///folder`` or ``s3://bucket/prefix?endpoint=...``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import re
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from batchgen.core.work.shards import SEGMENT_KINDS, Segment
 
-__all__ = ["SegmentMissing", "SegmentStore", "open_segment_store", "segment_key"]
+__all__ = ["SegmentMissing", "SegmentStore", "open_segment_store", "segment_batch", "segment_key"]
 
 #: Batch ids as BatchGen makes them; anything else in a key could leave the segments prefix.
 _BATCH_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: Where every segment lives, under a store's root or prefix.
 SEGMENTS_PREFIX = "segments/"
+#: The key of the id of the cluster the store belongs to (never a segment: no batch, no .jsonl).
+CLUSTER_MARK_KEY = SEGMENTS_PREFIX + "cluster-id"
+#: Where ``probe`` writes its short-lived objects.
+PROBE_PREFIX = SEGMENTS_PREFIX + "probes/"
+#: A segment key's batch id (``segments/{batch_id}/{kind}/...``).
+_SEGMENT_BATCH = re.compile(rf"{SEGMENTS_PREFIX}([A-Za-z0-9_-]{{1,128}})/[a-z]+/\d+/\d+-\d+\.jsonl")
 
 
 class SegmentMissing(OSError):
-    """A committed segment is missing or shorter than its committed size."""
+    """A committed segment is missing or shorter than its committed size: an I/O error of the
+    store (``EIO``), so a read that meets one answers 503 ``storage_unavailable``, never a 500."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
 
 
 def segment_key(batch_id: str, kind: str, shard_no: int, epoch: int, number: int) -> str:
@@ -62,6 +79,14 @@ class SegmentStore:
 
     def _read_part(self, segment: Segment, start: int, end: int) -> Iterator[bytes]:
         """Bytes ``start`` .. ``end`` of one segment; SegmentMissing if it has fewer."""
+        raise NotImplementedError
+
+    def _read_whole(self, key: str) -> bytes | None:
+        """The bytes of a small object (the cluster mark, a probe); None if it is not there."""
+        raise NotImplementedError
+
+    def _stored_size(self, key: str) -> int | None:
+        """How many bytes the object ``key`` holds; None if it is not there."""
         raise NotImplementedError
 
     def _listing(self, under: str = "") -> Iterator[tuple[str, float]]:
@@ -90,9 +115,26 @@ class SegmentStore:
             if offset >= end:
                 return
 
+    def check_readable(self, segments: Sequence[Segment], start: int = 0, end: int | None = None) -> None:
+        """SegmentMissing unless every segment holding bytes ``start`` .. ``end`` is stored with at
+        least its committed size: checked before a response promises those bytes, so a download
+        never stops short of the length it announced."""
+        end = self.size(segments) if end is None else end
+        offset = 0
+        for segment in segments:
+            if offset < end and start < offset + segment.size:
+                stored = self._stored_size(segment.object_key)
+                if stored is None:
+                    raise SegmentMissing(f"committed segment {segment.object_key} is missing")
+                if stored < segment.size:
+                    raise SegmentMissing(
+                        f"{segment.object_key} holds {stored} bytes, fewer than its committed {segment.size}"
+                    )
+            offset += segment.size
+
     def keys(self) -> Iterator[str]:
-        """Every segment key in the store."""
-        return (key for key, _ in self._listing())
+        """Every segment key in the store (not the cluster mark, nor a probe)."""
+        return (key for key, _ in self._listing() if segment_batch(key) is not None)
 
     def written(self, batch_id: str, kind: str) -> list[str]:
         """Every segment of ``kind`` written for the batch, committed or not."""
@@ -100,17 +142,62 @@ class SegmentStore:
             raise ValueError(f"not a batch's segments: {batch_id!r}, {kind!r}")
         return sorted(key for key, _ in self._listing(f"{batch_id}/{kind}/"))
 
-    def orphans(self, committed: Iterable[str], grace_s: float, now: float | None = None) -> list[str]:
-        """Segments the manifest does not list and not changed for ``grace_s`` seconds: written
-        by a writer that died or was fenced out before (or instead of) committing. The grace
-        period keeps a live writer's segment, written but not committed yet."""
-        keep = set(committed)
+    def orphans(
+        self, committed: Iterable[str], known_batches: Iterable[str], grace_s: float, now: float | None = None
+    ) -> list[str]:
+        """Segments of the batches the ledger knows (``known_batches``) that the manifest does not
+        list and that did not change for ``grace_s`` seconds: written by a writer that died or was
+        fenced out before (or instead of) committing. The grace period keeps a live writer's
+        segment, written but not committed yet. A key of a batch the ledger does not know is never
+        an orphan: it is not this ledger's to judge."""
+        keep, known = set(committed), set(known_batches)
         cutoff = (time.time() if now is None else now) - grace_s
-        return sorted(key for key, changed in self._listing() if key not in keep and changed < cutoff)
+        return sorted(
+            key
+            for key, changed in self._listing()
+            if key not in keep and changed < cutoff and segment_batch(key) in known
+        )
+
+    def cluster_mark(self) -> str | None:
+        """The id of the cluster this store belongs to, or None before one was written."""
+        data = self._read_whole(CLUSTER_MARK_KEY)
+        return None if data is None else data.decode("utf-8", "replace").strip()
+
+    def mark_cluster(self, cluster_id: str) -> str:
+        """Write ``cluster_id`` as the store's cluster, unless it has one already; the one it has now."""
+        with contextlib.suppress(FileExistsError):
+            self.write(CLUSTER_MARK_KEY, cluster_id.encode() + b"\n")
+        found = self.cluster_mark()
+        if found is None:
+            raise OSError(
+                f"{self!r}: the cluster mark {CLUSTER_MARK_KEY} was written but cannot be read back"
+            )
+        return found
+
+    def holds_segments(self) -> bool:
+        """Whether any segment was ever written here."""
+        return any(segment_batch(key) is not None for key, _ in self._listing())
+
+    def probe(self) -> None:
+        """Write a small object, read it back and delete it; OSError saying which step failed."""
+        key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        data = f"probe {time.time()}\n".encode()
+        self.write(key, data)
+        try:
+            if self._read_whole(key) != data:
+                raise OSError(f"{self!r}: an object written to {key} did not read back the same")
+        finally:
+            self._delete(key)
 
     def collect(self, keys: Iterable[str]) -> int:
         """Delete the given (orphaned) segments; how many were removed."""
         return sum(self._delete(key) for key in keys)
+
+
+def segment_batch(key: str) -> str | None:
+    """The batch a segment key belongs to; None for any other key (the cluster mark, a probe)."""
+    match = _SEGMENT_BATCH.fullmatch(key)
+    return match.group(1) if match else None
 
 
 def open_segment_store(url: str, environ: Mapping[str, str] | None = None) -> SegmentStore:

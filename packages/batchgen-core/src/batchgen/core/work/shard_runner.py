@@ -50,9 +50,11 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import attrs
 
+from batchgen.core.requests.line_outcomes import LineOutcome, line_outcome
 from batchgen.core.work.lease_heartbeat import LeaseHeartbeat, Renewal
 from batchgen.core.work.postgres_ledger import (
     CommitRefused,
@@ -70,12 +72,16 @@ logger = logging.getLogger(__name__)
 #: How old an uncommitted segment must be before ``collect_orphans`` deletes it: far longer than a
 #: write takes to be committed, so only the segments of writers that died or were fenced out go.
 ORPHAN_GRACE_S = 3600.0
+#: How often a cause that keeps making shards be given up is logged again, with its count.
+GIVE_UP_LOG_EVERY_S = 60.0
 
 
 @attrs.frozen
 class LineResult:
-    """What one input line produced: a result line (``OUTPUT``) or an error line (``ERRORS``), as
-    the JSONL bytes to store (one line, ending in a newline)."""
+    """What one input line produced, as the JSONL bytes to store (one line, ending in a newline),
+    and the segments it goes to: the output (``OUTPUT``) or, error lines kept apart, the errors
+    (``ERRORS``). Whether it counts as completed or failed is what the line itself records
+    (``outcome``), as in one process, not where it is kept."""
 
     kind: str
     data: bytes
@@ -84,6 +90,11 @@ class LineResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefix_cached_tokens: int = 0
+
+    @property
+    def outcome(self) -> LineOutcome:
+        """Completed or failed, by the rule every count uses (``requests.line_outcomes``)."""
+        return line_outcome(self.data)
 
 
 #: Runs line ``line`` of batch ``batch_id`` and says what it produced.
@@ -175,10 +186,36 @@ class ShardRunner:
         #: What failed last and has not worked since, by part ("ledger": claims and renewals;
         #: "commit": writing segments and committing them); empty while all is well.
         self._problems: dict[str, str] = {}
+        #: Why the runner must not run lines now, by part (``suspend``): no claim while any is set.
+        self._suspended: dict[str, str] = {}
+        #: How often each cause made a shard be given up: the first is logged with its
+        #: traceback, the rest as counts (``_gave_up``), never a traceback per shard or line.
+        self.give_ups: dict[str, int] = {}
+        self._give_ups_logged: dict[str, float] = {}
 
     @property
     def healthy(self) -> bool:
         return not self._problems
+
+    def suspend(self, part: str, reason: str) -> None:
+        """Run nothing while ``reason`` holds (the blob store is not this cluster's, say): the
+        held shards are let go at once, for replicas that can run them, and none is claimed until
+        ``resume(part)``; the runner is unhealthy meanwhile."""
+        if part not in self._suspended:
+            logger.error("%s stops running lines: %s", self.owner_id, reason)
+        self._suspended[part] = reason
+        self._problems[part] = reason[:300]
+        for shard in list(self._held.values()):
+            self._drop(shard)
+            task = asyncio.ensure_future(self.ledger.release(shard.lease))
+            task.add_done_callback(_retrieved)
+
+    def resume(self, part: str) -> None:
+        """``reason`` of ``suspend(part)`` holds no more."""
+        if self._suspended.pop(part, None) is not None:
+            logger.warning("%s runs lines again: %s is resolved", self.owner_id, part)
+            self._problems.pop(part, None)
+            self._room.set()
 
     @property
     def problems(self) -> list[str]:
@@ -207,7 +244,9 @@ class ShardRunner:
                 room = self.max_shards - len(self._held)
                 rescue = self.max_shards + self.max_taken_over - len(self._held)
                 claim: Awaitable[list[Lease]] | None = None
-                if room > 0:
+                if self._suspended:
+                    pass  # nothing is claimed while the runner must not run lines
+                elif room > 0:
                     claim = self.ledger.claim(self.owner_id, room, self.ttl_s)
                 elif rescue > 0:  # every shard it may claim is held: only what a dead replica left
                     claim = self.ledger.take_over(self.owner_id, rescue, self.ttl_s)
@@ -336,6 +375,7 @@ class ShardRunner:
             pending = shard.lines
             for line in lease.remaining:
                 task = asyncio.create_task(self._run_one(lease.key, line))
+                task.add_done_callback(_retrieved)  # a failure is read once, below, not at GC
                 task.add_done_callback(ended.put_nowait)
                 pending.add(task)
             last_commit = time.monotonic()
@@ -373,13 +413,31 @@ class ShardRunner:
         except CommitRefused:
             self.commits_refused += 1
             self._drop(shard)
-        except Exception:  # run_line failed (a bug: it reports errors as lines): let the shard go
-            logger.exception(
-                "%s gives up shard %s of %s", self.owner_id, lease.shard.shard_no, lease.batch_id
-            )
+        except Exception as error:  # run_line failed (a bug: it reports errors as lines): let it go
+            self._gave_up(lease, error)
             self._drop(shard)
             with contextlib.suppress(Exception):
                 await self.ledger.release(lease)
+
+    def _gave_up(self, lease: Lease, error: Exception) -> None:
+        """Log a shard given up: the first time for a cause with its traceback, then at most once
+        a minute per cause, with how many times it happened."""
+        cause = f"{type(error).__name__}: {error}"[:300]
+        count = self.give_ups[cause] = self.give_ups.get(cause, 0) + 1
+        now = time.monotonic()
+        if count == 1:
+            logger.error(
+                "%s gives up shard %s of %s: %s",
+                self.owner_id,
+                lease.shard.shard_no,
+                lease.batch_id,
+                cause,
+                exc_info=error,
+            )
+            self._give_ups_logged[cause] = now
+        elif now - self._give_ups_logged.get(cause, 0.0) >= GIVE_UP_LOG_EVERY_S:
+            logger.error("%s gave up shards %d times so far for: %s", self.owner_id, count, cause)
+            self._give_ups_logged[cause] = now
 
     async def _run_one(self, shard: tuple[str, int], line: int) -> tuple[int, LineResult]:
         await self._slots.acquire(shard)
@@ -421,6 +479,7 @@ class ShardRunner:
                         key,
                         size,
                         tuple(line for line, _ in lines),
+                        failed_lines=sum(result.outcome is LineOutcome.FAILED for result in results),
                         prompt_tokens=sum(result.prompt_tokens for result in results),
                         completion_tokens=sum(result.completion_tokens for result in results),
                         prefix_cached_tokens=sum(result.prefix_cached_tokens for result in results),
@@ -437,13 +496,15 @@ class ShardRunner:
                 raise
             # the earlier try of these very lines did commit
         except Exception as error:
+            first = "commit" not in self._problems  # the traceback once, not once per try
             self._failed("commit", error)
             logger.warning(
-                "%s could not commit shard %s of %s",
+                "%s could not commit shard %s of %s: %s",
                 self.owner_id,
                 lease.shard.shard_no,
                 lease.batch_id,
-                exc_info=True,
+                self._problems["commit"],
+                exc_info=first,
             )
             shard.unsure = finished
             return False
@@ -452,12 +513,20 @@ class ShardRunner:
         return True
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Read a finished task's exception, so that asyncio does not log it again when it is collected."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def collect_orphans(
     ledger: PostgresShardLedger, segments: SegmentStore, grace_s: float = ORPHAN_GRACE_S
 ) -> int:
-    """Delete the segments no commit lists that are older than ``grace_s`` (written by replicas
-    that died or were fenced out before committing); how many were deleted. Any replica may run
-    it: what it deletes was never served and never will be."""
+    """Delete the segments of this ledger's batches that no commit lists and that are older than
+    ``grace_s`` (written by replicas that died or were fenced out before committing); how many were
+    deleted. Any replica may run it: what it deletes was never served and never will be. A segment
+    of a batch the ledger does not know is left alone: it is no orphan of this cluster's."""
+    known = await ledger.known_batches()
     committed = await ledger.committed_keys()
-    orphans = await asyncio.to_thread(segments.orphans, committed, grace_s)
+    orphans = await asyncio.to_thread(segments.orphans, committed, known, grace_s)
     return await asyncio.to_thread(segments.collect, orphans)
