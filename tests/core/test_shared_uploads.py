@@ -7,6 +7,8 @@ file; an md5 that does not match stores nothing and leaves it pending. Both repl
 it at once make one file (the other answers with it, or a clear error). A complete cut short
 after the file was assembled (a crash) serves nothing, and a complete on the other replica
 finishes it into that same file. Cancel on the other replica deletes the parts and refuses more;
+a cancel or an expiry there while a complete reads the parts makes that complete a clear 400, with
+no file and no parts left; an upload's ``expires_after`` sets the lifetime of its file;
 an upload left pending past its expiry is expired by maintenance and its parts deleted, and the
 hourly clean-up deletes parts a cancel could not (the store unreachable) and forgets records ended
 a week ago. A tenant's
@@ -19,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import random
 import secrets
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -30,6 +34,7 @@ from hypothesis import strategies as st
 
 from batchgen.core import BatchService, ServiceSettings
 from batchgen.core.backends.simulated import SimulatedBackend
+from batchgen.core.clock import now
 from batchgen.core.errors import BatchGenError, InvalidBatchFile, InvalidRequest, NotFound
 from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files import shared_uploads
@@ -356,3 +361,69 @@ async def test_parts_a_cancel_could_not_delete_are_deleted_later_and_old_records
     await uploads.expire_pending()
     with pytest.raises(NotFound):
         await second.get_upload(upload_id)
+
+
+@pytest.mark.parametrize("action", ["cancel", "expiry"])
+@pytest.mark.anyio
+async def test_an_upload_ended_on_the_other_replica_while_it_completes_is_a_clear_refusal(
+    replicas: list[BatchService], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    """The complete on one replica is paused while it reads the parts; the other cancels the
+    upload, or expires it (its ``expires_at`` passed). The complete is refused with the upload's
+    status (a 400), and nothing is left half made: no file, no parts."""
+    first, second = replicas
+    clock = [now()]
+    monkeypatch.setattr(shared_uploads, "now", lambda: clock[0])
+    data = jsonl(*[chat_line(f"e{i}") for i in range(30)])
+    upload_id = await _create(first, len(data))
+    ids = [await _send(first, upload_id, data[:500]), await _send(second, upload_id, data[500:])]
+    before = await _uploaded_ids(first)
+    reading, resume = threading.Event(), threading.Event()
+    uploads = first.parts.uploads
+    assert isinstance(uploads, shared_uploads.SharedUploads)
+    read_part = uploads._part_blobs.chunks
+
+    def paused_read(*args: Any) -> Iterator[bytes]:
+        reading.set()
+        if not resume.wait(60):
+            raise TimeoutError("the test did not resume the complete")
+        return read_part(*args)
+
+    monkeypatch.setattr(uploads._part_blobs, "chunks", paused_read)
+    answers: list[object] = []
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_complete_into, answers, first, upload_id, ids)
+        with anyio.fail_after(60):
+            await anyio.to_thread.run_sync(reading.wait)
+        if action == "cancel":
+            assert (await second.cancel_upload(upload_id)).status == "cancelled"
+        else:
+            clock[0] += 7200  # past expires_at: the other replica's read expires it
+            assert (await second.get_upload(upload_id)).status == "expired"
+        resume.set()
+    (refused,) = answers
+    assert isinstance(refused, InvalidRequest), refused
+    status = "cancelled" if action == "cancel" else "expired"
+    assert refused.code == f"upload_{status}"
+    assert (await first.get_upload(upload_id)).status == status
+    assert await _uploaded_ids(second) == before
+    assert not _parts_folder(tmp_path, upload_id).exists()
+
+
+@pytest.mark.anyio
+async def test_an_uploads_expires_after_holds_for_the_file_made_on_the_other_replica(
+    replicas: list[BatchService],
+) -> None:
+    first, second = replicas
+    data = jsonl(*[chat_line(f"x{i}") for i in range(10)])
+    upload = await first.create_upload(
+        filename="a.jsonl", purpose="batch", size=len(data), mime_type="text/jsonl", expires_after_s=120
+    )
+    ids = [await _send(second, upload.id, data)]
+    _, file = await second.complete_upload(upload.id, ids)
+    assert file.expires_at == file.created_at + 120
+    for seconds in (0, 30 * 86400 + 1):
+        with pytest.raises(InvalidRequest, match="between 1 and"):
+            await first.create_upload(
+                filename="a.jsonl", purpose="batch", size=10, mime_type="text/jsonl", expires_after_s=seconds
+            )

@@ -4,13 +4,16 @@ Parts of any sizes, sent in any order, complete to exactly the bytes of the orde
 names (Hypothesis); lines cut across parts are validated as one file, and a bad line is named by
 its line number in the whole file; an md5 that does not match, too many parts, a part too large
 and parts that do not add up to the declared size are clear 400/413s that store nothing; cancel
-and expiry delete the parts; another tenant's upload is a 404, and a tenant's quota counts the
-parts of its pending uploads.
+and expiry delete the parts, but never under a complete at work (one paused where it reads the
+parts completes, or is refused and the upload then expires); ``expires_after`` is read and bounded
+as ``POST /v1/files`` reads it, and sets the lifetime of the file made; another tenant's upload is
+a 404, and a tenant's quota counts the parts of its pending uploads.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +27,7 @@ from hypothesis import strategies as st
 from batchgen.core.errors import InvalidBatchFile
 from batchgen.core.files import chunked_uploads
 from batchgen.core.files.batch_file import validate_batch_file
+from batchgen.core.files.catalogue import MAX_FILE_EXPIRY_S
 from tests.examples import examples
 from tests.helpers import api_error, chat_line, jsonl
 from tests.keys import authorized, create_key
@@ -283,9 +287,9 @@ def test_an_upload_not_completed_in_time_expires_and_its_parts_are_deleted(
 
 
 def test_bounds_are_clear_errors_that_store_nothing(
-    api_factory: Callable[..., httpx.Client], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    api_factory: Callable[..., httpx.Client], tmp_path: Path
 ) -> None:
-    client = api_factory("--max-upload-total-bytes", "1000")
+    client = api_factory("--max-upload-total-bytes", "1000", "--max-upload-parts", "3")
     assert api_error(create_upload_response(client, 1001), 400)["param"] == "bytes"
     for size in (0, -1, True, "10", 10**18):
         assert api_error(create_upload_response(client, size), 400)["param"] == "bytes"
@@ -303,10 +307,10 @@ def test_bounds_are_clear_errors_that_store_nothing(
     assert api_error(complete(client, upload["id"], ["part_nope"]), 400)["param"] == "part_ids"
     assert api_error(complete(client, upload["id"], []), 400)["param"] == "part_ids"
     assert api_error(client.post(f"/v1/uploads/{upload['id']}/complete", json={"part_ids": "x"}), 400)
-    # too many parts
-    monkeypatch.setattr(chunked_uploads, "MAX_PARTS", 3)
+    # too many parts (--max-upload-parts)
     last = add_part(client, upload["id"], b"x" * 40)
-    assert "at most 3 parts" in api_error(post_part(client, upload["id"], b"x"), 400)["message"]
+    message = api_error(post_part(client, upload["id"], b"x"), 400)["message"]
+    assert "at most 3 parts" in message and "--max-upload-parts" in message
     folder = tmp_path / "storage" / "uploads" / upload["id"]
     assert upload_folder(tmp_path / "storage", upload["id"]) == [
         "arrived.index",
@@ -368,3 +372,182 @@ def test_another_tenants_upload_is_not_found_and_quota_counts_pending_parts(
         alice.post(f"/v1/uploads/{second['id']}/cancel").raise_for_status()
         add_part(alice, upload["id"], b"x" * 100)
         assert bob.post("/v1/uploads/nonexistent/cancel").status_code == 404
+
+
+def _lock_waiters(client: Any, upload_id: str) -> int:
+    """Calls waiting for the upload's lock in the in-process server (a cancel, a part being added)."""
+    uploads = client.app.state["service"].parts.uploads
+    lock = uploads._locks.get(upload_id)
+    return 0 if lock is None else int(lock.statistics().tasks_waiting)
+
+
+@pytest.mark.parametrize("valid", [True, False], ids=["valid", "a bad line"])
+@pytest.mark.parametrize("action", ["a part arrives", "a read", "maintenance", "cancel"])
+def test_an_upload_expiring_or_cancelled_while_it_completes_never_loses_its_parts(
+    api_factory: Callable[..., httpx.Client],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    action: str,
+    valid: bool,
+) -> None:
+    """A complete is paused where it reads the parts; the upload's ``expires_at`` passes and it is
+    expired (a part arriving, a read, the maintenance job) or cancelled. The complete holds the
+    upload: it makes the file and the upload is completed (the other call is refused with
+    ``upload_completed``), or it is refused for its bad line and the upload then expires (or is
+    refused as expired). Never a 500, never parts deleted under it, never a half-made upload."""
+    clock = [int(time.time())]
+    monkeypatch.setattr(chunked_uploads, "now", lambda: clock[0])
+    reading, resume = threading.Event(), threading.Event()
+    validate = chunked_uploads.validate_chunks
+
+    def paused_validation(*args: Any, **kwargs: Any) -> Any:
+        reading.set()
+        if not resume.wait(60):
+            raise TimeoutError("the test did not resume the complete")
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_uploads, "validate_chunks", paused_validation)
+    client: Any = api_factory("--upload-expiry-s", "1")
+    service = client.app.state["service"]
+    storage = tmp_path / "storage"
+    first = jsonl(*[chat_line(f"r-{i}") for i in range(5)])
+    second = jsonl(*[chat_line(f"s-{i}", temperature=2 if valid else 7) for i in range(5)])
+    upload = create_upload(client, len(first) + len(second))
+    ids = [add_part(client, upload["id"], first), add_part(client, upload["id"], second)]
+    answers: dict[str, httpx.Response] = {}
+
+    def call(name: str, request: Callable[[], httpx.Response]) -> threading.Thread:
+        thread = threading.Thread(target=lambda: answers.__setitem__(name, request()), daemon=True)
+        thread.start()
+        return thread
+
+    # named in another order than they arrived: validation reads every part at complete
+    completing = call("complete", lambda: complete(client, upload["id"], ids[::-1]))
+    assert reading.wait(60), "the complete never reached its validation"
+    clock[0] += 5  # past expires_at, while the complete is at work
+    other: threading.Thread | None = None
+    if action == "a part arrives":
+        other = call(action, lambda: post_part(client, upload["id"], b"late"))
+    elif action == "cancel":
+        other = call(action, lambda: client.post(f"/v1/uploads/{upload['id']}/cancel"))
+    elif action == "a read":
+        client.blocking_portal.call(service.get_upload, upload["id"])
+    else:
+        client.blocking_portal.call(service.parts.uploads.expire_due)
+    deadline = time.monotonic() + 60
+    # a part or a cancel has reached the upload (and waits for it) or was answered already
+    while other is not None and other.is_alive():
+        if client.blocking_portal.call(_lock_waiters, client, upload["id"]):
+            break
+        assert time.monotonic() < deadline, f"{action}: never reached the upload"
+        time.sleep(0.02)
+    resume.set()
+    for thread in (completing, other):
+        if thread is not None:
+            thread.join(60)
+            assert not thread.is_alive()
+    done = answers["complete"]
+    final = client.blocking_portal.call(service.get_upload, upload["id"])
+    if valid:
+        assert done.status_code == 200, done.text
+        assert done.json()["status"] == final.status == "completed"
+        file = done.json()["file"]
+        assert client.get(f"/v1/files/{file['id']}/content").content == second + first
+        assert file_ids(client) == {file["id"]}
+        if action in answers:
+            assert api_error(answers[action], 400)["code"] == "upload_completed"
+    else:
+        assert api_error(done, 400)["code"] == "invalid_batch_file"
+        if action in answers:
+            assert api_error(answers[action], 400)["code"] == "upload_expired"
+        assert final.status == "expired"  # now that the complete is done
+        assert api_error(complete(client, upload["id"], ids), 400)["code"] == "upload_expired"
+        assert file_ids(client) == set()
+    assert upload_folder(storage, upload["id"]) == ["upload.json"]
+
+
+def _made_by_upload(client: httpx.Client, expires_after: object) -> httpx.Response:
+    """Create an upload with ``expires_after`` (left out when None) and, when that is taken,
+    complete it with one part; the answer that refused it, or the completed upload."""
+    body: dict[str, Any] = {"bytes": 0, "filename": "a.jsonl", "mime_type": "text/jsonl", "purpose": "batch"}
+    data = jsonl(chat_line("x-1"))
+    body["bytes"] = len(data)
+    if expires_after is not None:
+        body["expires_after"] = expires_after
+    created = client.post("/v1/uploads", json=body)
+    if created.status_code != 200:
+        return created
+    upload_id = created.json()["id"]
+    return complete(client, upload_id, [add_part(client, upload_id, data)])
+
+
+_SECONDS = st.one_of(
+    st.integers(-3, 3),
+    st.integers(MAX_FILE_EXPIRY_S - 2, MAX_FILE_EXPIRY_S + 2),
+    st.integers(10**17, 2**63 - 1),  # past that a JSON body is refused whole (json_bodies)
+    st.text(alphabet="0123456789 -+.e\u0663\uff13", max_size=6),  # digits of other scripts too
+)
+
+
+@_SETTINGS
+@given(anchor=st.sampled_from([None, "created_at", "last_active_at", ""]), seconds=_SECONDS)
+def test_an_uploads_expires_after_is_read_and_bounded_as_the_files_one(
+    api: httpx.Client, anchor: str | None, seconds: int | str
+) -> None:
+    """``expires_after`` of ``POST /v1/uploads`` (JSON) is taken or refused exactly as the same
+    value in ``POST /v1/files``' form fields, with the same 400; taken, the file the upload makes
+    expires that many seconds after it is made."""
+    fields = {"purpose": "batch", "expires_after[seconds]": str(seconds)}
+    if anchor is not None:
+        fields["expires_after[anchor]"] = anchor
+    plain = api.post("/v1/files", files={"file": ("a.jsonl", jsonl(chat_line("x-1")))}, data=fields)
+    answer = _made_by_upload(
+        api, {"seconds": seconds} if anchor is None else {"anchor": anchor, "seconds": seconds}
+    )
+    if plain.status_code != 200:
+        error = api_error(answer, 400)
+        assert error == api_error(plain, 400) and error["param"] == "expires_after"
+        return
+    assert answer.status_code == 200, answer.text
+    made, file = plain.json(), answer.json()["file"]
+    assert file["expires_at"] - file["created_at"] == made["expires_at"] - made["created_at"]
+    assert file["expires_at"] - file["created_at"] == int(str(seconds).strip())
+
+
+def test_an_expires_after_that_is_not_an_object_of_anchor_and_seconds_is_refused(api: httpx.Client) -> None:
+    values: list[object] = ["3600", 3600, [], {}, {"anchor": "created_at"}, {"seconds": 60, "days": 1}, True]
+    for value in values:
+        error = api_error(_made_by_upload(api, value), 400)
+        assert error["param"] == "expires_after", value
+    # left out (or null), the file keeps the server's lifetime: here, none
+    assert _made_by_upload(api, None).json()["file"]["expires_at"] is None
+
+
+def test_a_tenant_with_as_many_open_uploads_as_allowed_gets_429_naming_the_flag(
+    server_factory: Callable[..., LiveServer], tmp_path: Path
+) -> None:
+    """``--max-open-uploads`` bounds each tenant's pending uploads: one more is 429 with a
+    Retry-After, naming the flag; another tenant is not held back, and completing or cancelling
+    one makes room again."""
+    storage = tmp_path / "storage"
+    _, alice_key = create_key(storage, "alice")
+    _, bob_key = create_key(storage, "bob")
+    server = server_factory("--max-open-uploads", "2", storage="storage")
+    with authorized(server.base_url, alice_key) as alice, authorized(server.base_url, bob_key) as bob:
+        first, second = (
+            create_upload(alice, 3, purpose="user_data"),
+            create_upload(alice, 3, purpose="user_data"),
+        )
+        refused = create_upload_response(alice, 3)
+        error = api_error(refused, 429)
+        assert error["code"] == "too_many_open_uploads"
+        assert "--max-open-uploads" in error["message"] and "'alice'" in error["message"]
+        assert int(refused.headers["retry-after"]) > 0
+        create_upload(bob, 3)  # per tenant
+        alice.post(f"/v1/uploads/{first['id']}/cancel").raise_for_status()
+        third = create_upload(alice, 3, purpose="user_data")
+        assert api_error(create_upload_response(alice, 3), 429)["code"] == "too_many_open_uploads"
+        done = complete(alice, second["id"], [add_part(alice, second["id"], b"abc")])
+        assert done.status_code == 200, done.text
+        create_upload(alice, 3, purpose="user_data")
+        assert third["status"] == "pending"

@@ -1,5 +1,6 @@
 """The Uploads API against real server processes: the unchanged ``openai`` SDK's
-``upload_file_chunked`` (sync and async) and a batch over the file it made; ``kill -9`` while
+``upload_file_chunked`` (sync and async) and a batch over the file it made; ``expires_after``
+of ``uploads.create``, after which the file made is deleted; ``kill -9`` while
 parts arrive and while an upload completes (after a restart no half-made file is listed or
 served, and the upload completes, once); a full disk under the uploads, which fails only the
 part that hit it; parts sent one after another stored without a copy, and parts arriving at once
@@ -65,6 +66,40 @@ def test_the_openai_sdks_chunked_upload_makes_a_file_a_batch_runs_on(
         assert done["status"] == "completed"
         output = file_lines(client, done["output_file_id"])
     assert sorted(line["custom_id"] for line in output) == sorted(f"sdk-{i}" for i in range(200))
+
+
+def test_the_sdks_expires_after_makes_the_uploads_file_expire(live_server: LiveServer) -> None:
+    """``uploads.create(expires_after=...)``: the file the upload makes expires that long after it
+    is made, and the server deletes it then."""
+    data = jsonl(*[chat_line(f"exp-{i}") for i in range(20)])
+    with _sdk(live_server) as sdk:
+        upload = sdk.uploads.create(
+            bytes=len(data),
+            filename="short-lived.jsonl",
+            mime_type="text/jsonl",
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 1},
+        )
+        part = sdk.uploads.parts.create(upload_id=upload.id, data=data)
+        done = sdk.uploads.complete(upload_id=upload.id, part_ids=[part.id])
+        assert done.status == "completed" and done.file is not None
+        assert done.file.expires_at == done.file.created_at + 1
+        deadline = time.monotonic() + 60
+        while True:  # the maintenance job deletes it once it expired
+            try:
+                sdk.files.retrieve(done.file.id)
+            except openai.NotFoundError:
+                break
+            assert time.monotonic() < deadline, "the upload's file was not deleted when it expired"
+            time.sleep(0.2)
+        with pytest.raises(openai.BadRequestError, match="between 1 and"):
+            sdk.uploads.create(
+                bytes=len(data),
+                filename="a.jsonl",
+                mime_type="text/jsonl",
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": 0},
+            )
 
 
 def test_the_async_sdks_chunked_upload_with_an_md5(live_server: LiveServer, tmp_path: Path) -> None:

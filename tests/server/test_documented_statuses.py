@@ -341,8 +341,18 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
     ),
     (
         "400",
-        "at most 10,000 parts (400)",
+        "one more is a 400 naming the flag",
         "test_chunked_uploads.py::test_bounds_are_clear_errors_that_store_nothing",
+    ),
+    (
+        "429",
+        "one more create is a 429 `too_many_open_uploads`",
+        "test_chunked_uploads.py::test_a_tenant_with_as_many_open_uploads_as_allowed_gets_429_naming_the_flag",
+    ),
+    (
+        "413",
+        "413 `quota_exceeded` when that file would pass it",
+        "test_stored_bytes_quota.py::test_a_retry_stores_its_input_only_within_the_owners_bytes",
     ),
     (
         "400",
@@ -353,6 +363,21 @@ CLAIMS: list[tuple[str, str, Check | str]] = [
         "400",
         "`upload_cancelled` or `upload_expired`",
         "test_chunked_uploads.py::test_cancel_deletes_the_parts_and_refuses_more",
+    ),
+    (
+        "400",
+        'anything else is a 400 with `param: "expires_after"`',
+        "test_chunked_uploads.py::test_an_uploads_expires_after_is_read_and_bounded_as_the_files_one",
+    ),
+    (
+        "400",
+        "a late part gets a 400 `upload_completed`",
+        "test_chunked_uploads.py::test_an_upload_expiring_or_cancelled_while_it_completes_never_loses_its_parts",
+    ),
+    (
+        "400",
+        "whose `status_code` is 400 or more), wherever that line is kept",
+        "test_replica_counts.py::test_a_batch_with_error_lines_has_the_same_counts_on_one_server_and_on_replicas",
     ),
     (
         "404",

@@ -177,6 +177,8 @@ class Batch:
     completion_window: str
     status: BatchStatus
     created_at: int
+    #: When its completion window ends: the exact moment it was created plus the window, rounded
+    #: up to a whole second (``clock.deadline``), so it never ends before the whole window passed.
     expires_at: int
     model: str
     parameters: BatchParameters = BatchParameters()
@@ -338,6 +340,10 @@ class PoolStatus:
     #: backend cannot tell (``backends.engine_activity``).
     engine_running: int | None = None
     engine_waiting: int | None = None
+    #: Each served model's engine on its own: ``{"model", "running", "generated_tokens"}``, a
+    #: figure None where that model's backend cannot tell, so one model that cannot tell does not
+    #: hide what the others report.
+    engines: tuple[dict[str, Any], ...] = ()
     #: Tokens generated since the start: counted as the engine makes them where every backend
     #: reports that (``generated_tokens_counted`` "as_generated"), else as requests finish
     #: ("when_finished", the same as ``completion_tokens_total``).
@@ -395,7 +401,8 @@ def _numbers(values: Iterable[int]) -> tuple[int, ...]:
 @attrs.frozen
 class Upload:
     """An upload's record. ``order``, ``sizes``, ``file_id``, ``line_count`` and ``url`` are set
-    once it is ``completing`` (validated, being assembled)."""
+    once it is ``completing`` (validated, being assembled). ``expires_after_s``: the lifetime of
+    the file it makes (OpenAI's ``expires_after``; None: the server's file lifetime)."""
 
     id: str
     bytes: int
@@ -413,6 +420,7 @@ class Upload:
     file_id: str | None = None
     line_count: int = 0
     url: str | None = None
+    expires_after_s: int | None = None
 
     def to_dict(self, file: FileObject | None = None) -> dict[str, Any]:
         """The Upload object of OpenAI's API (``completing`` is still ``pending`` there)."""

@@ -27,7 +27,9 @@ is NotFound) and is held to its tenant's limits. Without a caller, a call is mad
 
 Starting goes through one ``AsyncExitStack``: a failure at any step undoes the steps before it.
 A storage fault (a full disk, an I/O error, a read-only folder) in a call raises
-``StorageUnavailable`` and leaves nothing half made; in a batch it fails that batch only.
+``StorageUnavailable`` and leaves nothing half made; in a batch it fails nothing: result lines the
+storage refuses are held in memory and work pauses (health 503 naming the fault) until they are
+written (``execution.held_results``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -48,7 +50,7 @@ import anyio.abc
 import attrs
 
 from batchgen.core.backends.base import Backend
-from batchgen.core.backends.engine_activity import combined_activity
+from batchgen.core.backends.engine_activity import activity_of, combined_activity
 from batchgen.core.backends.served_models import DEFAULT_MODEL_ALIAS, ModelSet, ServedModel
 from batchgen.core.batches.deadline_watch import DeadlineWatch
 from batchgen.core.batches.log import log_created
@@ -65,7 +67,7 @@ from batchgen.core.batches.result_merge import FamilyIndex
 from batchgen.core.batches.retry import BatchRetries, RetryRequest, with_retries
 from batchgen.core.batches.starter import BatchStarter
 from batchgen.core.batches.tracker import BatchTracker
-from batchgen.core.clock import now
+from batchgen.core.clock import deadline, exact_now, now, reached
 from batchgen.core.errors import (
     Conflict,
     IntakeFull,
@@ -75,14 +77,17 @@ from batchgen.core.errors import (
     StorageUnavailable,
 )
 from batchgen.core.execution.executor import RequestExecutor
+from batchgen.core.execution.held_results import RETRY_INTERVAL_S as HELD_RESULTS_RETRY_S
 from batchgen.core.execution.result_cache import FILE_NAME as RESULT_CACHE_FILE
 from batchgen.core.execution.result_cache import FLUSH_INTERVAL_S, ResultCache, ResultCacheSettings
 from batchgen.core.execution.shared_storage import SharedStorage
 from batchgen.core.files.batch_file import first_line_model
 from batchgen.core.files.catalogue import MAX_FILE_EXPIRY_S, FileCatalogue
 from batchgen.core.files.chunked_uploads import (
+    DEFAULT_MAX_OPEN_UPLOADS,
     DEFAULT_MAX_UPLOAD_BYTES,
     DEFAULT_UPLOAD_EXPIRY_S,
+    MAX_PARTS,
     ChunkedUploads,
     Upload,
     UploadPart,
@@ -112,7 +117,7 @@ from batchgen.core.storage.interfaces import IdempotencyRecord
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.supervision import Supervisor
 from batchgen.core.telemetry import RequestTelemetry
-from batchgen.core.tenancy import EMBEDDED, Caller, TenantUsage
+from batchgen.core.tenancy import EMBEDDED, Caller, TenantLimits, TenantUsage
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.core.webhook_outbox import WebhookTargets
 
@@ -184,6 +189,10 @@ class ServiceSettings:
     #: an upload may take before it expires.
     max_chunked_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     upload_expiry_s: int = DEFAULT_UPLOAD_EXPIRY_S
+    #: The most parts one upload may have, and the most uploads one tenant may have open (None:
+    #: no limit).
+    max_upload_parts: int = MAX_PARTS
+    max_open_uploads: int | None = DEFAULT_MAX_OPEN_UPLOADS
     default_max_tokens: int = 256
     max_request_attempts: int = 3
     counters_flush_interval_s: float = 0.5
@@ -255,6 +264,7 @@ class _Parts:
             file_expiry_s=settings.file_expiry_s,
             in_use=service._live_user_of_file,
             served_models=service.model_set,
+            tenant_limits=service.tenant_limits,
         )
         files = self.files
         self.uploads: ChunkedUploads | SharedUploads
@@ -274,6 +284,8 @@ class _Parts:
                 served_models=service.model_set,
                 file_record=files.file_of,
                 new_file=files.file_record,
+                max_parts=settings.max_upload_parts,
+                max_open_uploads=settings.max_open_uploads,
             )
             service.maintenance.add(
                 "expire uploads", settings.maintenance_interval_s, self.uploads.expire_pending
@@ -288,7 +300,9 @@ class _Parts:
                 file_record=files.file_of,
                 new_file=files.file_record,
                 final_path=service.blobs.upload_path,
-                stored_bytes=files.stored_bytes,
+                quota=files.quota,
+                max_parts=settings.max_upload_parts,
+                max_open_uploads=settings.max_open_uploads,
             )
         self.starter = BatchStarter(
             self.tracker,
@@ -307,6 +321,7 @@ class _Parts:
             separate_error_file=settings.error_file == "openai",
             telemetry=service.telemetry,
             result_cache=service.result_cache,
+            on_pause=service._pause_for_storage,
         )
         self.ordering = OrderingStep(self.tracker, metadata, self.calls, service._spawn)
         self.tracker.end_in_order = self.ordering.begin
@@ -343,6 +358,7 @@ class BatchService:
         self._replica_done = anyio.Event()
         self.supervisor = Supervisor()
         self.intake_pool = IntakePool(settings.max_intake_capacity)
+        self._tenant_limits: dict[str, TenantLimits] = {}
         self.scheduling_pool = SchedulingPool(settings.max_pool_size)
         shares = (
             ModelShares(settings.max_pool_size, self._model_of_batch) if len(self.model_set) > 1 else None
@@ -402,6 +418,7 @@ class BatchService:
             )
             self.maintenance.add("fsync results", self.settings.fsync_interval_ms / 1000, self._sync_results)
             self.maintenance.add("expiry", self.settings.maintenance_interval_s, self.expire_due)
+            self.maintenance.add("write held results", HELD_RESULTS_RETRY_S, parts.executor.write_held)
             if self.result_cache is not None:
                 self.maintenance.add("write result cache", FLUSH_INTERVAL_S, self.result_cache.flush)
             self.maintenance.add(
@@ -507,8 +524,19 @@ class BatchService:
         tasks.cancel_scope.cancel()
 
     def _close_parts(self) -> None:
-        """Persist and close every unfinished batch (the next start resumes them)."""
+        """Persist and close every unfinished batch (the next start resumes them); result lines
+        still held (a full disk) get one last try, else their requests run again at the next start."""
         if self._parts is not None:
+            if self._parts.executor.held.paused:
+                try:
+                    self._parts.executor.write_held()
+                except StorageUnavailable as exc:
+                    logger.warning(
+                        "%d held result lines are not written at shutdown; the next start runs "
+                        "their requests again: %s",
+                        self._parts.executor.held.lines,
+                        exc.message,
+                    )
             self._parts.tracker.close_all()
             self._parts = None
 
@@ -529,6 +557,13 @@ class BatchService:
     def _model_of_batch(self, batch_id: str) -> str:
         active = self._parts.tracker.get(batch_id) if self._parts is not None else None
         return active.batch.model if active is not None else ""
+
+    def _pause_for_storage(self, paused: bool) -> None:
+        """Hold (or release) the admission of new requests while result lines wait for the storage."""
+        if paused:
+            self.scheduler.hold("result lines held for the storage")
+        else:
+            self.scheduler.release("result lines held for the storage")
 
     async def _run_group(self, entries: Sequence[IntakeEntry], finished: Finished) -> None:
         await self.parts.executor.run_group(entries, finished)
@@ -576,7 +611,7 @@ class BatchService:
         ``expires_after_s`` (else the server's ``file_expiry_s``) deletes the file that long after
         its creation. With ``idempotency_key``, the same upload again returns the first file.
         """
-        if caller.limits.max_stored_bytes is not None:
+        if self.replica is not None and caller.limits.max_stored_bytes is not None:  # before the work
             await self.parts.uploads.check_quota(caller, staging_path.stat().st_size)
         return await self.parts.files.add_file(
             staging_path,
@@ -585,17 +620,30 @@ class BatchService:
             expires_after_s=expires_after_s,
             idempotency_key=idempotency_key,
             caller=caller,
-            max_stored_bytes=caller.limits.max_stored_bytes,  # checked again with the insert, by replicas
+            max_stored_bytes=caller.limits.max_stored_bytes,  # admitted with the insert
         )
 
     # --- the Uploads API (chunked_uploads, or shared_uploads for replicas) ----------------
     @_storage_call("create the upload")
     async def create_upload(
-        self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
+        self,
+        *,
+        filename: str,
+        purpose: str,
+        size: int,
+        mime_type: str,
+        expires_after_s: int | None = None,
+        caller: Caller = EMBEDDED,
     ) -> Upload:
-        """A pending upload of ``size`` bytes, to which parts are then added."""
+        """A pending upload of ``size`` bytes, to which parts are then added; the file it makes
+        expires ``expires_after_s`` after it is made (else as ``add_file``'s do)."""
         return await self.parts.uploads.create(
-            filename=filename, purpose=purpose, size=size, mime_type=mime_type, caller=caller
+            filename=filename,
+            purpose=purpose,
+            size=size,
+            mime_type=mime_type,
+            expires_after_s=expires_after_s,
+            caller=caller,
         )
 
     @_storage_call("receive the part")
@@ -805,7 +853,8 @@ class BatchService:
                     f"slots are free and this batch has {file.line_count} requests. Retry later.",
                     retry_after_s=self.intake_pool.retry_after_s(file.line_count),
                 )
-            created = now()
+            created_s = exact_now()  # the window counts from here, not from the whole second
+            created = int(created_s)
             batch = Batch(
                 id=new_object_id("batch_"),
                 endpoint=endpoint,
@@ -813,7 +862,7 @@ class BatchService:
                 completion_window=completion_window,
                 status=BatchStatus.VALIDATING,
                 created_at=created,
-                expires_at=created + window_s,
+                expires_at=deadline(created_s, window_s),
                 model=served.public_name,
                 parameters=parameters,
                 metadata=metadata,
@@ -1041,9 +1090,9 @@ class BatchService:
         ``expired`` under OpenAI's convention; either way the lines written so far stay.
         """
         parts = self.parts
-        moment = now()
+        moment = exact_now()
         for active in parts.tracker:
-            if active.batch.expires_at > moment or active.status not in (
+            if not reached(active.batch.expires_at, moment) or active.status not in (
                 BatchStatus.VALIDATING,
                 BatchStatus.IN_PROGRESS,
             ):
@@ -1056,7 +1105,7 @@ class BatchService:
                     active,
                     "batch_failed",
                     f"The batch timed out: it did not finish within its completion window of "
-                    f"{batch.completion_window} ({batch.expires_at - batch.created_at} s). "
+                    f"{batch.completion_window} ({parse_completion_window(batch.completion_window)} s). "
                     f"{active.finished} of {batch.request_counts.total} requests finished "
                     f"({active.completed} completed, {active.failed} failed); their lines are kept "
                     "in the output file.",
@@ -1089,6 +1138,10 @@ class BatchService:
             completion_tokens_total=counted.generated_tokens,
             engine_running=running,
             engine_waiting=None if running is None else admitted - running,
+            engines=tuple(
+                {"model": model.public_name, **attrs.asdict(activity_of(model.backend))}
+                for model in self.model_set
+            ),
             generated_tokens_total=generated,
             generated_tokens_counted=counted_as,
             requests_per_second=round(requests_rate, 3),
@@ -1117,6 +1170,24 @@ class BatchService:
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share of the slots while other tenants have queued work too (default 1)."""
         self.intake_pool.set_weight(tenant, weight)
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """The limits set on every tenant (the API keys' store, at each reload): each tenant's weight,
+        and the limits that apply when an admin acts for a tenant (``tenant_limits``)."""
+        self._tenant_limits = dict(limits)
+        for tenant, tenant_limits in limits.items():
+            self.set_tenant_weight(tenant, tenant_limits.weight)
+
+    def tenant_limits(self, tenant: str) -> TenantLimits:
+        """The limits set on ``tenant`` (none set: no limit)."""
+        return self._tenant_limits.get(tenant, TenantLimits())
+
+    def caller_as_owner(self, caller: Caller, owner: str) -> Caller:
+        """The caller acting for ``owner``: itself when it is that tenant, else (an admin) the owner's
+        tenant under the owner's limits, so what it makes for the owner counts against them."""
+        if caller.tenant == owner:
+            return caller
+        return attrs.evolve(caller, tenant=owner, limits=self.tenant_limits(owner))
 
     def tenant_status(self, caller: Caller = EMBEDDED) -> list[dict[str, Any]]:
         """Per tenant with work: requests queued and running, batches not ended, and its weight.
@@ -1173,6 +1244,13 @@ class BatchService:
             return Health(False, "the batch service is not running")
         if self.supervisor.crashed:
             return Health(False, f"the batch service has stopped: {self.supervisor.reason()}")
+        held = self._parts.executor.held
+        if held.fault is not None:
+            return Health(
+                False,
+                f"storage unavailable: work is paused, {held.lines} result lines wait for the "
+                f"storage: {held.fault.message}",
+            )
         failing = self.maintenance.failing()
         if failing:
             problems = "; ".join(f"{name}: {error}" for name, error in failing.items())
@@ -1184,13 +1262,16 @@ class BatchService:
         return self.model_set.health()
 
     def _storage_fault(self) -> StorageUnavailable | None:
-        """The storage fault that every failing maintenance job waits on (a database another
-        process holds locked, a full disk), or None when none fails or one fails otherwise."""
+        """The storage fault that every failing maintenance job, and the work paused on held
+        result lines, waits on (a database another process holds locked, a full disk), or None
+        when nothing waits on one or something fails otherwise."""
         failing = self.maintenance.failing()
         faults = self.maintenance.storage_faults()
-        if not failing or not set(failing) <= set(faults):
+        if failing and not set(failing) <= set(faults):
             return None
-        return faults[next(iter(failing))]
+        if failing:
+            return faults[next(iter(failing))]
+        return None if self._parts is None else self._parts.executor.held.fault
 
     def health_report(self) -> dict[str, Any]:
         """``GET /health``'s body: the status, and with several models each model's state.

@@ -12,6 +12,12 @@ on the batch and the call (same key, same call: the same retry batch). The new i
 record, the batch's row and the key are written in one transaction, so a crash leaves either a
 whole retry batch (its input file, its row, its key) or none of them.
 
+The retry batch and its input file are the batch's owner's, whoever asks (an admin too): they are
+admitted against that tenant's limits, its ``max_active_batches`` and ``max_queued_requests`` as
+any batch it creates, and its ``max_stored_bytes`` as any file it stores (the new file's bytes
+are reserved before it is validated, and the reservation turns into its record with the batch's,
+``files.stored_bytes_quota``).
+
 Replicas sharing a store retry shared batches the same way: a family member's result files are
 its committed segments, read into local copies that the index owns and deletes; the input file is
 read through this replica's copy of it (an object store's); the new input file is put in the blob
@@ -40,6 +46,7 @@ from batchgen.core.batches.result_merge import FamilyIndex, Outcome
 from batchgen.core.errors import Conflict, InvalidRequest, ServiceUnavailable
 from batchgen.core.files.batch_file import validate_batch_file
 from batchgen.core.files.content import FileContent
+from batchgen.core.files.stored_bytes_quota import Reservation
 from batchgen.core.idempotency import fingerprint
 from batchgen.core.ids import new_object_id
 from batchgen.core.models import Batch, BatchParameters, FileObject
@@ -277,28 +284,68 @@ class BatchRetries:
             except BaseException:
                 service.blobs.remove(staging)
                 raise
-        owner = caller if caller.tenant == original.owner else attrs.evolve(caller, tenant=original.owner)
+        owner = service.caller_as_owner(caller, original.owner)
+        reservation = await self._reserve(staging, owner)
+        try:
+            return await self._create(
+                original, request, staging, owner, reservation, idempotency_key=idempotency_key, call=call
+            )
+        finally:
+            reservation.release()
+
+    async def _reserve(self, staging: Path, owner: Caller) -> Reservation:
+        """The bytes of the new input file at ``staging``, held for its owner (UploadQuotaExceeded,
+        and the copy deleted, when they would pass its ``max_stored_bytes``). Replicas check them
+        here (their records have the last word on uploads, not on a retry's file)."""
+        service = self._service
+        limit = owner.limits.max_stored_bytes
+        try:
+            size = staging.stat().st_size
+            if service.replica is not None:
+                await service.parts.uploads.check_quota(owner, size)
+                return Reservation(None, owner.tenant, size)
+            return await service.parts.files.quota.reserve(owner.tenant, limit, size)
+        except BaseException:
+            service.blobs.remove(staging)
+            raise
+
+    async def _create(
+        self,
+        original: Batch,
+        request: RetryRequest,
+        staging: Path,
+        owner: Caller,
+        reservation: Reservation,
+        *,
+        idempotency_key: str | None,
+        call: str,
+    ) -> Batch:
+        """The retry batch over the lines copied to ``staging``, made as ``owner``, its input file's
+        record written as its ``reservation`` ends."""
+        service = self._service
         new_input = await self._placed_input(staging, f"{original.id}_retry.jsonl", owner)
         settings = _settings_of(original) | request.overrides
         try:
-            return await service.create_batch(
-                new_input.id,
-                original.endpoint,
-                completion_window=settings["completion_window"],
-                metadata=settings["metadata"],
-                parameters=BatchParameters(
-                    max_decoding_length=settings["max_decoding_length"],
-                    temperature=settings["temperature"],
-                    top_p=settings["top_p"],
-                    top_k=settings["top_k"],
-                ),
-                output_expires_after_s=settings["output_expires_after_s"],
-                idempotency_key=idempotency_key,
-                caller=owner,
-                retry_of=original.id,
-                output_order=settings["output_order"],
-                idempotency_call=call,
-                new_input=new_input,
+            return await reservation.record(
+                lambda: service.create_batch(
+                    new_input.id,
+                    original.endpoint,
+                    completion_window=settings["completion_window"],
+                    metadata=settings["metadata"],
+                    parameters=BatchParameters(
+                        max_decoding_length=settings["max_decoding_length"],
+                        temperature=settings["temperature"],
+                        top_p=settings["top_p"],
+                        top_k=settings["top_k"],
+                    ),
+                    output_expires_after_s=settings["output_expires_after_s"],
+                    idempotency_key=idempotency_key,
+                    caller=owner,
+                    retry_of=original.id,
+                    output_order=settings["output_order"],
+                    idempotency_call=call,
+                    new_input=new_input,
+                )
             )
         except BaseException:
             with anyio.CancelScope(shield=True):  # a cancelled call cleans up too

@@ -8,6 +8,7 @@ batch whose result it is); a caller that may not see a file is told it does not 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -21,6 +22,7 @@ from batchgen.core.clock import now
 from batchgen.core.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchgen.core.files.batch_file import LineRouter, validate_batch_file
 from batchgen.core.files.content import DiskContent
+from batchgen.core.files.stored_bytes_quota import Reservation, StoredBytesQuota
 from batchgen.core.files.upload_rules import quota_exceeded
 from batchgen.core.idempotency import IdempotencyLedger, fingerprint
 from batchgen.core.ids import new_object_id
@@ -29,9 +31,18 @@ from batchgen.core.storage import BlobStore, MetadataStore
 from batchgen.core.storage.faults import storage_faults_as_errors
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.storage.stored_bytes import QuotaCheckedFileInserts, StoredBytesExceeded
-from batchgen.core.tenancy import EMBEDDED, Caller
+from batchgen.core.tenancy import EMBEDDED, Caller, TenantLimits
 
 MAX_FILE_EXPIRY_S = 30 * 86400
+
+
+def check_file_expiry(expires_after_s: int | None) -> None:
+    """Refuse a file lifetime (OpenAI's ``expires_after`` seconds) outside 1 s to 30 days; what
+    ``POST /v1/files`` and an upload of the Uploads API both apply."""
+    if expires_after_s is not None and not 1 <= expires_after_s <= MAX_FILE_EXPIRY_S:
+        raise InvalidRequest(
+            f"expires_after seconds must be between 1 and {MAX_FILE_EXPIRY_S}", param="expires_after"
+        )
 
 
 def _file_digest(path: Path) -> str:
@@ -56,9 +67,11 @@ class FileCatalogue:
         file_expiry_s: int | None,
         in_use: Callable[[Sequence[Batch]], Batch | None],
         served_models: Collection[str] | LineRouter | None = None,
+        tenant_limits: Callable[[str], TenantLimits] = lambda _tenant: TenantLimits(),
     ) -> None:
         """``in_use(batches)``: of the batches that name a file, a live one that still needs it,
-        or None. The API's calls reach the metadata store through ``calls``."""
+        or None. The API's calls reach the metadata store through ``calls``. ``tenant_limits(tenant)``:
+        the limits set on a tenant, for bytes an admin stores for it (``quota``)."""
         self._metadata = metadata
         self._calls = calls
         self._blobs = blobs
@@ -67,6 +80,8 @@ class FileCatalogue:
         self._file_expiry_s = file_expiry_s
         self._in_use = in_use
         self._served_models = served_models
+        #: Every byte a tenant stores in this process, admitted against its ``max_stored_bytes``.
+        self.quota = StoredBytesQuota(self.stored_bytes, tenant_limits)
 
     # --- uploads ---------------------------------------------------------------------------
     def new_upload_path(self) -> Path:
@@ -94,7 +109,13 @@ class FileCatalogue:
         except BaseException:
             self._blobs.remove(staging)  # a half-written copy (a full disk) is not left behind
             raise
-        return await self.add_file(staging, filename=name, purpose=purpose, caller=caller)
+        return await self.add_file(
+            staging,
+            filename=name,
+            purpose=purpose,
+            caller=caller,
+            max_stored_bytes=caller.limits.max_stored_bytes,
+        )
 
     async def add_file(
         self,
@@ -110,13 +131,12 @@ class FileCatalogue:
         """Validate an upload received into ``staging_path`` and store it as the caller's; the
         staging file is consumed. With ``max_stored_bytes``, a store shared by replicas records
         the file only within that limit of the caller's stored bytes, checked in the same step
-        (``storage.stored_bytes``: UploadQuotaExceeded otherwise); a single process's store
-        records it as it is (the service checked the limit before)."""
+        (``storage.stored_bytes``: UploadQuotaExceeded otherwise); a single process reserves the
+        bytes before validating them and turns the reservation into the row in one step
+        (``quota``: UploadQuotaExceeded, before any work, when they do not fit)."""
+        reservation = Reservation(None, caller.tenant, 0)
         try:
-            if expires_after_s is not None and not 1 <= expires_after_s <= MAX_FILE_EXPIRY_S:
-                raise InvalidRequest(
-                    f"expires_after seconds must be between 1 and {MAX_FILE_EXPIRY_S}", param="expires_after"
-                )
+            check_file_expiry(expires_after_s)
             call = ""
             if idempotency_key is not None:
                 digest = await anyio.to_thread.run_sync(_file_digest, staging_path)
@@ -135,6 +155,9 @@ class FileCatalogue:
                 raise PayloadTooLarge(
                     f"The file is {size} bytes; the limit is {self.max_upload_bytes} bytes."
                 )
+            shared_quota = isinstance(self._metadata, QuotaCheckedFileInserts)
+            if not shared_quota:  # held from before the slow work to the row
+                reservation = await self.quota.reserve(caller.tenant, max_stored_bytes, size)
             line_count, url = 0, None
             if purpose == "batch":
                 summary = await anyio.to_thread.run_sync(
@@ -145,8 +168,48 @@ class FileCatalogue:
             path = self._blobs.upload_path(file_id)
             os.replace(staging_path, path)
         except BaseException:
+            reservation.release()
             self._blobs.remove(staging_path)
             raise
+        try:
+            return await self._record_upload(
+                path,
+                reservation,
+                file_id=file_id,
+                size=size,
+                filename=filename,
+                purpose=purpose,
+                line_count=line_count,
+                url=url,
+                expires_after_s=expires_after_s,
+                idempotency_key=idempotency_key,
+                call=call,
+                caller=caller,
+                max_stored_bytes=max_stored_bytes if shared_quota else None,
+            )
+        finally:
+            reservation.release()
+
+    async def _record_upload(
+        self,
+        path: Path,
+        reservation: Reservation,
+        *,
+        file_id: str,
+        size: int,
+        filename: str,
+        purpose: str,
+        line_count: int,
+        url: str | None,
+        expires_after_s: int | None,
+        idempotency_key: str | None,
+        call: str,
+        caller: Caller,
+        max_stored_bytes: int | None,
+    ) -> FileObject:
+        """Record an upload validated and in place at ``path``: its row (and key) written as the
+        ``reservation`` of its bytes ends, or, with ``max_stored_bytes``, by a store shared by
+        replicas that checks the limit in the same step."""
         await self._publish(path)
         file = self.file_record(
             file_id=file_id,
@@ -180,7 +243,9 @@ class FileCatalogue:
                 except StoredBytesExceeded as exceeded:
                     raise quota_exceeded(caller.tenant, exceeded.used, size, exceeded.limit) from None
             else:
-                await self._calls(self._metadata.insert_file, file, idempotency=idempotency)
+                await reservation.record(
+                    functools.partial(self._calls, self._metadata.insert_file, file, idempotency=idempotency)
+                )
         except BaseException:
             await self._discard(path)  # no row points at it: an upload that fails leaves nothing
             raise

@@ -1,17 +1,28 @@
 """OpenAI's Uploads API: a file of many gigabytes received as parts, then made one file.
 
 An upload is created with the file's name, purpose and size; parts (each at most
-``MAX_PART_BYTES``, at most ``MAX_PARTS`` of them) arrive in any order, possibly at once; ``complete``
+``MAX_PART_BYTES``, at most ``max_parts`` of them: ``--max-upload-parts``) arrive in any order, possibly at once; ``complete``
 names the parts in the file's order (and may give the md5 of the whole file). Completing checks
 the order and sizes and the md5, validates the bytes as a normal upload is validated (streamed over
 the parts, bounded memory, lines numbered across part boundaries: ``streamed_validation``), and
 only then assembles the file and records it: a normal file, usable for batches. An upload not
 completed by its ``expires_at`` expires; a cancelled or expired upload's parts are deleted.
 
+Each call that changes an upload holds its lock; expiry, whichever call notices it, waits while
+another holds it: a complete started in time is never cut short by it. It completes (the file is
+made) or it fails with the upload still pending, and expiry comes next. A cancel waits for the
+complete too, and is then refused (the upload is completed) or cancels it.
+
 On disk, under ``{storage}/uploads/{upload_id}/``: ``upload.json``, the upload's record (replaced
 atomically on every change), and the parts, as ``upload_parts`` lays them out: received one after
 another into one log, so that completing them in the order they arrived renames the log to be
 the file and each byte is written once.
+
+What each upload holds (its parts, their bytes, where its log ends) is kept as a running total
+(``_PartTally``), counted from disk once at start and then at each change, and a tenant's pending
+parts are counted in its stored bytes the same way (``stored_bytes_quota``): a part costs the same
+however many parts came before it, of this upload or any other. A tenant may have at most
+``max_open_uploads`` uploads open (pending or completing) at once (``--max-open-uploads``).
 
 Completing is crash safe. Before assembling, the record turns ``completing`` with the part order,
 their sizes, the new file's id and what validation found; assembly resumes from the record after a
@@ -46,6 +57,8 @@ import attrs
 from batchgen.core.clock import now
 from batchgen.core.errors import NotFound
 from batchgen.core.files.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.files.catalogue import check_file_expiry
+from batchgen.core.files.stored_bytes_quota import StoredBytesQuota
 from batchgen.core.files.streamed_validation import (
     UTF8_BOM,
     BomStrip,
@@ -55,6 +68,7 @@ from batchgen.core.files.streamed_validation import (
 )
 from batchgen.core.files.upload_parts import PartDestination, PartFolder
 from batchgen.core.files.upload_rules import (
+    DEFAULT_MAX_OPEN_UPLOADS,
     DEFAULT_MAX_UPLOAD_BYTES,
     DEFAULT_UPLOAD_EXPIRY_S,
     ENDED_RECORD_KEEP_S,
@@ -68,8 +82,8 @@ from batchgen.core.files.upload_rules import (
     check_new_upload,
     check_order,
     check_part_room,
-    quota_exceeded,
     require_pending,
+    too_many_open_uploads,
     too_many_parts,
     validate_chunks,
 )
@@ -90,6 +104,7 @@ from batchgen.core.storage.local_blobs import move_file
 from batchgen.core.tenancy import EMBEDDED, Caller
 
 __all__ = [
+    "DEFAULT_MAX_OPEN_UPLOADS",
     "DEFAULT_MAX_UPLOAD_BYTES",
     "DEFAULT_UPLOAD_EXPIRY_S",
     "MAX_NAME_CHARS",
@@ -162,6 +177,33 @@ class _Speculation:
             self._wake.notify()
 
 
+@attrs.define
+class _PartTally:
+    """What an upload holding parts holds: how many parts, their bytes, and where the parts in its
+    log end (where the next part received into the log begins)."""
+
+    owner: str
+    parts: int = 0
+    bytes: int = 0
+    log_end: int = 0
+
+    @classmethod
+    def counted(cls, owner: str, folder: PartFolder) -> _PartTally:
+        """The tally of the parts on disk (once, at start)."""
+        tally = cls(owner)
+        for part in folder.parts().values():
+            tally.parts += 1
+            tally.bytes += part.length
+        tally.log_end = max((part.offset + part.length for part in folder.log_parts().values()), default=0)
+        return tally
+
+    def add(self, destination: PartDestination, size: int) -> None:
+        self.parts += 1
+        self.bytes += size
+        if destination.offset is not None:
+            self.log_end = destination.offset + size
+
+
 def _write_json(path: Path, record: dict[str, Any]) -> None:
     temporary = path.with_suffix(".tmp")
     with open(temporary, "w") as stream:
@@ -185,21 +227,29 @@ class ChunkedUploads:
         file_record: Callable[[str], Awaitable[FileObject | None]],
         new_file: Callable[..., FileObject],
         final_path: Callable[[str], Path],
-        stored_bytes: Callable[[str], Awaitable[int]],
+        quota: StoredBytesQuota,
+        max_parts: int = MAX_PARTS,
+        max_open_uploads: int | None = DEFAULT_MAX_OPEN_UPLOADS,
     ) -> None:
         """``register_file`` records a new file; ``file_record(id)`` reads one; ``new_file`` makes
         the record of a file (``FileCatalogue.file_record``); ``final_path(file_id)`` is where a
-        file's bytes live; ``stored_bytes(tenant)`` the bytes of the tenant's files. The three that
-        reach the metadata store are awaited (``FileCatalogue`` makes them through its calls)."""
+        file's bytes live; ``quota`` admits the bytes of parts against the tenants' stored bytes.
+        The three that reach the metadata store are awaited (``FileCatalogue`` makes them through
+        its calls). ``max_parts``: the most parts of one upload; ``max_open_uploads``: the most
+        uploads one tenant may have open (None: no limit)."""
         self.root = root
         self.max_upload_bytes = max_upload_bytes
         self.expiry_s = expiry_s
+        self.max_parts = max_parts
+        self.max_open_uploads = max_open_uploads
         self._served_models = served_models
         self._register_file = register_file
         self._file_record = file_record
         self._new_file = new_file
         self._final_path = final_path
-        self._stored_bytes = stored_bytes
+        self._quota = quota
+        self._tallies: dict[str, _PartTally] = {}  # uploads holding parts (pending or completing)
+        self._open: dict[str, int] = {}  # uploads holding parts per tenant
         self._locks: dict[str, anyio.Lock] = {}
         self._speculations: dict[str, ValidationWorker | _Speculation] = {}
         self._receiving: dict[str, int] = {}  # parts being received per upload
@@ -230,16 +280,22 @@ class ChunkedUploads:
         return Upload(**record)
 
     async def get(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
-        """The upload as it stands (expired once past its ``expires_at``); NotFound if the caller
-        may not see it."""
-        return self._current(upload_id, caller)
+        """The upload as it stands (expired once past its ``expires_at``, unless a call is at work
+        on it: see ``_current``); NotFound if the caller may not see it."""
+        return self._current(upload_id, caller, holding_lock=False)
 
-    def _current(self, upload_id: str, caller: Caller) -> Upload:
+    def _current(self, upload_id: str, caller: Caller, *, holding_lock: bool) -> Upload:
+        """The upload as it stands; a pending one past its ``expires_at`` is expired (its parts
+        deleted) here, but only by a caller ``holding_lock`` (the upload's), or while no call
+        holds it: a complete at work holds it, and its parts are not pulled out from under it
+        (it completes, or expiry waits until it is done)."""
         upload = self._load(upload_id)
         if upload is None or not caller.sees(upload.owner):
             raise NotFound(f"No upload with id '{upload_id}'.")
         if upload.status == PENDING and upload.expires_at <= now():
-            upload = self._end(upload, EXPIRED)
+            lock = self._locks.get(upload_id)
+            if holding_lock or lock is None or not lock.locked():
+                upload = self._end(upload, EXPIRED)
         return upload
 
     def _lock(self, upload_id: str) -> anyio.Lock:
@@ -256,26 +312,50 @@ class ChunkedUploads:
                 if upload is not None:
                     yield upload
 
-    def pending_bytes(self, tenant: str) -> int:
-        """Bytes of the tenant's parts received for uploads not completed yet."""
-        return sum(
-            sum(self.parts(upload.id).values())
-            for upload in self.uploads()
-            if upload.owner == tenant and upload.status in HOLDING_PARTS
-        )
+    def _tally(self, upload: Upload) -> _PartTally:
+        """The running tally of an upload holding parts (counted from disk the first time: at start)."""
+        tally = self._tallies.get(upload.id)
+        if tally is None:
+            tally = _PartTally.counted(upload.owner, self._parts_of(upload.id))
+            self._tallies[upload.id] = tally
+            self._open[upload.owner] = self._open.get(upload.owner, 0) + 1
+            self._quota.add_pending(upload.owner, tally.bytes)
+        return tally
+
+    def _untrack(self, upload_id: str) -> None:
+        """Forget the tally of an upload that holds no parts any more (ended, or its file recorded):
+        its tenant's pending bytes and open uploads go down."""
+        tally = self._tallies.pop(upload_id, None)
+        if tally is None:
+            return
+        self._quota.drop_pending(tally.owner, tally.bytes)
+        left = self._open.get(tally.owner, 1) - 1
+        if left:
+            self._open[tally.owner] = left
+        else:
+            self._open.pop(tally.owner, None)
+
+    def open_uploads(self, tenant: str) -> int:
+        """How many uploads the tenant has open (pending or completing)."""
+        return self._open.get(tenant, 0)
 
     async def check_quota(self, caller: Caller, adding: int) -> None:
-        limit = caller.limits.max_stored_bytes
-        if limit is None:
-            return
-        used = await self._stored_bytes(caller.tenant) + self.pending_bytes(caller.tenant)
-        if used + adding > limit:
-            raise quota_exceeded(caller.tenant, used, adding, limit)
+        """Refuse ``adding`` bytes that would take the caller's tenant past its ``max_stored_bytes``
+        now (a check only; a part is admitted with its record)."""
+        await self._quota.check(caller.tenant, caller.limits.max_stored_bytes, adding)
 
     # --- the API ---------------------------------------------------------------------------
     async def create(
-        self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
+        self,
+        *,
+        filename: str,
+        purpose: str,
+        size: int,
+        mime_type: str,
+        expires_after_s: int | None = None,
+        caller: Caller = EMBEDDED,
     ) -> Upload:
+        """A pending upload; ``expires_after_s``: the lifetime of the file it makes."""
         check_new_upload(
             filename=filename,
             purpose=purpose,
@@ -283,7 +363,11 @@ class ChunkedUploads:
             mime_type=mime_type,
             max_upload_bytes=self.max_upload_bytes,
         )
+        check_file_expiry(expires_after_s)
         await self.check_quota(caller, size)
+        open_now = self.open_uploads(caller.tenant)
+        if self.max_open_uploads is not None and open_now >= self.max_open_uploads:
+            raise too_many_open_uploads(caller.tenant, open_now, self.max_open_uploads)
         created = now()
         upload = Upload(
             id=new_object_id("upload_"),
@@ -294,6 +378,7 @@ class ChunkedUploads:
             purpose=purpose,
             mime_type=mime_type,
             owner=caller.tenant,
+            expires_after_s=expires_after_s,
         )
         self._folder(upload.id).mkdir()
         try:
@@ -302,17 +387,21 @@ class ChunkedUploads:
             shutil.rmtree(self._folder(upload.id), ignore_errors=True)
             raise
         self._pending_expiry[upload.id] = upload.expires_at
+        self._tally(upload)  # counted from here: no await since the check of open uploads
         return upload
 
     async def new_part(self, upload_id: str, caller: Caller = EMBEDDED) -> PartDestination:
         """Where to receive a new part of a pending upload (with the part's id): the end of the
         upload's log, unless another part is arriving there; then ``add_part`` or ``drop_part``."""
-        upload = self._current(upload_id, caller)
+        upload = self._current(upload_id, caller, holding_lock=False)
         require_pending(upload, "parts can be added to")
-        if len(self.parts(upload_id)) + self._receiving.get(upload_id, 0) >= MAX_PARTS:
-            raise too_many_parts(MAX_PARTS)
+        tally = self._tally(upload)
+        if tally.parts + self._receiving.get(upload_id, 0) >= self.max_parts:
+            raise too_many_parts(self.max_parts)
         into_log = upload_id not in self._log_writers and upload_id not in self._completing
-        destination = self._parts_of(upload_id).destination(new_object_id("part_"), into_log=into_log)
+        destination = self._parts_of(upload_id).destination(
+            new_object_id("part_"), into_log=into_log, log_end=tally.log_end
+        )
         self._receiving[upload_id] = self._receiving.get(upload_id, 0) + 1
         if into_log:
             self._log_writers.add(upload_id)
@@ -341,13 +430,17 @@ class ChunkedUploads:
         added = False
         try:
             async with self._lock(upload_id):
-                upload = self._current(upload_id, caller)
+                upload = self._current(upload_id, caller, holding_lock=True)
                 require_pending(upload, "parts can be added to")
                 size = destination.received_bytes()
-                check_part_room(upload, sum(self.parts(upload_id).values()), size)
-                await self.check_quota(caller, size)
-                segment = self._parts_of(upload_id).commit(destination, size)
-                added = True
+                tally = self._tally(upload)
+                check_part_room(upload, tally.bytes, size)
+                limit = self._quota.limit_of(caller, upload.owner)
+                async with self._quota.admit(upload.owner, limit, size):  # checked and counted at once
+                    segment = self._parts_of(upload_id).commit(destination, size)
+                    added = True
+                    tally.add(destination, size)
+                    self._quota.add_pending(upload.owner, size)
                 created = now()
                 if upload.purpose == "batch":
                     speculation = self._speculations.get(upload_id)
@@ -372,16 +465,18 @@ class ChunkedUploads:
 
     async def cancel(self, upload_id: str, caller: Caller = EMBEDDED) -> Upload:
         async with self._lock(upload_id):
-            upload = self._current(upload_id, caller)
+            upload = self._current(upload_id, caller, holding_lock=True)
             require_pending(upload, "you can cancel")
             return self._end(upload, CANCELLED)
 
     def _end(self, upload: Upload, status: str) -> Upload:
-        """Cancel or expire a pending upload: the record says so, the parts are deleted."""
+        """Cancel or expire a pending upload: the record says so, the parts are deleted. Called
+        only with the upload's lock held, or while no call holds it (never under a complete)."""
         ended = attrs.evolve(upload, status=status, ended_at=now())
         self._save(ended)
         self._pending_expiry.pop(upload.id, None)
         self._drop_parts(upload.id)
+        self._untrack(upload.id)
         return ended
 
     def _drop_parts(self, upload_id: str) -> None:
@@ -403,7 +498,7 @@ class ChunkedUploads:
     async def _complete(
         self, upload_id: str, part_ids: Sequence[str], md5: str | None, caller: Caller
     ) -> tuple[Upload, FileObject]:
-        upload = self._current(upload_id, caller)
+        upload = self._current(upload_id, caller, holding_lock=True)
         if upload.status == COMPLETED and upload.file_id is not None:
             file = await self._file_record(upload.file_id)
             if file is not None and list(part_ids) == list(upload.order):
@@ -412,7 +507,7 @@ class ChunkedUploads:
             check_completing_order(upload, part_ids)
             return await self._finish(upload)
         require_pending(upload, "you can complete")
-        sizes = check_order(upload, part_ids, self.parts(upload_id))
+        sizes = check_order(upload, part_ids, self.parts(upload_id), self.max_parts)
         pieces = self._parts_of(upload_id).pieces(part_ids, sizes)
         if md5 is not None:
             await self._check_md5(pieces, md5)
@@ -485,12 +580,15 @@ class ChunkedUploads:
                 line_count=upload.line_count,
                 url=upload.url,
                 owner=upload.owner,
+                expires_after_s=upload.expires_after_s,
             )
-            try:
+            # the row counts the bytes from now on, the parts no more: in one step for the quota
+            # (a failure leaves the bytes where they are: completing again, or the next start,
+            # records them)
+            async with self._quota.lock(upload.owner):
                 await self._register_file(file)
-            except BaseException:
-                # the bytes stay where they are: completing again (or the next start) records them
-                raise
+                self._untrack(upload.id)
+        self._untrack(upload.id)  # (a row recorded before a crash)
         completed = attrs.evolve(upload, status=COMPLETED, ended_at=now())
         self._save(completed)
         self._pending_expiry.pop(upload.id, None)
@@ -534,8 +632,11 @@ class ChunkedUploads:
             if upload.status == PENDING:
                 self._parts_of(upload.id).repair()
                 self._pending_expiry[upload.id] = upload.expires_at
+            if upload.status in HOLDING_PARTS:
+                self._tally(upload)
             if upload.status == COMPLETING:
                 try:
-                    await self._finish(upload)
+                    async with self._lock(upload.id):
+                        await self._finish(upload)
                 except Exception:  # a full disk, say: completing again retries
                     logger.exception("could not finish completing upload %s", upload.id)

@@ -11,7 +11,7 @@ same errors as in a single process (``chunked_uploads``): both apply ``upload_ru
 - **A part** is received into this replica's staging folder, then put where every replica reads
   it (``storage.upload_part_blobs``: ``uploads/UPLOAD_ID/PART_ID`` in the shared folder or the
   object store), and only then recorded, in a transaction that holds the upload's row and checks
-  it is still pending, has room for the part and has fewer than ``MAX_PARTS`` parts, and spends
+  it is still pending, has room for the part and has fewer than ``max_parts`` parts, and spends
   the tenant's ``max_stored_bytes`` under its lock. A part refused there is deleted again.
 - **Completing** streams the parts named, in their order, into one file in staging (8 MiB at a
   time, whatever their size), its md5 computed on the way and a byte order mark left out, then
@@ -48,9 +48,11 @@ import attrs
 from batchgen.core.clock import now
 from batchgen.core.errors import InvalidRequest, NotFound
 from batchgen.core.files.batch_file import BatchFileSummary, LineRouter
+from batchgen.core.files.catalogue import check_file_expiry
 from batchgen.core.files.streamed_validation import BomStrip, Segment, segment_chunks
 from batchgen.core.files.upload_parts import PartDestination, PartFolder
 from batchgen.core.files.upload_rules import (
+    DEFAULT_MAX_OPEN_UPLOADS,
     ENDED_RECORD_KEEP_S,
     MAX_PARTS,
     UPLOAD_ID,
@@ -61,6 +63,7 @@ from batchgen.core.files.upload_rules import (
     check_part_room,
     quota_exceeded,
     require_pending,
+    too_many_open_uploads,
     too_many_parts,
     validate_chunks,
 )
@@ -78,7 +81,7 @@ from batchgen.core.models import (
 )
 from batchgen.core.storage.interfaces import BlobStore
 from batchgen.core.storage.metadata_calls import MetadataCalls
-from batchgen.core.storage.stored_bytes import StoredBytesExceeded
+from batchgen.core.storage.stored_bytes import OpenUploadsAtLimit, StoredBytesExceeded
 from batchgen.core.storage.upload_part_blobs import PartBlobs
 from batchgen.core.tenancy import EMBEDDED, Caller
 
@@ -120,9 +123,15 @@ class SharedUploads:
         served_models: Collection[str] | LineRouter | None,
         file_record: Callable[[str], Awaitable[FileObject | None]],
         new_file: Callable[..., FileObject],
+        max_parts: int = MAX_PARTS,
+        max_open_uploads: int | None = DEFAULT_MAX_OPEN_UPLOADS,
     ) -> None:
         """``file_record(id)`` reads a file's row; ``new_file`` makes the record of a file
-        (``FileCatalogue.file_record``); ``calls`` makes the database calls in worker threads."""
+        (``FileCatalogue.file_record``); ``calls`` makes the database calls in worker threads.
+        ``max_parts``: the most parts of one upload; ``max_open_uploads``: the most uploads one
+        tenant may have open, over every replica (None: no limit)."""
+        self.max_parts = max_parts
+        self.max_open_uploads = max_open_uploads
         self._records = records
         self._part_blobs = part_blobs
         self._blobs = blobs
@@ -160,8 +169,16 @@ class SharedUploads:
 
     # --- the API ---------------------------------------------------------------------------
     async def create(
-        self, *, filename: str, purpose: str, size: int, mime_type: str, caller: Caller = EMBEDDED
+        self,
+        *,
+        filename: str,
+        purpose: str,
+        size: int,
+        mime_type: str,
+        expires_after_s: int | None = None,
+        caller: Caller = EMBEDDED,
     ) -> Upload:
+        """A pending upload; ``expires_after_s``: the lifetime of the file it makes."""
         check_new_upload(
             filename=filename,
             purpose=purpose,
@@ -169,6 +186,7 @@ class SharedUploads:
             mime_type=mime_type,
             max_upload_bytes=self.max_upload_bytes,
         )
+        check_file_expiry(expires_after_s)
         created = now()
         upload = Upload(
             id=new_object_id("upload_"),
@@ -179,11 +197,19 @@ class SharedUploads:
             purpose=purpose,
             mime_type=mime_type,
             owner=caller.tenant,
+            expires_after_s=expires_after_s,
         )
         try:
-            await self._calls(self._records.insert, upload, max_stored_bytes=caller.limits.max_stored_bytes)
+            await self._calls(
+                self._records.insert,
+                upload,
+                max_stored_bytes=caller.limits.max_stored_bytes,
+                max_open=self.max_open_uploads,
+            )
         except StoredBytesExceeded as exceeded:
             raise quota_exceeded(caller.tenant, exceeded.used, exceeded.adding, exceeded.limit) from None
+        except OpenUploadsAtLimit as at_limit:
+            raise too_many_open_uploads(caller.tenant, at_limit.open_now, at_limit.limit) from None
         return upload
 
     async def new_part(self, upload_id: str, caller: Caller = EMBEDDED) -> PartDestination:
@@ -217,8 +243,8 @@ class SharedUploads:
 
         def check(locked: Upload, have: int, count: int) -> None:
             require_pending(locked, "parts can be added to")
-            if count >= MAX_PARTS:
-                raise too_many_parts(MAX_PARTS)
+            if count >= self.max_parts:
+                raise too_many_parts(self.max_parts)
             check_part_room(locked, have, size)
 
         created = now()
@@ -254,7 +280,9 @@ class SharedUploads:
         settled = await self._settled(upload, part_ids)
         if settled is not None:
             return settled
-        sizes = check_order(upload, part_ids, await self._calls(self._records.parts, upload_id))
+        sizes = check_order(
+            upload, part_ids, await self._calls(self._records.parts, upload_id), self.max_parts
+        )
         staging = self._blobs.new_staging_path()
         try:
             completing = await self._begin(upload, part_ids, sizes, md5, staging)
@@ -379,6 +407,7 @@ class SharedUploads:
             line_count=upload.line_count,
             url=upload.url,
             owner=upload.owner,
+            expires_after_s=upload.expires_after_s,
         )
         ended_at = now()
         if not await self._calls(self._records.complete, upload.id, file, ended_at):

@@ -130,11 +130,12 @@ class PartFolder:
     def _log_end(self) -> int:
         return max((offset + length for _, offset, length in self.log_parts().values()), default=0)
 
-    def destination(self, part_id: str, *, into_log: bool) -> PartDestination:
+    def destination(self, part_id: str, *, into_log: bool, log_end: int | None = None) -> PartDestination:
         """Where to receive a new part: the end of the log (only one part at a time may be
-        received there), or a file of its own."""
+        received there), or a file of its own. ``log_end``: where the log's parts end, when the
+        caller keeps count (else the index is read)."""
         if into_log:
-            return PartDestination(part_id, self.log, self._log_end())
+            return PartDestination(part_id, self.log, self._log_end() if log_end is None else log_end)
         return PartDestination(part_id, self.folder / f"{part_id}.receiving")
 
     def commit(self, destination: PartDestination, size: int) -> Segment:

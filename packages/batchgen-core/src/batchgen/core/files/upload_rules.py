@@ -2,7 +2,8 @@
 
 Both ways of keeping uploads apply these, so a single process (``chunked_uploads``) and replicas
 sharing a database (``shared_uploads``) take the same calls and refuse the same ones with the same
-errors: the limits (``MAX_PART_BYTES``, ``MAX_PARTS``, ...), the checks of a new upload, of a
+errors: the limits (``MAX_PART_BYTES``, the default ``MAX_PARTS``, the open uploads a tenant may
+have, ...), the checks of a new upload, of a
 part's room, of the order and sizes ``complete`` names and of its md5, a tenant's
 ``max_stored_bytes`` (``UploadQuotaExceeded``), and the validation of a batch file streamed as
 chunks (``validate_chunks``: one pass keeping hashes, an exact pass when it found something). The
@@ -15,15 +16,19 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
-from batchgen.core.errors import InvalidRequest, PayloadTooLarge
+from batchgen.core.errors import IntakeFull, InvalidRequest, PayloadTooLarge
 from batchgen.core.files.batch_file import BatchFileSummary, LineRouter
 from batchgen.core.files.streamed_validation import StreamedValidation, validate_exactly
 from batchgen.core.models import PENDING, UPLOAD_PURPOSES, Upload
 
 #: The largest part (OpenAI's limit: 64 MB; the SDK's parts are 64 MiB).
 MAX_PART_BYTES = 64 * 1024 * 1024
-#: The most parts one upload may have.
+#: The most parts one upload may have, by default (``--max-upload-parts``; OpenAI's limit).
 MAX_PARTS = 10_000
+#: The most uploads one tenant may have open (pending or completing) at once, by default
+#: (``--max-open-uploads``), and the ``Retry-After`` seconds sent when it has that many.
+DEFAULT_MAX_OPEN_UPLOADS = 100
+OPEN_UPLOADS_RETRY_AFTER_S = 30
 #: The default most bytes one upload may declare (OpenAI's: 8 GB), and how long it stays open.
 DEFAULT_MAX_UPLOAD_BYTES = 8 * 1024**3
 DEFAULT_UPLOAD_EXPIRY_S = 3600
@@ -39,6 +44,20 @@ class UploadQuotaExceeded(PayloadTooLarge):
     """The tenant's ``max_stored_bytes`` would be passed (413)."""
 
     code = "quota_exceeded"
+
+
+class OpenUploadsExceeded(IntakeFull):
+    """The tenant has as many open uploads as the server allows (429)."""
+
+    code = "too_many_open_uploads"
+
+
+def too_many_open_uploads(tenant: str, open_now: int, limit: int) -> OpenUploadsExceeded:
+    return OpenUploadsExceeded(
+        f"Tenant '{tenant}' has {open_now} open uploads; this server allows {limit} per tenant "
+        "(--max-open-uploads). Complete or cancel one, or wait for one to expire, and retry.",
+        retry_after_s=OPEN_UPLOADS_RETRY_AFTER_S,
+    )
 
 
 def quota_exceeded(tenant: str, used: int, adding: int, limit: int) -> UploadQuotaExceeded:
@@ -80,7 +99,11 @@ def require_pending(upload: Upload, action: str) -> None:
 
 
 def too_many_parts(limit: int) -> InvalidRequest:
-    return InvalidRequest(f"An upload may have at most {limit} parts", param="data")
+    return InvalidRequest(
+        f"An upload may have at most {limit} parts (this server's --max-upload-parts); send larger "
+        "parts (up to 64 MiB each)",
+        param="data",
+    )
 
 
 def check_part_room(upload: Upload, have: int, size: int) -> None:
@@ -99,13 +122,16 @@ def check_part_room(upload: Upload, have: int, size: int) -> None:
         )
 
 
-def check_order(upload: Upload, part_ids: Sequence[str], have: Mapping[str, int]) -> tuple[int, ...]:
+def check_order(
+    upload: Upload, part_ids: Sequence[str], have: Mapping[str, int], max_parts: int
+) -> tuple[int, ...]:
     """The sizes of the parts ``part_ids`` names, in that order, of the parts the upload ``have``
-    (id -> bytes); refused unless they are distinct parts it has that add up to its size."""
+    (id -> bytes); refused unless they are distinct parts it has (at most ``max_parts``) that add
+    up to its size."""
     if not part_ids:
         raise InvalidRequest("part_ids must name at least one part", param="part_ids")
-    if len(part_ids) > MAX_PARTS:
-        raise InvalidRequest(f"part_ids may name at most {MAX_PARTS} parts", param="part_ids")
+    if len(part_ids) > max_parts:
+        raise InvalidRequest(f"part_ids may name at most {max_parts} parts", param="part_ids")
     if len(set(part_ids)) != len(part_ids):
         raise InvalidRequest("part_ids names a part more than once", param="part_ids")
     missing = [part_id for part_id in part_ids if part_id not in have]

@@ -17,7 +17,8 @@ Rules the SQL keeps, whatever the replicas do:
 - A tenant's ``max_stored_bytes`` is checked and spent in one transaction under an advisory lock
   per tenant (``lock_tenant``): the bytes of its files (results not counted) and of the parts of
   its pending and completing uploads, summed with the lock held, then the file or part inserted
-  (``StoredBytesExceeded`` when it would pass the limit). Two replicas never both pass it.
+  (``StoredBytesExceeded`` when it would pass the limit). Two replicas never both pass it. A new
+  upload counts its owner's open uploads under the same lock (``OpenUploadsAtLimit``).
 
 Every call waits on the network: the service makes them in worker threads (``MetadataCalls``).
 """
@@ -41,7 +42,7 @@ from batchgen.core.models import (
     FileObject,
     Upload,
 )
-from batchgen.core.storage.stored_bytes import StoredBytesExceeded
+from batchgen.core.storage.stored_bytes import OpenUploadsAtLimit, StoredBytesExceeded
 
 __all__ = ["UPLOAD_SCHEMA", "PostgresUploadRecords", "lock_tenant", "spend_stored_bytes", "stored_bytes"]
 
@@ -53,6 +54,8 @@ UPLOAD_SCHEMA = (
     "filename TEXT NOT NULL, purpose TEXT NOT NULL, mime_type TEXT NOT NULL, "
     "part_order TEXT[] NOT NULL DEFAULT '{}', sizes BIGINT[] NOT NULL DEFAULT '{}', "
     "skip_bom BOOLEAN NOT NULL DEFAULT false, file_id TEXT, line_count BIGINT NOT NULL DEFAULT 0, url TEXT)",
+    # the lifetime of the file an upload makes (OpenAI's expires_after): a column added later
+    "ALTER TABLE uploads ADD COLUMN IF NOT EXISTS expires_after_s BIGINT",
     "CREATE INDEX IF NOT EXISTS uploads_due ON uploads (expires_at) WHERE status = 'pending'",
     "CREATE INDEX IF NOT EXISTS uploads_ended ON uploads (ended_at) WHERE ended_at IS NOT NULL",
     "CREATE INDEX IF NOT EXISTS uploads_owner ON uploads (owner, status)",
@@ -128,6 +131,7 @@ def _upload(row: dict[str, Any]) -> Upload:
         file_id=row["file_id"],
         line_count=row["line_count"],
         url=row["url"],
+        expires_after_s=row["expires_after_s"],
     )
 
 
@@ -152,14 +156,24 @@ class PostgresUploadRecords:
         with self._transaction() as connection:
             return connection.execute(query, params).fetchone()
 
-    def insert(self, upload: Upload, *, max_stored_bytes: int | None) -> None:
+    def insert(self, upload: Upload, *, max_stored_bytes: int | None, max_open: int | None = None) -> None:
         """Record a new upload; with ``max_stored_bytes``, only while its declared size fits
-        beside what the owner holds (StoredBytesExceeded)."""
+        beside what the owner holds (StoredBytesExceeded); with ``max_open``, only while the owner
+        has fewer open (pending or completing) uploads (OpenUploadsAtLimit), counted under its lock."""
         with self._transaction() as connection:
+            if max_open is not None:
+                lock_tenant(connection, upload.owner)
+                row = connection.execute(
+                    "SELECT count(*) AS open FROM uploads WHERE owner = %s AND status = ANY(%s)",
+                    [upload.owner, list(HOLDING_PARTS)],
+                ).fetchone()
+                open_now = 0 if row is None else int(row["open"])
+                if open_now >= max_open:
+                    raise OpenUploadsAtLimit(open_now, max_open)
             spend_stored_bytes(connection, upload.owner, upload.bytes, max_stored_bytes)
             connection.execute(
                 "INSERT INTO uploads (id, owner, status, bytes, created_at, expires_at, filename, purpose, "
-                "mime_type) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                "mime_type, expires_after_s) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 [
                     upload.id,
                     upload.owner,
@@ -170,6 +184,7 @@ class PostgresUploadRecords:
                     upload.filename,
                     upload.purpose,
                     upload.mime_type,
+                    upload.expires_after_s,
                 ],
             )
 

@@ -67,15 +67,18 @@ async def _no_bytes() -> AsyncIterator[bytes]:
     yield  # pragma: no cover - makes this an (empty) async generator
 
 
-def _expires_after_seconds(fields: dict[str, str]) -> int | None:
-    """OpenAI's ``expires_after[anchor]=created_at`` and ``expires_after[seconds]=N`` form fields."""
-    anchor = fields.get("expires_after[anchor]")
-    seconds = fields.get("expires_after[seconds]")
+def expires_after_seconds(anchor: object, seconds: object) -> int | None:
+    """The seconds of OpenAI's ``expires_after`` (``anchor`` ``created_at``, ``seconds`` N), None
+    when neither is given: the form fields ``expires_after[anchor]`` and ``expires_after[seconds]``
+    of ``POST /v1/files``, or the members of ``POST /v1/uploads``' JSON object (a number there).
+    The service checks the bounds (``check_file_expiry``)."""
     if anchor is None and seconds is None:
         return None
     if anchor not in (None, "created_at"):
         raise InvalidRequest("expires_after[anchor] must be 'created_at'", param="expires_after")
-    digits = None if seconds is None else seconds.strip()
+    if isinstance(seconds, int) and not isinstance(seconds, bool):
+        seconds = str(seconds)  # read as the form field's text is, so both take the same numbers
+    digits = seconds.strip() if isinstance(seconds, str) else None
     # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits
     if digits is None or _ASCII_DIGITS.fullmatch(digits) is None:
         raise InvalidRequest(
@@ -114,7 +117,9 @@ class FilesController(Controller):
                 staging,
                 filename=upload.filename or "upload.jsonl",
                 purpose=purpose,
-                expires_after_s=_expires_after_seconds(upload.fields),
+                expires_after_s=expires_after_seconds(
+                    upload.fields.get("expires_after[anchor]"), upload.fields.get("expires_after[seconds]")
+                ),
                 idempotency_key=request.headers.get("idempotency-key"),
                 caller=caller,
             )

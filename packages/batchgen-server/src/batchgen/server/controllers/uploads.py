@@ -10,10 +10,10 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from batchgen.core.errors import InvalidRequest, PayloadTooLarge
-from batchgen.core.files.chunked_uploads import MAX_NAME_CHARS, MAX_PART_BYTES, MAX_PARTS
+from batchgen.core.files.chunked_uploads import MAX_NAME_CHARS, MAX_PART_BYTES
 from batchgen.core.service import BatchService
 from batchgen.core.tenancy import Caller
-from batchgen.server.controllers.files import MULTIPART_OVERHEAD_BYTES
+from batchgen.server.controllers.files import MULTIPART_OVERHEAD_BYTES, expires_after_seconds
 from batchgen.server.json_bodies import json_object_body
 from batchgen.server.uploads import receive_upload
 
@@ -30,6 +30,18 @@ def _string(body: dict[str, Any], name: str, limit: int = MAX_NAME_CHARS) -> str
     return value
 
 
+def _expires_after(value: Any) -> int | None:
+    """Seconds from ``expires_after: {"anchor": "created_at", "seconds": N}`` (read as ``POST
+    /v1/files`` reads its form fields): how long the file the upload makes is kept."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or "seconds" not in value or set(value) - {"anchor", "seconds"}:
+        raise InvalidRequest(
+            'expires_after must be {"anchor": "created_at", "seconds": N}', param="expires_after"
+        )
+    return expires_after_seconds(value.get("anchor"), value["seconds"])
+
+
 class UploadsController(Controller):
     path = "/v1/uploads"
 
@@ -40,7 +52,8 @@ class UploadsController(Controller):
         service: NamedDependency[BatchService],
         caller: NamedDependency[Caller],
     ) -> dict[str, Any]:
-        """A pending upload: ``bytes`` (the whole file's size), ``filename``, ``purpose``, ``mime_type``."""
+        """A pending upload: ``bytes`` (the whole file's size), ``filename``, ``purpose``, ``mime_type``,
+        and optionally ``expires_after``, the lifetime of the file it makes."""
         body = json_object_body(await request.body(), _CREATE_FIELDS)
         size = body.get("bytes")
         if isinstance(size, bool) or not isinstance(size, int):
@@ -50,6 +63,7 @@ class UploadsController(Controller):
             purpose=_string(body, "purpose"),
             size=size,
             mime_type=_string(body, "mime_type"),
+            expires_after_s=_expires_after(body.get("expires_after")),
             caller=caller,
         )
         return upload.to_dict()
@@ -101,13 +115,14 @@ class UploadsController(Controller):
         """``part_ids`` in the file's order, and optionally the whole file's ``md5``."""
         body = json_object_body(await request.body(), _COMPLETE_FIELDS)
         part_ids = body.get("part_ids")
+        max_parts = service.settings.max_upload_parts
         if (
             not isinstance(part_ids, list)
-            or not 1 <= len(part_ids) <= MAX_PARTS
+            or not 1 <= len(part_ids) <= max_parts
             or not all(isinstance(part, str) and 0 < len(part) <= MAX_ID_CHARS for part in part_ids)
         ):
             raise InvalidRequest(
-                f"'part_ids' is required: a list of 1 to {MAX_PARTS} part ids (strings)", param="part_ids"
+                f"'part_ids' is required: a list of 1 to {max_parts} part ids (strings)", param="part_ids"
             )
         md5 = body.get("md5")
         if md5 is not None and (not isinstance(md5, str) or len(md5) > MAX_ID_CHARS):
