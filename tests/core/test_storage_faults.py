@@ -3,9 +3,9 @@
 A ``MetadataStore`` wrapper raises the errors a broken disk gives (SQLite's "database or disk is
 full", "disk I/O error", "attempt to write a readonly database"; ``OSError`` with ENOSPC or EIO)
 on chosen calls. Each fault must stay where it happens: the call fails with ``StorageUnavailable``
-and leaves nothing half made, a batch fails alone, a status callers saw never changes, no
-background task dies, and the service recovers by itself once the fault is gone. A crash of the
-scheduler loop stops the core visibly. The same on a real full filesystem:
+and leaves nothing half made, a batch it meets waits instead of failing, a status callers saw
+never changes, no background task dies, and the service recovers by itself once the fault is
+gone. A crash of the scheduler loop stops the core visibly. The same on a real full filesystem:
 ``tests/server/test_storage_faults.py``.
 """
 
@@ -138,7 +138,11 @@ async def test_an_upload_that_cannot_be_saved_leaves_no_row_and_no_blob(tmp_path
         assert (await service.create_file(_lines(2))).line_count == 2
 
 
-async def test_a_batch_whose_output_cannot_be_registered_fails_alone(tmp_path: Path) -> None:
+async def test_a_batch_whose_output_cannot_be_recorded_on_a_full_disk_runs_on_and_lands(
+    tmp_path: Path,
+) -> None:
+    """The output file's record meets a full database: the batch is not failed. It runs on, callers
+    keep seeing its last saved status, and the record and the status land once the store takes them."""
     service = _service(tmp_path, latency_s=0.05)
     async with service:
         store = service.metadata
@@ -149,15 +153,23 @@ async def test_a_batch_whose_output_cannot_be_registered_fails_alone(tmp_path: P
         hit_file = await service.create_file(_lines(5))
         store.faults["insert_file"] = DISK_FULL  # type: ignore[attr-defined]
         hit = await service.create_batch(hit_file.id, CHAT)
-        with anyio.fail_after(10):
-            failed = await service.wait_for_batch(hit.id)
-        assert failed.status is BatchStatus.FAILED and failed.error is not None
-        assert failed.error.code == "batch_failed" and "disk is full" in failed.error.message
+        active = service.parts.tracker.get(hit.id)
+        assert active is not None
+        await _eventually(lambda: active.finished == 5)
+        assert active.status is not BatchStatus.FAILED
+        seen = await service.get_batch(hit.id)
+        assert seen.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS) and seen.error is None
+        await _eventually(lambda: "disk is full" in (service.health().reason or ""))
         del store.faults["insert_file"]  # type: ignore[attr-defined]
+        with anyio.fail_after(20):
+            landed = await service.wait_for_batch(hit.id)
+        assert landed.status is BatchStatus.COMPLETED and landed.request_counts.completed == 5
+        assert landed.output_file_id is not None
+        assert (await service.get_file(landed.output_file_id)).id == landed.output_file_id
         with anyio.fail_after(20):
             finished = await service.wait_for_batch(other.id)
         assert finished.status is BatchStatus.COMPLETED and finished.request_counts.completed == 40
-        assert service.health().healthy
+        await _eventually(lambda: service.health().healthy)
 
 
 async def test_a_status_the_store_refused_is_not_shown_and_lands_once_it_can(tmp_path: Path) -> None:

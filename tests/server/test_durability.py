@@ -7,6 +7,7 @@ Both use real SQLite and real files.
 
 from __future__ import annotations
 
+import errno
 import random
 import signal
 import sqlite3
@@ -14,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -159,35 +161,100 @@ def test_idempotency_key_returns_the_same_objects(api_factory: ApiFactory) -> No
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 96 KiB tmpfs mounted where the server writes result files."""
+    """A 4 MiB tmpfs mounted where the server writes result files (its database stays on another disk)."""
     incremental = tmp_path / "disk" / "incremental"
     incremental.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(incremental)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(incremental)], check=True)
     try:
         yield tmp_path / "disk"
     finally:
         subprocess.run(["umount", "-l", str(incremental)], check=False)
 
 
-def test_full_disk_fails_the_batch_keeps_lines_and_the_server(
+def _fill(folder: Path) -> Path:
+    """Write a filler file until the filesystem is full; return it (delete it to free the space)."""
+    filler = folder / "filler.bin"
+    with open(filler, "wb", buffering=0) as stream:
+        try:
+            while True:
+                stream.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+def _gauge(client: httpx.Client, name: str) -> float:
+    """A gauge's value in ``GET /metrics``."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def _wait(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def test_a_full_disk_pauses_the_batch_and_it_completes_once_space_returns(
     server_factory: Callable[..., LiveServer], small_disk: Path
 ) -> None:
-    server = server_factory("--fsync-interval-ms", "50", storage="disk")
+    """The result folder fills up mid-batch: nothing fails and no line is lost or doubled. Work
+    pauses (health 503 naming the full disk, the pause in /metrics, the batch in_progress with its
+    progress stalled), and it resumes by itself once the space is freed."""
+    flags = ("--simulated-latency-s", "0.05", "--max-pool-size", "8", "--fsync-interval-ms", "50")
+    server = server_factory(*flags, storage="disk")
     assert server.storage_path.resolve() == small_disk.resolve()
+    total = 1500
+    custom_ids = [f"r{i}" for i in range(total)]
+    output = small_disk / "incremental"
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        big = create_batch(client, upload(client, jsonl(*[chat_line(f"r{i}") for i in range(3000)]))["id"])
-        failed = wait_for_status(client, big["id"], TERMINAL, timeout_s=60)
-        assert failed["status"] == "failed"
-        assert failed["error"]["code"] == "batch_failed"
-        assert "No space left on device" in failed["error"]["message"]
-        output = small_disk / "incremental" / f"{big['id']}.jsonl"
-        lines = read_jsonl(output)  # every line written is whole JSON
-        assert 0 < len(lines) == failed["request_counts"]["completed"] < 3000
-        assert client.get("/health").json() == {"status": "healthy"}
+        input_file = upload(client, jsonl(*[chat_line(custom_id) for custom_id in custom_ids]))
+        batch_id = create_batch(client, input_file["id"])["id"]
 
-        assert client.delete(f"/v1/files/{failed['output_file_id']}").status_code == 200
-        small = create_batch(client, upload(client, jsonl(chat_line("x"), chat_line("y")))["id"])
-        assert wait_for_status(client, small["id"], TERMINAL)["status"] == "completed"
+        def batch() -> dict[str, Any]:
+            seen: dict[str, Any] = client.get(f"/v1/batches/{batch_id}").json()
+            assert seen["status"] == "in_progress", seen  # never failed (nor done) while the disk is full
+            return seen
+
+        wait_for_status(client, batch_id, {"in_progress"})
+        _wait(lambda: batch()["request_counts"]["completed"] > 0, "the batch has written lines")
+        filler = _fill(output)
+
+        def paused() -> bool:
+            batch()
+            health = client.get("/health")
+            return health.status_code == 503 and "No space left on device" in health.text
+
+        _wait(paused, "/health answers 503 naming the full disk")
+        assert _gauge(client, "batchgen_storage_paused") == 1
+        _wait(lambda: _gauge(client, "batchgen_slots_active") == 0, "the requests running have ended")
+        assert _gauge(client, "batchgen_held_result_lines") > 0
+        assert _gauge(client, "batchgen_intake_queued_requests") > 0  # nothing new is admitted
+        stalled = batch()["request_counts"]
+        assert stalled["failed"] == 0 and stalled["completed"] < total
+        for _ in range(20):  # it stays paused: the batch does not move, the health does not clear
+            assert batch()["request_counts"] == stalled
+            assert paused() and _gauge(client, "batchgen_storage_paused") == 1
+            time.sleep(0.05)
+
+        filler.unlink()
+        done = wait_for_status(client, batch_id, TERMINAL, timeout_s=180)
+        assert done["status"] == "completed", done
+        assert done["request_counts"] == {"total": total, "completed": total, "failed": 0}
+        lines = [
+            line
+            for path in sorted(output.iterdir())
+            if path.name.startswith(batch_id)
+            for line in read_jsonl(path)
+        ]
+        assert sorted(line["custom_id"] for line in lines) == sorted(custom_ids)  # each exactly once
+        assert all(line["error"] is None and line["response"]["status_code"] == 200 for line in lines)
+        _wait(lambda: client.get("/health").status_code == 200, "/health is healthy again")
+        assert _gauge(client, "batchgen_storage_paused") == 0
+        assert _gauge(client, "batchgen_held_result_lines") == 0
 
 
 def test_files_expire_and_free_their_disk(api_factory: ApiFactory, tmp_path: Path) -> None:

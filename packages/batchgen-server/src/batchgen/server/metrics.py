@@ -4,7 +4,8 @@ Each app has its own ``CollectorRegistry`` (never the process-wide one), so seve
 process (tests, an embedding) do not clash. Two sources feed it:
 
 - ``ServiceCollector`` reads the service when scraped: the request counters and latency histograms
-  of ``RequestTelemetry``, the pools, the active batches by status, health, the webhook outbox
+  of ``RequestTelemetry``, the pools, the active batches by status, health, work paused on a
+  storage that refuses result lines, the webhook outbox
   (read from the store just before the scrape, through the service's ``MetadataCalls``) and,
   for the ``openai`` backend, each upstream's in-flight requests, limit, state, failures and how
   often its prompt prefixes' requests kept their affinity to it. Nothing
@@ -168,6 +169,7 @@ class ServiceCollector(Collector):
             telemetry.queue_wait,
         )
         pools = service.pool_status()
+        held = service.parts.executor.held if service.running else None
         for name, documentation, value in (
             (
                 "batchgen_intake_queued_requests",
@@ -190,6 +192,16 @@ class ServiceCollector(Collector):
                 "batchgen_backend_healthy",
                 "1 while the service and its backend can run requests.",
                 int(service.health().healthy),
+            ),
+            (
+                "batchgen_storage_paused",
+                "1 while work is paused because the storage refuses result lines (a full disk).",
+                int(held is not None and held.paused),
+            ),
+            (
+                "batchgen_held_result_lines",
+                "Result lines kept in memory until the storage takes them again.",
+                0 if held is None else held.lines,
             ),
         ):
             yield GaugeMetricFamily(name, documentation, value=value)

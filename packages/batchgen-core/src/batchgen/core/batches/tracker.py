@@ -11,10 +11,10 @@ the batch goes on in memory (a failed batch stops working at once), callers keep
 saved status, and ``flush`` retries the save until it lands; ``unsaved`` says what waits meanwhile.
 A restart before it lands resumes the batch from the status callers saw.
 
-A batch's result files are recorded at once, but a database another process holds locked only
-delays a record (``record_file``): it waits in ``unrecorded`` and is saved just before the batch
-itself, so the batch's saved row never names a file the store does not hold, and the lock fails
-nothing (the lines are on disk already).
+A batch's result files are recorded at once, but a storage fault (a database another process
+holds locked, a full disk) only delays a record (``record_file``): it waits in ``unrecorded`` and
+is saved just before the batch itself, so the batch's saved row never names a file the store does
+not hold, and the fault fails nothing (the lines are on disk already, or held until they can be).
 
 Over a store whose calls may wait on a network (``MetadataCalls.in_threads``: PostgreSQL) no save
 is made on the event loop. A change is taken at once (``persist`` returns True) and saved by the
@@ -46,7 +46,7 @@ from batchgen.core.errors import StorageUnavailable
 from batchgen.core.models import Batch, BatchErrorInfo, BatchStatus, FileObject, RequestCounts, Usage
 from batchgen.core.scheduling import IntakePool
 from batchgen.core.storage import BlobStore, MetadataStore, ResultWriter
-from batchgen.core.storage.faults import is_database_locked, storage_fault
+from batchgen.core.storage.faults import storage_fault
 from batchgen.core.storage.metadata_calls import MetadataCalls
 from batchgen.core.webhook_outbox import OutboxMessage
 
@@ -271,21 +271,21 @@ class BatchTracker:
     # --- persistence -----------------------------------------------------------------------
     def record_file(self, active: ActiveBatch, file: FileObject, kind: str) -> None:
         """Save the record of the batch's ``kind`` ("output" or "error") result file, which the
-        batch names from now on. While another process holds the database locked the record
-        waits in ``unrecorded`` for the batch's next save; any other storage fault (a full disk)
-        is raised, and the caller fails the batch, as on a line that cannot be written. With a
-        saver, the record always waits in ``unrecorded`` for the batch's next save."""
+        batch names from now on. On a storage fault (another process holds the database locked,
+        a full disk) the record waits in ``unrecorded`` for the batch's next save, which retries
+        it until it lands; anything else is raised. With a saver, the record always waits in
+        ``unrecorded`` for the batch's next save."""
         if self._calls is not None:
             active.unrecorded.append(file)
         else:
             try:
                 self._metadata.insert_file(file)
             except Exception as exc:
-                if not is_database_locked(exc):
+                if storage_fault(exc) is None:
                     raise
                 # said once for the batch by its refused save (``persist``), which comes next
                 logger.debug(
-                    "batch %s: its %s file is recorded once the database is free: %s", active.id, kind, exc
+                    "batch %s: its %s file is recorded once the store takes it: %s", active.id, kind, exc
                 )
                 active.unrecorded.append(file)
         if kind == "output":

@@ -12,10 +12,15 @@ A result becomes an output line; a request the backend rejects (or keeps failing
 ``internal_error`` line, logged once with its traceback, so the batch goes on. An aborted request
 (cancel, expiry) ends with no line. A backend that is gone fails the batch. Every path ends by
 asking the tracker whether the batch is now done.
+
+Lines the storage refuses (a full disk: ``storage.faults``) fail nothing and are not lost: they are
+held in memory and work pauses until ``write_held`` (retried every second) has written them all
+(``held_results``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -38,6 +43,7 @@ from batchgen.core.backends.served_models import ModelSet, Route
 from batchgen.core.batches.tracker import ActiveBatch, BatchTracker
 from batchgen.core.clock import now
 from batchgen.core.errors import InvalidRequest
+from batchgen.core.execution.held_results import HeldResults, PendingLines
 from batchgen.core.execution.line_requests import LineRefused, generation_request, route_line
 from batchgen.core.execution.result_cache import CachedResult, ResultCache
 from batchgen.core.execution.result_cache_keys import cache_key, is_deterministic
@@ -103,11 +109,16 @@ class RequestExecutor:
         separate_error_file: bool = False,
         telemetry: RequestTelemetry | None = None,
         result_cache: ResultCache | None = None,
+        on_pause: Callable[[bool], object] | None = None,
     ) -> None:
         """``backend``: the served models (or one backend); ``separate_error_file``: OpenAI's
         convention, failed lines in their own file; ``telemetry`` counts admissions, finished
         requests and backend time; ``result_cache``: answers deterministic requests of the
-        tenants that use it, and keeps their successful results."""
+        tenants that use it, and keeps their successful results; ``on_pause(paused)``: work
+        pauses (True) while the storage refuses result lines, and resumes (False) once it takes
+        them (``held_results``)."""
+        #: Result lines the storage refused, until it takes them again.
+        self.held = HeldResults(on_pause)
         self._cache = result_cache
         self._telemetry = telemetry or RequestTelemetry()
         self._separate_error_file = separate_error_file
@@ -194,14 +205,15 @@ class RequestExecutor:
             answered.append(item)
             body = replayed_body(item.active.batch.endpoint, hit.body, hit.prompt_tokens)
             line = body_output_line(item.custom_id, item.request.request_id, body, cached=True)
-            lines.add(item.active, item.active.output, line, None, cached=hit)
+            lines.add(
+                item.active, item.active.output, line, None, cached=hit, request_id=item.request.request_id
+            )
         try:
             lines.write(self._write)
         finally:
             for item in answered:
                 item.ended = True
-                item.active.in_flight.discard(item.request.request_id)
-                self._tracker.settle(item.active)
+                self._release(item)
                 ended_early.append(item.position)
         return left
 
@@ -360,9 +372,15 @@ class RequestExecutor:
         finally:
             for item, _ in ending:
                 item.ended = True
-                item.active.in_flight.discard(item.request.request_id)
-                self._tracker.settle(item.active)
+                self._release(item)
             finished(*(item.position for item, _ in ending))
+
+    def _release(self, item: _Running) -> None:
+        """A request ended: it leaves its batch's ``in_flight`` (once its line is written, when
+        its line is held), and the batch may be done."""
+        if not self.held.holds(item.request.request_id):
+            item.active.in_flight.discard(item.request.request_id)
+        self._tracker.settle(item.active)
 
     def _add_line(self, item: _Running, outcome: Outcome, lines: _Lines) -> None:
         """Add the line ``outcome`` calls for to ``lines`` (none when aborted or the backend is gone)."""
@@ -371,10 +389,10 @@ class RequestExecutor:
             if not active.status.is_terminal:  # else it ended (expired, failed) while this request ran
                 self._add_result(item, outcome, lines)
         elif isinstance(outcome, RequestRejected):
-            self._add_error(active, custom_id, outcome.code, outcome.message, lines)
+            self._add_error(active, custom_id, outcome.code, outcome.message, lines, item.request.request_id)
         elif isinstance(outcome, TransientBackendError):  # the last attempt failed too
             message = f"The backend failed this request {self._max_attempts} times: {outcome}"
-            self._add_error(active, custom_id, "backend_error", message, lines)
+            self._add_error(active, custom_id, "backend_error", message, lines, item.request.request_id)
         elif not isinstance(outcome, RequestAborted | BackendUnavailable):  # aborted: no line
             raise outcome
 
@@ -386,7 +404,9 @@ class RequestExecutor:
             try:
                 vectors = fit_dimensions(result.embeddings or (), body.dimensions)
             except InvalidRequest as exc:
-                self._add_error(active, custom_id, "invalid_request", exc.message, lines)
+                self._add_error(
+                    active, custom_id, "invalid_request", exc.message, lines, item.request.request_id
+                )
                 return
             result = attrs.evolve(result, embeddings=vectors)
         model_name = route.backend_model or route.model.public_name
@@ -394,7 +414,7 @@ class RequestExecutor:
             line = output_line(
                 custom_id, item.request.request_id, active.batch.endpoint, model_name, result, now(), body
             )
-            lines.add(active, active.output, line, result)
+            lines.add(active, active.output, line, result, request_id=item.request.request_id)
             return
         # kept in the cache exactly as the line holds it, once the line is written
         body_json = response_body_json(active.batch.endpoint, model_name, result, now(), body)
@@ -404,7 +424,7 @@ class RequestExecutor:
             active.batch.owner,
             CachedResult(body_json, result.prompt_tokens, result.completion_tokens),
         )
-        lines.add(active, active.output, line, result, store=entry)
+        lines.add(active, active.output, line, result, store=entry, request_id=item.request.request_id)
 
     def _record_failure(self, active: ActiveBatch, custom_id: str, exc: Exception) -> None:
         """A request raised something unexpected: its line says so, or, when its line cannot be
@@ -444,9 +464,18 @@ class RequestExecutor:
         self._add_error(active, custom_id, code, message, lines)
         lines.write(self._write)
 
-    def _add_error(self, active: ActiveBatch, custom_id: str, code: str, message: str, lines: _Lines) -> None:
+    def _add_error(
+        self,
+        active: ActiveBatch,
+        custom_id: str,
+        code: str,
+        message: str,
+        lines: _Lines,
+        request_id: str | None = None,
+    ) -> None:
         """Add the request's error line: for the output file, as the user guide has it, or for a
-        separate error file (made on its first line) under OpenAI's convention."""
+        separate error file (made on its first line) under OpenAI's convention. ``request_id``:
+        the request's, when it ran."""
         if active.status.is_terminal:
             return
         writer = active.output
@@ -458,21 +487,63 @@ class RequestExecutor:
                 errors = self._files.result_file(active.batch, active.errors.path, "error")
                 self._tracker.record_file(active, errors, "error")
                 self._tracker.persist(active)
-        lines.add(active, writer, error_line(custom_id, code, message, active.batch.endpoint), None)
+        line = error_line(custom_id, code, message, active.batch.endpoint)
+        lines.add(active, writer, line, None, request_id=request_id)
 
-    def _write(self, active: ActiveBatch, writer: ResultWriter, lines: bytes) -> bool:
-        """Append result lines; on a storage fault fail the batch (earlier lines stay intact)."""
+    def _write(self, pending: PendingLines) -> bool:
+        """Append result lines; whether they are written now. On a storage fault (a full disk)
+        they are held and work pauses until ``write_held`` writes them; on any other error the
+        batch fails (earlier lines stay intact)."""
+        if self.held.paused:  # behind the lines held already: written in turn
+            self.held.hold(pending)
+            return False
         try:
-            writer.append(lines)
+            pending.writer.append(pending.data)
         except OSError as exc:
-            self._tracker.fail(
-                active,
-                "batch_failed",
-                f"Could not write results to {writer.path}: {exc.strerror or exc}. "
-                "Lines written before this are kept.",
-            )
+            fault = storage_fault(exc, f"write results to {pending.writer.path}")
+            if fault is None:
+                self._fail_write(pending, exc)
+            else:
+                self.held.hold(pending, fault)
             return False
         return True
+
+    def _fail_write(self, pending: PendingLines, exc: OSError) -> None:
+        self._tracker.fail(
+            pending.active,
+            "batch_failed",
+            f"Could not write results to {pending.writer.path}: {exc.strerror or exc}. "
+            "Lines written before this are kept.",
+        )
+
+    def write_held(self) -> None:
+        """Append the lines the storage refused, oldest first, counting each file's once written;
+        once all are written work resumes. Raise the storage fault while it still refuses them
+        (a maintenance job runs this every ``held_results.RETRY_INTERVAL_S``)."""
+        held = self.held
+        while (pending := held.oldest()) is not None:
+            if not pending.active.status.is_terminal:  # else its batch ended: no line is added now
+                try:
+                    pending.writer.append(pending.data)
+                except OSError as exc:
+                    fault = storage_fault(exc, f"write results to {pending.writer.path}")
+                    if fault is not None:
+                        held.refused(fault)
+                        raise fault from exc
+                    held.release_oldest()
+                    self._fail_write(pending, exc)
+                    self._settle_released(pending)
+                    continue
+                pending.count()
+            held.release_oldest()
+            self._settle_released(pending)
+        held.resume_if_empty()
+
+    def _settle_released(self, pending: PendingLines) -> None:
+        """Held lines left the hold: their requests leave ``in_flight``, and the batch may be done."""
+        for request_id in pending.request_ids:
+            pending.active.in_flight.discard(request_id)
+        self._tracker.settle(pending.active)
 
 
 class _Reported:
@@ -536,6 +607,7 @@ class _Lines:
                 ResultWriter,
                 list[bytes],
                 list[tuple[GenerationResult | None, CachedResult | None, _CacheEntry | None]],
+                list[str],
             ],
         ] = {}
 
@@ -548,45 +620,65 @@ class _Lines:
         *,
         cached: CachedResult | None = None,
         store: _CacheEntry | None = None,
+        request_id: str | None = None,
     ) -> None:
         """A result's output line (``result``), a line the cache answered (``cached``), or an
-        error line (neither); ``store``: the cache entry the result makes."""
+        error line (neither); ``store``: the cache entry the result makes; ``request_id``: the
+        request's, when it ran."""
         pending = self._files.get(id(writer))
         if pending is None:
-            pending = self._files[id(writer)] = (active, writer, [], [])
+            pending = self._files[id(writer)] = (active, writer, [], [], [])
         pending[2].append(line)
         pending[3].append((result, cached, store))
+        if request_id is not None:
+            pending[4].append(request_id)
 
-    def write(self, append: Callable[[ActiveBatch, ResultWriter, bytes], bool]) -> None:
-        """Append each file's lines with ``append(active, writer, lines)``; count those written."""
-        stores: list[_CacheEntry] = []
-        for active, writer, lines, results in self._files.values():
-            if active.status.is_terminal or not append(active, writer, b"".join(lines)):
+    def write(self, append: Callable[[PendingLines], bool]) -> None:
+        """Hand each file's lines to ``append``, and count them once it says they are written
+        (lines it holds are counted when they are written later)."""
+        for active, writer, lines, results, request_ids in self._files.values():
+            if active.status.is_terminal:
                 continue
-            telemetry = self._telemetry
-            for line, (result, cached, store) in zip(lines, results, strict=True):
-                if line_outcome(line) is LineOutcome.FAILED:  # the one rule both topologies count by
-                    active.failed += 1
-                    telemetry.request_failed()
-                    continue
-                active.completed += 1
-                if cached is not None:
-                    active.prompt_tokens += cached.prompt_tokens
-                    active.completion_tokens += cached.completion_tokens
-                    active.cached += 1
-                    active.cached_prompt_tokens += cached.prompt_tokens
-                    active.cached_completion_tokens += cached.completion_tokens
-                    telemetry.request_completed(0, 0)  # nothing was computed for it
-                    if self._cache is not None:
-                        self._cache.served(cached)
-                elif result is not None:
-                    active.prompt_tokens += result.prompt_tokens
-                    active.completion_tokens += result.completion_tokens
-                    prefix_cached = line_cached_tokens(active.batch.endpoint, result)  # as the line says
-                    active.prefix_cached_tokens += prefix_cached
-                    telemetry.request_completed(result.prompt_tokens, result.completion_tokens, prefix_cached)
-                    if store is not None:
-                        stores.append(store)
-            active.dirty = True
+            count = functools.partial(self._count, active, lines, results)
+            pending = PendingLines(active, writer, b"".join(lines), len(lines), tuple(request_ids), count)
+            if append(pending):
+                count()
+
+    def _count(
+        self,
+        active: ActiveBatch,
+        lines: list[bytes],
+        results: list[tuple[GenerationResult | None, CachedResult | None, _CacheEntry | None]],
+    ) -> None:
+        """Move the batch's counters, the telemetry and the result cache for lines just written
+        (none when the batch ended meanwhile)."""
+        if active.status.is_terminal:
+            return
+        stores: list[_CacheEntry] = []
+        telemetry = self._telemetry
+        for line, (result, cached, store) in zip(lines, results, strict=True):
+            if line_outcome(line) is LineOutcome.FAILED:  # the one rule both topologies count by
+                active.failed += 1
+                telemetry.request_failed()
+                continue
+            active.completed += 1
+            if cached is not None:
+                active.prompt_tokens += cached.prompt_tokens
+                active.completion_tokens += cached.completion_tokens
+                active.cached += 1
+                active.cached_prompt_tokens += cached.prompt_tokens
+                active.cached_completion_tokens += cached.completion_tokens
+                telemetry.request_completed(0, 0)  # nothing was computed for it
+                if self._cache is not None:
+                    self._cache.served(cached)
+            elif result is not None:
+                active.prompt_tokens += result.prompt_tokens
+                active.completion_tokens += result.completion_tokens
+                prefix_cached = line_cached_tokens(active.batch.endpoint, result)  # as the line says
+                active.prefix_cached_tokens += prefix_cached
+                telemetry.request_completed(result.prompt_tokens, result.completion_tokens, prefix_cached)
+                if store is not None:
+                    stores.append(store)
+        active.dirty = True
         if stores and self._cache is not None:
             self._cache.store_later(stores)

@@ -18,6 +18,9 @@ the time the slots have been busy): the basis of ``Retry-After`` when the pool i
 With several served models, ``shares`` (``ModelShares``) keeps any one model from holding more
 than its fair share of the slots while another model has queued work; every admission, the
 refill of a group's freed slots included, goes through ``admit`` and so through that check.
+
+Admission stops while the scheduler is ``paused`` (a shutdown) or a ``hold`` is on (result lines
+waiting for a full disk: ``execution.held_results``); requests already running go on to their end.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ class Scheduler:
         self._wakeup = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
         self._paused = False
+        #: Why admission is held besides ``paused`` (``hold``): a storage that refuses result lines.
+        self._holds: set[str] = set()
 
     @property
     def paused(self) -> bool:
@@ -138,10 +143,25 @@ class Scheduler:
         if not value:
             self.notify()  # slots freed while paused are refilled now
 
+    def hold(self, reason: str) -> None:
+        """Admit nothing new until ``release(reason)`` (requests running go on to their end)."""
+        self._holds.add(reason)
+
+    def release(self, reason: str) -> None:
+        """Lift the hold ``hold(reason)`` put on admission; slots freed meanwhile are refilled."""
+        if reason in self._holds:
+            self._holds.discard(reason)
+            self.notify()
+
+    @property
+    def admitting(self) -> bool:
+        """Whether new requests may be admitted now: not paused, and no hold on."""
+        return not self._paused and not self._holds
+
     def admit(self, limit: int | None = None) -> list[IntakeEntry]:
         """Take queued requests into free slots (at most ``limit``), in the intake pool's fair order."""
         admitted: list[IntakeEntry] = []
-        while not self._paused and self.scheduling_pool.free and self.intake_pool.size:
+        while self.admitting and self.scheduling_pool.free and self.intake_pool.size:
             if limit is not None and len(admitted) >= limit:
                 break
             entry = self._pop()
@@ -185,7 +205,7 @@ class Scheduler:
             if not started:
                 break
             admitted += started
-        more = not self._paused and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
+        more = self.admitting and bool(self.scheduling_pool.free) and bool(self.intake_pool.size)
         return more and admitted >= ADMIT_PER_TURN  # fewer: nothing more may be admitted now
 
     def _refill(self, size: int) -> None:
