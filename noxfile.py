@@ -345,6 +345,7 @@ BENCHMARKS = (
     "output_order",
     "takeover",
     "replica_servers",
+    "slow_clients",
 )  # gpu.py: by name, on a GPU machine
 
 

@@ -86,7 +86,10 @@ def _read_all(sock: socket.socket, timeout_s: float = 10) -> bytes:
 
 
 def test_health_answers_beside_hundreds_of_idle_sockets_and_idle_ones_are_closed(serve: Serve) -> None:
-    base_url = serve("--max-connections", "400", "--header-timeout-s", "1")
+    # all from 127.0.0.1: the per-address cap raised above them (tests/server/test_slow_clients.py)
+    base_url = serve(
+        "--max-connections", "400", "--header-timeout-s", "1", "--max-header-connections-per-address", "400"
+    )  # fmt: skip
     with ExitStack() as stack:
         idle = [stack.enter_context(_connect(base_url)) for _ in range(300)]
         slow = stack.enter_context(_connect(base_url))
@@ -104,6 +107,37 @@ def test_connections_beyond_the_limit_get_503(serve: Serve) -> None:
         for _ in range(25):
             stack.enter_context(_connect(base_url))
         assert httpx.get(f"{base_url}/health", timeout=10).status_code == 503
+
+
+def test_at_its_cap_an_address_still_gets_bursts_of_whole_requests_in(serve: Serve) -> None:
+    """4 connections from 127.0.0.1 wait for their heads (the cap): a burst of 30 more whose first
+    bytes are whole requests are all answered, while one more that sends a partial head, or nothing,
+    is closed long before the 60 s header timeout, and the 4 stay open."""
+    base_url = serve("--max-header-connections-per-address", "4", "--header-timeout-s", "60")
+    with ExitStack() as stack:
+        waiting = [stack.enter_context(_connect(base_url)) for _ in range(4)]
+        assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200  # they are in by now
+        answers: list[bytes] = []
+
+        def whole_request() -> None:
+            with _connect(base_url) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answers.append(_read_all(sock))
+
+        burst = [threading.Thread(target=whole_request) for _ in range(30)]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join(30)
+        assert [_status(answer) for answer in answers] == [200] * 30
+        partial = stack.enter_context(_connect(base_url))
+        partial.sendall(b"GET /health HTTP/1.1\r\n")
+        silent = stack.enter_context(_connect(base_url))
+        assert _read_all(partial) == b"" and _read_all(silent) == b""
+        for sock in waiting:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing to read, not closed
+                sock.recv(1)
 
 
 def _upload_head(total_length: int) -> bytes:

@@ -6,7 +6,16 @@ protocol with what it lacks, adds:
 
 - a header timeout: a connection whose next request's headers are not complete within
   ``header_timeout_s`` of its opening (or of its first byte, between requests) is closed (an idle
-  socket, or a slow-loris client);
+  socket, or a slow-loris client), however steadily its bytes trickle in;
+- a cap per client address (``HeadWaits``, ``--max-header-connections-per-address``) on the
+  connections still waiting for a request's headers (opened and not yet sent a whole head, or a
+  keep-alive one that started its next request but not finished its head), so one client holding
+  many slow connections cannot fill the slots that others' requests need. A connection opened
+  while its address is at the cap is let in only if its first bytes (within
+  ``OVER_CAP_GRACE_S``) are a whole head, as a burst of ordinary requests' are; one whose first
+  bytes are not, or that sends nothing in that time, is closed at once and leaves
+  ``limit_concurrency``'s slots. An IPv6 address counts as its /64 network (a host usually holds
+  a whole /64), an IPv4-mapped one as IPv4;
 - the size limit of a request's head: the request line and headers, up to and including the empty
   line that ends them, may be at most ``max_header_bytes`` (``--max-header-bytes``), however the
   bytes arrive (h11's own limit applies only to a head still incomplete);
@@ -25,7 +34,10 @@ protocol with what it lacks, adds:
 - a bounded shutdown: once the server stops, a connection still receiving or answering a request
   ``shutdown_grace_s`` later is closed (an upload still arriving is cut; its handler sees the
   client leave and removes its staging file), and uvicorn cancels what is still running a moment
-  after that (``SHUTDOWN_CANCEL_MARGIN_S``).
+  after that (``SHUTDOWN_CANCEL_MARGIN_S``);
+- a request id (``request_ids``) for every request: its response, whoever writes it (the app,
+  uvicorn's 503 beyond the connection limit or its 500, a refusal here), carries it in
+  ``x-request-id``, its access log line as ``request_id``, and the app finds it in the scope.
 
 Slow request bodies are cut by ``body_timeout``. At start the soft limit on open files is raised
 towards the hard limit, so the connection limit is reached long before file descriptors run out.
@@ -34,6 +46,7 @@ towards the hard limit, so the connection limit is reached long before file desc
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import re
@@ -45,6 +58,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from batchgen.server.request_ids import REQUEST_ID_HEADER, identify, new_request_id, request_id_of
 from batchgen.server.settings import ServerSettings
 
 logger = logging.getLogger("batchgen.server")
@@ -59,6 +73,12 @@ SHUTDOWN_CANCEL_MARGIN_S = 1.0
 #: and the client may lose the answer), and how many bytes it drops at most.
 LINGER_S = 1.0
 LINGER_BYTES = 1024 * 1024
+#: The default of ``--max-header-connections-per-address``.
+DEFAULT_HEADER_CONNECTIONS_PER_ADDRESS = 32
+#: How long a connection opened while its address is at the cap may take to send its first bytes.
+OVER_CAP_GRACE_S = 0.5
+#: The network an IPv6 client is counted by: a host is usually given a whole /64.
+IPV6_CLIENT_PREFIX = 64
 #: The end of a request's head, as h11 finds it (it accepts a bare LF for CRLF).
 _END_OF_HEAD = re.compile(rb"\n\r?\n")
 #: A header line continuing the one above (obsolete line folding).
@@ -126,6 +146,46 @@ def _check_framing(request: h11.Request) -> None:
         )
 
 
+def client_address(peername: Any) -> str:
+    """The address a connection counts against in ``HeadWaits``: its IPv4 address (an IPv4-mapped
+    IPv6 one as IPv4), the /64 network of an IPv6 one, ``"local"`` for a Unix socket."""
+    host = peername[0] if isinstance(peername, tuple) and peername else None
+    try:
+        address = ipaddress.ip_address(str(host).partition("%")[0])  # without an IPv6 zone
+    except ValueError:
+        return "local"
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, IPV6_CLIENT_PREFIX), strict=False))
+    return str(address)
+
+
+class HeadWaits:
+    """The connections waiting for a request's headers, counted per client address, at most
+    ``per_address`` each. One per server (the protocol class's), shared by its connections."""
+
+    def __init__(self, per_address: int) -> None:
+        self.per_address = per_address
+        self._waiting: dict[str, int] = {}
+
+    def enter(self, address: str) -> bool:
+        """Count one more connection of ``address``; False (and nothing counted) at the cap."""
+        waiting = self._waiting.get(address, 0)
+        if waiting >= self.per_address:
+            return False
+        self._waiting[address] = waiting + 1
+        return True
+
+    def leave(self, address: str) -> None:
+        waiting = self._waiting.pop(address, 0) - 1
+        if waiting > 0:
+            self._waiting[address] = waiting
+
+    def waiting(self, address: str) -> int:
+        return self._waiting.get(address, 0)
+
+
 class _GentleClose:
     """The connection's transport as uvicorn's protocol sees it, but ``close`` is
     ``EdgeProtocol._close_gently``, and a lingering connection is already closing."""
@@ -150,10 +210,16 @@ class EdgeProtocol(H11Protocol):
     header_timeout_s: float = 10.0
     max_head_bytes: int = 64 * 1024
     shutdown_grace_s: float = 10.0
+    head_waits: HeadWaits = HeadWaits(DEFAULT_HEADER_CONNECTIONS_PER_ADDRESS)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn = StrictConnection(self.max_head_bytes)
+        self._address = "local"
+        #: Whether this connection is counted in ``head_waits`` (waiting for a request's headers).
+        self._waiting_for_head = False
+        #: Opened at its address's cap: when it must have sent its first bytes.
+        self._over_cap_timer: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._shutdown_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
@@ -162,7 +228,13 @@ class EdgeProtocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._socket = transport
         super().connection_made(_GentleClose(transport, self))  # type: ignore[arg-type]
+        self._address = client_address(transport.get_extra_info("peername"))
         self._arm_header_timer()
+        if self.head_waits.enter(self._address):
+            self._waiting_for_head = True
+        else:  # a burst of whole requests is let in; a slow or silent connection is closed
+            grace_s = min(OVER_CAP_GRACE_S, self.header_timeout_s)
+            self._over_cap_timer = self.loop.call_later(grace_s, self._over_cap_grace_ended)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:  # closing: what still arrives is dropped
@@ -170,14 +242,35 @@ class EdgeProtocol(H11Protocol):
             if self._linger_bytes_left < 0:
                 self._end_linger()
             return
+        self._cancel_over_cap_timer()
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # lingering counts
-            self._arm_header_timer()  # part of the next request's headers: they must complete in time
+            # part of the next request's headers: they must complete in time, and they count
+            if self._wait_for_head():
+                self._arm_header_timer()
         else:
             self._disarm_header_timer()
+            if self.conn.their_state is not h11.ERROR:  # a refused head still counts while it lingers
+                self._stop_waiting_for_head()
+
+    def handle_events(self) -> None:
+        """uvicorn's, naming the request whose cycle it starts (at most one per call: a pipelined
+        request waits until the response before it is complete) before the cycle's task runs."""
+        before = self.cycle
+        super().handle_events()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:
+            request_id = identify(cycle.scope.setdefault("state", {}))
+            cycle.default_headers = [*cycle.default_headers, (REQUEST_ID_HEADER, request_id.encode())]
+            # uvicorn writes the access line with this logger: the adapter adds the id to its record
+            cycle.access_logger = logging.LoggerAdapter(  # type: ignore[assignment]
+                cycle.access_logger, {"request_id": request_id}
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._cancel_over_cap_timer()
+        self._stop_waiting_for_head()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
@@ -196,12 +289,19 @@ class EdgeProtocol(H11Protocol):
         message = str(refusal) if refusal is not None else msg
         if isinstance(refusal, h11.RemoteProtocolError) and not isinstance(refusal, RequestRefused):
             message = f"Invalid HTTP request: {message}."
-        self._send_error_and_close(status, message, "invalid_request_error", code)
+        self._send_error_and_close(status, message, "invalid_request_error", code, new_request_id())
 
     def _send_error_and_close(
-        self, status: int, message: str, type_: str, code: str, headers: tuple[tuple[bytes, bytes], ...] = ()
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        code: str,
+        request_id: str,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
-        """Answer with an OpenAI-shaped error (when no response is under way) and close the connection."""
+        """Answer with an OpenAI-shaped error (when no response is under way) and close the
+        connection; the answer and its access log line name ``request_id``."""
         body = json.dumps(
             {"error": {"message": message, "type": type_, "param": None, "code": code}}
         ).encode()
@@ -209,6 +309,7 @@ class EdgeProtocol(H11Protocol):
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
+            (REQUEST_ID_HEADER, request_id.encode()),
             *headers,
         ]
         try:
@@ -223,7 +324,21 @@ class EdgeProtocol(H11Protocol):
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # a response was already under way: just close (gently)
             pass
+        else:
+            self._log_refusal(status, request_id)
         self._linger()
+
+    def _log_refusal(self, status: int, request_id: str) -> None:
+        """The access log line of a response written here: uvicorn's form, with ``-`` for the
+        method and path when no request line was read."""
+        if not self.access_log:
+            return
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else ""
+        request = self.cycle.scope if self.cycle is not None and not self.cycle.response_complete else None
+        method, path = (request["method"], request["path"]) if request is not None else ("-", "-")
+        self.access_logger.info(
+            '%s - "%s %s HTTP/%s" %d', client, method, path, "1.1", status, extra={"request_id": request_id}
+        )
 
     @property
     def lingering(self) -> bool:
@@ -287,8 +402,45 @@ class EdgeProtocol(H11Protocol):
             "The server is shutting down; this request was cut and nothing of it was kept. Send it again.",
             "server_error",
             "server_shutting_down",
+            request_id_of(cycle.scope) or new_request_id(),
             ((b"retry-after", b"5"),),
         )
+
+    def _wait_for_head(self) -> bool:
+        """Count this connection in ``head_waits`` (if it is not yet); at its address's cap, close
+        it at once instead, and out of the connections ``limit_concurrency`` counts: False."""
+        if self._waiting_for_head:
+            return True
+        if self.head_waits.enter(self._address):
+            self._waiting_for_head = True
+            return True
+        self.connections.discard(self)
+        logger.warning(
+            "closed a connection from %s that did not send a whole request head at once: that "
+            "address already has %d connections whose request headers are not complete "
+            "(--max-header-connections-per-address)",
+            self._address,
+            self.head_waits.per_address,
+        )
+        self._socket.close()
+        return False
+
+    def _stop_waiting_for_head(self) -> None:
+        if self._waiting_for_head:
+            self._waiting_for_head = False
+            self.head_waits.leave(self._address)
+
+    def _over_cap_grace_ended(self) -> None:
+        """Opened at its address's cap, it sent nothing in ``OVER_CAP_GRACE_S``: it waits like the
+        others if a place came free, else it is closed."""
+        self._over_cap_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._wait_for_head()
+
+    def _cancel_over_cap_timer(self) -> None:
+        if self._over_cap_timer is not None:
+            self._over_cap_timer.cancel()
+            self._over_cap_timer = None
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -311,6 +463,7 @@ def edge_protocol(settings: ServerSettings) -> type[EdgeProtocol]:
         "header_timeout_s": settings.header_timeout_s,
         "max_head_bytes": settings.max_header_bytes,
         "shutdown_grace_s": settings.shutdown_grace_s,
+        "head_waits": HeadWaits(settings.max_header_connections_per_address),
     }
     return type("EdgeProtocol", (EdgeProtocol,), bounds)
 
