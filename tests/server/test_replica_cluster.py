@@ -40,6 +40,7 @@ def _refused(storage: Path, database: str, folder: Path) -> str:
     assert result.returncode != 0, output
     assert "Traceback" not in output, output
     [paragraph] = [line for line in output.splitlines() if line.startswith("batchgen-server: error: ")]
+    assert "backend" not in paragraph  # the reason is the storage, not an engine
     return paragraph
 
 

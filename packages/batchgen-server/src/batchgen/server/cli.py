@@ -8,7 +8,8 @@ not start (3) or stopped while serving (1), so that systemd or Kubernetes restar
 a server on the same storage folder. Serving on an address other than loopback with no API key
 refuses to start (exit 2) unless ``--allow-unauthenticated`` is given, and so does serving a
 storage folder that another server (or embedded service) holds: a folder has one owner
-(``batchgen.core.storage.folder_lock``).
+(``batchgen.core.storage.folder_lock``). So does a flag whose optional package is not installed
+(``start_failures.missing_dependency``: the PostgreSQL driver, the S3 client, a backend's engine).
 
 On SIGTERM or SIGINT the server stops admitting requests at once, and ``--shutdown-grace-s``
 bounds the whole shutdown: connections still receiving or answering a request when it ends are
@@ -32,8 +33,10 @@ from typing import Any, NoReturn
 import attrs
 
 from batchgen.core.backends import BackendSpec, backend_specs
+from batchgen.core.backends.base import BackendUnavailable
 from batchgen.core.backends.option_types import non_negative_float, positive_int
 from batchgen.core.batches.output_order import OUTPUT_ORDERS
+from batchgen.core.errors import CannotStart
 from batchgen.core.service import ERROR_FILE_MODES
 from batchgen.core.storage.folder_lock import FolderHolder, folder_holder
 from batchgen.server.backend_flags import (
@@ -52,7 +55,7 @@ from batchgen.server.model_specs import (
 )
 from batchgen.server.priority import parse_api_nice
 from batchgen.server.settings import EMBEDDINGS_BACKEND, ServerSettings
-from batchgen.server.start_failures import StartFailures, port_taken
+from batchgen.server.start_failures import StartFailures, missing_dependency, port_taken
 
 _DEFAULTS = ServerSettings()
 
@@ -174,6 +177,19 @@ def build_parser(
         "are deleted",
     )
     add(
+        "--max-upload-parts",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.max_upload_parts,
+        help="most parts one upload of the Uploads API may have (400 for a part more)",
+    )
+    add(
+        "--max-open-uploads",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.max_open_uploads,
+        help="most uploads of the Uploads API one tenant may have pending at once (429 for one more, "
+        "until one is completed, cancelled or expires)",
+    )
+    add(
         "--default-max-tokens",
         type=_POSITIVE_INT,
         default=_DEFAULTS.default_max_tokens,
@@ -269,6 +285,15 @@ def build_parser(
         default=_DEFAULTS.max_header_bytes,
         help="largest request line and headers accepted, in bytes, the empty line ending them "
         "included (431 above it, and the connection is closed)",
+    )
+    add(
+        "--max-header-connections-per-address",
+        type=_POSITIVE_INT,
+        default=_DEFAULTS.max_header_connections_per_address,
+        help="most connections one client address (an IPv6 one: its /64) may hold whose request "
+        "headers are not complete yet; one more gets in only if its first bytes are a whole "
+        "request head, else it is closed and leaves --max-connections. Behind a reverse proxy "
+        "every client has the proxy's address: raise it to about the proxy's connections",
     )
     add(
         "--log-repeat-limit",
@@ -592,6 +617,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser,
             "--ssl-certfile and --ssl-keyfile go together: pass both (a certificate and its key) or neither.",
         )
+    try:
+        settings.check_backend_flags()  # a flag missing is said before a package missing
+    except ValueError as exc:
+        refuse(parser, str(exc))
+    missing = missing_dependency(settings)  # before the key store, which --metadata-url imports psycopg for
+    if missing is not None:
+        refuse(parser, missing)
     refusal = refuse_open_start(settings)
     if refusal is not None:
         refuse(parser, refusal)
@@ -680,9 +712,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         holder = folder_holder(settings.storage_path)
         if holder is not None:  # another server took the folder after the check above
             refuse(parser, refuse_held_folder(settings, holder))
-        if start.reason is not None:
+        if start.refusal is not None:
             parser.exit(
-                EXIT_STARTUP_FAILED, f"{parser.prog}: error: {refuse_unavailable(settings, start.reason)}\n"
+                EXIT_STARTUP_FAILED, f"{parser.prog}: error: {refuse_unstarted(settings, start.refusal)}\n"
             )
         if port_taken(settings.host, settings.port):
             parser.exit(EXIT_STARTUP_FAILED, f"{parser.prog}: error: {refuse_taken_port(settings)}\n")
@@ -699,9 +731,12 @@ def refuse_storage(settings: ServerSettings, exc: OSError) -> str:
     )
 
 
-def refuse_unavailable(settings: ServerSettings, reason: str) -> str:
-    """Why the server stopped at start: a backend could not start (one paragraph)."""
-    reason = reason.rstrip(".")
+def refuse_unstarted(settings: ServerSettings, refusal: CannotStart) -> str:
+    """Why the server stopped at start (one paragraph): a backend that could not start, or the
+    service's own reason (a replica's database and blob store of different clusters)."""
+    if not isinstance(refusal, BackendUnavailable):
+        return f"refusing to start: {refusal}"
+    reason = str(refusal).rstrip(".")
     return (
         f"refusing to start: a backend could not start ({_serving(settings)}): {reason}. Fix that and "
         "start again, or serve another backend with --backend NAME ('batchgen-server --help' lists "

@@ -12,7 +12,12 @@ from batchgen.core.backends import Backend, BackendSpec, backend_spec
 from batchgen.core.backends.served_models import ServedModel
 from batchgen.core.execution.result_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResultCacheSettings
 from batchgen.core.execution.shared_storage import SharedStorage
-from batchgen.core.files.chunked_uploads import DEFAULT_MAX_UPLOAD_BYTES, DEFAULT_UPLOAD_EXPIRY_S
+from batchgen.core.files.chunked_uploads import (
+    DEFAULT_MAX_OPEN_UPLOADS,
+    DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_UPLOAD_EXPIRY_S,
+    MAX_PARTS,
+)
 from batchgen.core.service import ServiceSettings
 from batchgen.core.url_redaction import redacted_repr
 from batchgen.core.work.shards import DEFAULT_LEASE_S
@@ -53,6 +58,8 @@ class ServerSettings:
     max_upload_bytes: int = 512 * 1024 * 1024
     max_upload_total_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     upload_expiry_s: int = DEFAULT_UPLOAD_EXPIRY_S
+    max_upload_parts: int = MAX_PARTS
+    max_open_uploads: int = DEFAULT_MAX_OPEN_UPLOADS
     default_max_tokens: int = 256
     fsync_interval_ms: int = 1000
     shutdown_grace_s: float = 10.0
@@ -70,6 +77,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_header_bytes: int = 64 * 1024
+    max_header_connections_per_address: int = 32
     log_repeat_limit: int = 5
     log_repeat_interval_s: float = 60.0
     #: Logs (``log_format``) and webhooks (``webhooks``).
@@ -107,6 +115,8 @@ class ServerSettings:
             max_upload_bytes=self.max_upload_bytes,
             max_chunked_upload_bytes=self.max_upload_total_bytes,
             upload_expiry_s=self.upload_expiry_s,
+            max_upload_parts=self.max_upload_parts,
+            max_open_uploads=self.max_open_uploads,
             default_max_tokens=self.default_max_tokens,
             fsync_interval_ms=self.fsync_interval_ms,
             shutdown_grace_s=self.shutdown_grace_s,
@@ -135,6 +145,15 @@ class ServerSettings:
         return SharedStorage(
             self.metadata_url, self.blob_url, replica_id=self.replica_id, lease_s=self.lease_s
         )
+
+    def check_backend_flags(self) -> None:
+        """ValueError naming a flag a served backend requires and was not given, before anything
+        is imported or built (a missing flag is said before a missing package)."""
+        if self.models:
+            for entry in self.models:
+                self.backend_arguments(backend_spec(entry.backend), entry.options, model_name=entry.name)
+        else:
+            self.backend_arguments(backend_spec(self.backend))
 
     def build_backend(self) -> Backend:
         """The backend ``backend`` names, built with its options; ValueError says what is missing."""

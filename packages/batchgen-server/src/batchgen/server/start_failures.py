@@ -42,13 +42,13 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
         yield exc
 
 
-def unavailable_reason(exc: BaseException | None) -> str | None:
-    """The message of the ``CannotStart`` in ``exc`` (or in its groups), else None."""
+def start_refusal(exc: BaseException | None) -> CannotStart | None:
+    """The ``CannotStart`` in ``exc`` (or in its groups), else None."""
     if exc is None:
         return None
     for leaf in _leaves(exc):
         if isinstance(leaf, CannotStart):
-            return str(leaf)
+            return leaf
     return None
 
 
@@ -61,7 +61,8 @@ class StartFailures:
         self.app = app
         #: Whether the server was asked to stop (a failed start is then no failure).
         self.stopping = stopping
-        self.reason: str | None = None
+        #: Why the start failed, when the service said (its message is the paragraph to print).
+        self.refusal: CannotStart | None = None
 
     async def __call__(
         self,
@@ -76,9 +77,9 @@ class StartFailures:
         async def keep_reason(message: Message) -> None:
             if message["type"] == "lifespan.startup.failed":
                 # sent from inside the except block that caught the start's exception
-                reason = unavailable_reason(sys.exc_info()[1])
-                if reason is not None or self.stopping():
-                    self.reason = reason
+                refusal = start_refusal(sys.exc_info()[1])
+                if refusal is not None or self.stopping():
+                    self.refusal = refusal
                     message = {**message, "message": ""}
             await send(message)
 
