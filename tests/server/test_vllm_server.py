@@ -81,6 +81,14 @@ def _wait_for_first_completion(client: httpx.Client, batch_id: str) -> None:
         time.sleep(0.05)
 
 
+def _wait_for_a_replacement_engine(client: httpx.Client, server_pid: int, dead: int) -> None:
+    """Until the server has an engine core other than ``dead`` and says it is healthy."""
+    deadline = time.monotonic() + START_S
+    while not (_engine_cores_of(server_pid) not in ([], [dead]) and client.get("/health").status_code == 200):
+        assert time.monotonic() < deadline, f"no new engine core answered within {START_S:.0f} s"
+        time.sleep(0.2)
+
+
 def test_a_batch_sent_with_the_openai_sdk_runs_on_vllm(
     servers: list[LiveServer], tiny_vllm_model: Path, tmp_path: Path
 ) -> None:
@@ -157,6 +165,9 @@ def test_a_killed_engine_core_is_replaced_and_each_request_has_one_line(
         os.kill(engine, signal.SIGKILL)  # mid-batch: some requests done, some running, some queued
         counts = client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]
         assert counts["completed"] < 16, "the batch ended before the kill"
+        # two waits, each with a start's deadline: a new engine (as slow to start as the first on a
+        # busy machine), then the twelve or so requests it runs again and the ones still queued
+        _wait_for_a_replacement_engine(client, server.process.pid, engine)
         done = wait_for_status(client, batch["id"], {"completed", "failed"}, timeout_s=START_S)
         assert done["status"] == "completed", done
         assert done["request_counts"] == {"total": 16, "completed": 16, "failed": 0}

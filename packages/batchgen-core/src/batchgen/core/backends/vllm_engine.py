@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -457,9 +458,11 @@ class VLLMBackend:
             self._restarting = True
             logger.error("the vLLM engine core died; restarting it and resending its requests")
             try:
+                began = time.monotonic()
                 if old is not None:
                     reaper, self._reaper = self._reaper, None
                     await anyio.to_thread.run_sync(_shutdown_quietly, old, reaper)
+                cleared = time.monotonic()
                 try:
                     engine = await anyio.to_thread.run_sync(self._build_engine)
                 except Exception as exc:
@@ -470,6 +473,11 @@ class VLLMBackend:
                     return
                 self._engine = engine
                 self._generation += 1
+                logger.warning(
+                    "the vLLM engine core is back: %.1f s to clear the dead one away, %.1f s to start anew",
+                    cleared - began,
+                    time.monotonic() - cleared,
+                )
             finally:
                 self._restarting = False
 
