@@ -38,14 +38,15 @@ def _server_port(server: LiveServer) -> int:
     return int(server.base_url.rsplit(":", 1)[1])
 
 
-def _slow_connection(port: int) -> socket.socket:
-    """A connection from ``SLOW_ADDRESS`` that has sent the first byte of a head."""
+def _slow_connection(port: int, *, silent: bool = False) -> socket.socket:
+    """A connection from ``SLOW_ADDRESS`` that has sent the first byte of a head (nothing: ``silent``)."""
     sock = socket.socket()
     sock.bind((SLOW_ADDRESS, 0))
     sock.settimeout(10)
     sock.connect(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.sendall(SLOW_HEAD[:1])
+    if not silent:
+        sock.sendall(SLOW_HEAD[:1])
     return sock
 
 
@@ -138,6 +139,8 @@ class SlowLoris:
     port: int
     connections: int
     byte_every_s: float = 0.5
+    #: Connections that send nothing at all (the server closes them when they have waited too long).
+    silent: bool = False
     #: For each connection the server closed: how long it was open, and how many bytes it sent.
     cut: list[tuple[float, int]] = attrs.field(factory=list)
     _stop: threading.Event = attrs.field(factory=threading.Event)
@@ -167,13 +170,13 @@ class SlowLoris:
                         self.cut.append((now - opened, sent))
                         del held[sock]
                         sock.close()
-                    elif now - opened >= sent * self.byte_every_s:  # its next byte is due
+                    elif not self.silent and now - opened >= sent * self.byte_every_s:  # next byte due
                         with contextlib.suppress(OSError):
                             sock.sendall(SLOW_HEAD[sent : sent + 1])
                             held[sock] = (opened, sent + 1)
                 while len(held) < self.connections and not self._stop.is_set():
                     with contextlib.suppress(OSError):
-                        held[_slow_connection(self.port)] = (time.monotonic(), 1)
+                        held[_slow_connection(self.port, silent=self.silent)] = (time.monotonic(), 1)
                 self._stop.wait(self.TICK_S)
         finally:
             for sock in held:
@@ -210,6 +213,26 @@ def test_a_slow_loris_is_cut_at_the_head_deadline_however_steady_while_keyed_cli
     # ever cut a connection sending every half second)
     longest = max(open_s for open_s, _ in slow.cut)
     assert longest < 30, f"a slow connection stayed open {longest:.1f} s"
+
+
+def test_connections_reopened_at_the_cap_as_fast_as_they_are_closed_take_no_slot(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    """300 silent connections from 127.0.0.1 against 40 slots: 8 wait for their heads (the cap),
+    and the rest, each closed once it has sent nothing for a moment, are opened again at once, so
+    hundreds are always waiting to be closed. They never count against the slots, so every keyed
+    request from 127.0.0.2 is answered, none refused for want of a slot."""
+    server, key = _keyed_server(server_factory, tmp_path, "--header-timeout-s", "120")
+    port = _server_port(server)
+    with SlowLoris(port, 300, silent=True) as slow, _keyed_client(server, key) as keyed:
+        deadline = time.monotonic() + 60
+        while len(slow.cut) < 300:  # the churn is well under way
+            assert time.monotonic() < deadline, f"only {len(slow.cut)} connections were closed in 60 s"
+            time.sleep(0.05)
+        outcomes = _keyed_outcomes(keyed, 40)
+        churned = len(slow.cut)
+    assert outcomes == ["200"] * 40, outcomes
+    assert churned > 300, "the connections beyond the cap stopped arriving"
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,9 @@ protocol with what it lacks, adds:
   many slow connections cannot fill the slots that others' requests need. A connection opened
   while its address is at the cap is let in only if its first bytes (within
   ``OVER_CAP_GRACE_S``) are a whole head, as a burst of ordinary requests' are; one whose first
-  bytes are not, or that sends nothing in that time, is closed at once and leaves
-  ``limit_concurrency``'s slots. An IPv6 address counts as its /64 network (a host usually holds
+  bytes are not, or that sends nothing in that time, is closed at once; until its first bytes
+  are read it takes none of ``limit_concurrency``'s slots, so a client reopening connections at
+  its cap as fast as they are closed cannot crowd out others' requests either. An IPv6 address counts as its /64 network (a host usually holds
   a whole /64), an IPv4-mapped one as IPv4;
 - the size limit of a request's head: the request line and headers, up to and including the empty
   line that ends them, may be at most ``max_header_bytes`` (``--max-header-bytes``), however the
@@ -220,6 +221,8 @@ class EdgeProtocol(H11Protocol):
         self._waiting_for_head = False
         #: Opened at its address's cap: when it must have sent its first bytes.
         self._over_cap_timer: asyncio.TimerHandle | None = None
+        #: Opened at its address's cap and not yet in ``connections`` (``limit_concurrency``'s count).
+        self._uncounted = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._shutdown_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
@@ -233,6 +236,10 @@ class EdgeProtocol(H11Protocol):
         if self.head_waits.enter(self._address):
             self._waiting_for_head = True
         else:  # a burst of whole requests is let in; a slow or silent connection is closed
+            # until its first bytes show a whole head it takes none of limit_concurrency's slots:
+            # an address reopening many connections at its cap must not crowd out others' requests
+            self.connections.discard(self)
+            self._uncounted = True
             grace_s = min(OVER_CAP_GRACE_S, self.header_timeout_s)
             self._over_cap_timer = self.loop.call_later(grace_s, self._over_cap_grace_ended)
 
@@ -243,6 +250,7 @@ class EdgeProtocol(H11Protocol):
                 self._end_linger()
             return
         self._cancel_over_cap_timer()
+        self._count_again()  # judged by uvicorn's limit like any other; closed below if it must wait
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # lingering counts
             # part of the next request's headers: they must complete in time, and they count
@@ -413,6 +421,7 @@ class EdgeProtocol(H11Protocol):
             return True
         if self.head_waits.enter(self._address):
             self._waiting_for_head = True
+            self._count_again()
             return True
         self.connections.discard(self)
         logger.warning(
@@ -424,6 +433,13 @@ class EdgeProtocol(H11Protocol):
         )
         self._socket.close()
         return False
+
+    def _count_again(self) -> None:
+        """Put a connection opened at its address's cap back among those ``limit_concurrency`` counts."""
+        if self._uncounted:
+            self._uncounted = False
+            if not self.transport.is_closing():
+                self.connections.add(self)
 
     def _stop_waiting_for_head(self) -> None:
         if self._waiting_for_head:
