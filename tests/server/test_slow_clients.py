@@ -176,7 +176,8 @@ class SlowLoris:
                             held[sock] = (opened, sent + 1)
                 while len(held) < self.connections and not self._stop.is_set():
                     with contextlib.suppress(OSError):
-                        held[_slow_connection(self.port, silent=self.silent)] = (time.monotonic(), 1)
+                        sock = _slow_connection(self.port, silent=self.silent)
+                        held[sock] = (time.monotonic(), 0 if self.silent else 1)
                 self._stop.wait(self.TICK_S)
         finally:
             for sock in held:

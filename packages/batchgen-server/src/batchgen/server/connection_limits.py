@@ -15,8 +15,8 @@ protocol with what it lacks, adds:
   ``OVER_CAP_GRACE_S``) are a whole head, as a burst of ordinary requests' are; one whose first
   bytes are not, or that sends nothing in that time, is closed at once; until its first bytes
   are read it takes none of ``limit_concurrency``'s slots, so a client reopening connections at
-  its cap as fast as they are closed cannot crowd out others' requests either. An IPv6 address counts as its /64 network (a host usually holds
-  a whole /64), an IPv4-mapped one as IPv4;
+  its cap as fast as they are closed cannot crowd out others' requests either. An IPv6 address
+  counts as its /64 network (a host usually holds a whole /64), an IPv4-mapped one as IPv4;
 - the size limit of a request's head: the request line and headers, up to and including the empty
   line that ends them, may be at most ``max_header_bytes`` (``--max-header-bytes``), however the
   bytes arrive (h11's own limit applies only to a head still incomplete);
