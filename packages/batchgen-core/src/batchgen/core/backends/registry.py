@@ -55,10 +55,16 @@ def backend_names() -> list[str]:
 
 def backend_spec(name: str) -> BackendSpec:
     """The spec of the backend called ``name``; UnknownBackend or BackendLoadError if there is none."""
-    candidates = _registered().get(name)
+    registered = _registered()
+    candidates = registered.get(name)
     if not candidates:
-        installed = ", ".join(backend_names()) or "none"
+        installed = ", ".join(sorted(registered)) or "none"
         raise UnknownBackend(f"unknown backend {name!r}; installed backends: {installed}")
+    return _load(name, candidates)
+
+
+def _load(name: str, candidates: list[EntryPoint]) -> BackendSpec:
+    """The spec registered as ``name`` by ``candidates`` (one entry point, or BackendLoadError)."""
     if len(candidates) > 1:
         origins = " and ".join(_origin(entry_point) for entry_point in candidates)
         raise BackendLoadError(f"backend {name!r} is registered twice: {origins}; uninstall one")
@@ -84,9 +90,10 @@ def backend_specs() -> tuple[list[BackendSpec], dict[str, str]]:
     """Every installed backend's spec, and for each one that cannot be loaded, why."""
     specs: list[BackendSpec] = []
     failures: dict[str, str] = {}
-    for name in backend_names():
+    registered = _registered()  # one read of the metadata for them all
+    for name in sorted(registered):
         try:
-            specs.append(backend_spec(name))
+            specs.append(_load(name, registered[name]))
         except BackendLoadError as exc:
             failures[name] = str(exc)
     return specs, failures
