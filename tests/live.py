@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -25,7 +25,9 @@ __all__ = [
     "LiveServer",
     "chat_line",
     "free_port",
+    "launch_server",
     "start_server",
+    "stop_servers",
     "wait_for_status",
     "wait_until_ready",
     "write_jsonl",
@@ -46,13 +48,29 @@ class LiveServer:
         return f"{self.base_url}/v1"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """SIGTERM, then wait for the exit (SIGKILL after 15 s)."""
+        stop_servers([self])
+
+    def wait_ready(self, timeout_s: float = 60.0, ready: tuple[int, ...] = (200,)) -> None:
+        """Wait until /health answers one of ``ready``; on failure stop the process and raise."""
+        try:
+            wait_until_ready(self.process, f"{self.base_url}/health", self.log_path, timeout_s, ready)
+        except RuntimeError:
+            self.stop()
+            raise
+
+
+def stop_servers(servers: Iterable[LiveServer]) -> None:
+    """SIGTERM every one of ``servers`` first, then wait for each: a fleet's shutdowns overlap."""
+    running = [server.process for server in servers if server.process.poll() is None]
+    for process in running:
+        process.terminate()
+    for process in running:
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 #: Ports handed out by ``free_port``: below Linux's ephemeral range (32768 up), so no connection's
@@ -115,6 +133,20 @@ def start_server(
     environment) and wait until /health answers. ``host`` is the address it serves on (another
     than loopback, ``--allow-unauthenticated`` too); ``wrap`` makes the command line run
     elsewhere (``Namespace.command``: inside a network namespace)."""
+    server = launch_server(storage_path, *flags, environ=environ, host=host, wrap=wrap)
+    server.wait_ready(timeout_s, ready)
+    return server
+
+
+def launch_server(
+    storage_path: Path,
+    *flags: str,
+    environ: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> LiveServer:
+    """``start_server`` without the wait: the process is started, and ``wait_ready`` waits for it
+    (several launched first and then waited for start together)."""
     port = free_port()
     storage_path.mkdir(parents=True, exist_ok=True)
     log_path = storage_path.parent / f"server-{port}.log"
@@ -142,13 +174,7 @@ def start_server(
         stderr=subprocess.STDOUT,
         env={**os.environ, **(environ or {}), "PYTHONUNBUFFERED": "1"},
     )
-    server = LiveServer(process, f"http://{host}:{port}", storage_path, log_path)
-    try:
-        wait_until_ready(process, f"{server.base_url}/health", log_path, timeout_s, ready)
-    except RuntimeError:
-        server.stop()
-        raise
-    return server
+    return LiveServer(process, f"http://{host}:{port}", storage_path, log_path)
 
 
 def wait_until_ready(

@@ -31,7 +31,7 @@ from openai import OpenAI
 from batchgen.core.work.segment_store import open_segment_store
 from batchgen.core.work.shards import Segment
 from tests.helpers import chat_line, jsonl
-from tests.live import LiveServer, start_server
+from tests.live import LiveServer, launch_server, stop_servers
 
 
 @attrs.frozen
@@ -46,8 +46,18 @@ def start_replica(
     root: Path, url: str, blobs: Blobs, name: str, *flags: str, lease_s: float = 3.0
 ) -> LiveServer:
     """A ``batchgen-server`` replica named ``name`` on the database at ``url`` and on ``blobs``,
-    its storage folder ``root / name``, with ``flags`` added."""
-    return start_server(
+    its storage folder ``root / name``, with ``flags`` added, once /health answers 200."""
+    server = launch_replica(root, url, blobs, name, *flags, lease_s=lease_s)
+    server.wait_ready()
+    return server
+
+
+def launch_replica(
+    root: Path, url: str, blobs: Blobs, name: str, *flags: str, lease_s: float = 3.0
+) -> LiveServer:
+    """``start_replica`` without the wait (``LiveServer.wait_ready``): replicas launched together
+    start together, as a deployment's do, and make the schema under its advisory lock."""
+    return launch_server(
         root / name,
         "--metadata-url",
         url,
@@ -66,15 +76,16 @@ def start_replica(
 def running_replicas(
     root: Path, url: str, blobs: Blobs, names: tuple[str, ...], *flags: str
 ) -> Iterator[list[LiveServer]]:
-    """``start_replica`` for each of ``names``, all stopped at the end."""
+    """A replica for each of ``names``, started together, all stopped together at the end."""
     servers: list[LiveServer] = []
     try:
         for name in names:
-            servers.append(start_replica(root, url, blobs, name, *flags))
+            servers.append(launch_replica(root, url, blobs, name, *flags))
+        for server in servers:
+            server.wait_ready()
         yield servers
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
 
 
 class Fleet:
@@ -88,7 +99,19 @@ class Fleet:
         self.servers: dict[str, LiveServer] = {}
 
     def start(self, name: str) -> LiveServer:
-        self.servers[name] = start_replica(
+        """Start the replica ``name`` and wait until it is healthy."""
+        return self.start_together(name)[0]
+
+    def start_together(self, *names: str) -> list[LiveServer]:
+        """Start the replicas ``names`` at once, then wait until each is healthy."""
+        for name in names:
+            self.servers[name] = self._launch(name)
+        for name in names:
+            self.servers[name].wait_ready()
+        return [self.servers[name] for name in names]
+
+    def _launch(self, name: str) -> LiveServer:
+        return launch_replica(
             self.root,
             self.url,
             self.blobs,
@@ -99,7 +122,6 @@ class Fleet:
             str(self.latency_s),
             lease_s=self.lease_s,
         )
-        return self.servers[name]
 
     def kill(self, name: str) -> None:
         process = self.servers[name].process
@@ -122,8 +144,7 @@ class Fleet:
         }
 
     def stop(self) -> None:
-        for server in self.servers.values():
-            server.stop()
+        stop_servers(self.servers.values())
 
 
 @contextmanager
@@ -133,8 +154,7 @@ def running_fleet(
     """A fleet with the replicas ``names`` started, stopped at the end whatever happened."""
     fleet = Fleet(url, root, blobs, lease_s=lease_s)
     try:
-        for name in names:
-            fleet.start(name)
+        fleet.start_together(*names)
         yield fleet
     finally:
         fleet.stop()

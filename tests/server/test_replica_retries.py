@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.helpers import chat_line, jsonl
-from tests.replica_fleet import Blobs, running_replicas, start_replica
+from tests.replica_fleet import Blobs, running_replicas
 
 pytestmark = pytest.mark.live
 
@@ -183,8 +183,7 @@ def test_two_replicas_asked_at_once_make_one_retry(slow_failing: list[httpx.Clie
 def test_a_batch_is_created_on_a_replica_without_a_copy_of_its_input(
     postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
-    servers = [start_replica(tmp_path, postgres_url, blobs, name) for name in ("a", "b")]
-    try:
+    with running_replicas(tmp_path, postgres_url, blobs, ("a", "b")) as servers:
         a, b = (httpx.Client(base_url=server.base_url, timeout=60) for server in servers)
         lines = jsonl(*(chat_line(f"r{i}", f"q {i}") for i in range(50)))
         uploaded = a.post("/v1/files", files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"}).json()
@@ -202,6 +201,3 @@ def test_a_batch_is_created_on_a_replica_without_a_copy_of_its_input(
         ended = _ended(a, created.json()["id"])
         assert ended["request_counts"] == {"total": 50, "completed": 50, "failed": 0}
         assert a.get(f"/v1/files/{uploaded['id']}/content").content == lines
-    finally:
-        for server in servers:
-            server.stop()

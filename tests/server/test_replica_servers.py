@@ -36,8 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.core.work.segment_store import open_segment_store
 from tests.helpers import chat_line, jsonl
-from tests.live import LiveServer
-from tests.replica_fleet import Blobs, running_replicas, start_replica
+from tests.live import LiveServer, stop_servers
+from tests.replica_fleet import Blobs, launch_replica, running_replicas, start_replica
 from tests.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.live
@@ -45,16 +45,10 @@ pytestmark = pytest.mark.live
 
 @pytest.fixture
 def three(postgres_url: str, tmp_path: Path, blobs: Blobs) -> Iterator[list[LiveServer]]:
-    servers: list[LiveServer] = []
-    try:
-        for name in ("a", "b", "c"):
-            servers.append(
-                start_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.002")
-            )
+    with running_replicas(
+        tmp_path, postgres_url, blobs, ("a", "b", "c"), "--simulated-latency-s", "0.002"
+    ) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def _client(server: LiveServer, key: str = "unused") -> OpenAI:
@@ -172,10 +166,12 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
     postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
     servers = [
-        start_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02")
+        launch_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02")
         for name in ("a", "b")
     ]
     try:
+        for server in servers:
+            server.wait_ready()
         path = tmp_path / "input.jsonl"
         path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(6000))))
         client = _client(servers[1])
@@ -201,8 +197,7 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
         assert ids == Counter(f"r{i}" for i in range(6000))
         assert ended["request_counts"]["completed"] == 6000
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
 
 
 @attrs.frozen
