@@ -106,6 +106,12 @@ SLOW_TESTS = frozenset(
         "tests/server/test_durability.py::test_batch_past_its_window_ends_with_partial_results",
         "tests/server/test_batch_retry.py::test_an_expired_batch_retries_the_lines_that_never_ran",
         "tests/server/test_batch_retry.py::test_a_retry_holds_exactly_the_lines_that_failed_or_never_ran",
+        "tests/core/test_deadline_watch.py::test_a_batch_that_cannot_finish_in_time_is_at_risk_with_one_event_across_a_restart",
+        "tests/core/test_metadata_calls.py::test_sqlite_is_called_in_place_as_before",
+        "tests/core/test_metadata_calls.py::test_a_store_that_blocks_is_called_from_worker_threads_and_the_loop_never_waits",
+        "tests/server/test_result_cache.py::test_a_second_run_of_10000_greedy_lines_comes_from_the_cache_byte_for_byte",
+        "tests/server/test_connection_limits.py::test_a_request_under_way_at_shutdown_is_cut_with_503_when_the_grace_ends",
+        "tests/server/test_dashboard.py::test_after_a_restart_the_totals_count_only_the_new_work",
     }
 )
 

@@ -83,7 +83,9 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     storage = tmp_path_factory.mktemp("documented") / "storage"
-    with TestClient(in_process_app(storage, "--simulated-latency-s", "60"), timeout=30) as client:
+    with TestClient(
+        in_process_app(storage, "--simulated-latency-s", "60", "--shutdown-grace-s", "0"), timeout=30
+    ) as client:
         store = KeyStore(storage / "metadata.sqlite3")
         alice = {"Authorization": f"Bearer {store.create_key('alice')[1]}"}
         bob = {"Authorization": f"Bearer {store.create_key('bob')[1]}"}
