@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -114,15 +114,18 @@ class BatchModel:
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Three replicas, one ledger, a model of every shard's lease."""
+    """Three replicas, one ledger, a model of every shard's lease. Every example uses the one ledger
+    (and the event loop its pool belongs to) the fixture opened, emptied at the example's start: the
+    ledger keeps nothing but its connections, and opening one per example was most of the time."""
 
-    url: str
+    loop: asyncio.AbstractEventLoop
+    shared_ledger: PostgresShardLedger
     folder: Path
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
-        self.ledger = self.run(_ledger(self.url))
+        self.loop = type(self).loop
+        self.ledger = type(self).shared_ledger
         self.run(self.ledger._rows("TRUNCATE batch_work CASCADE"))
         self.segments = SegmentFiles(self.folder / f"run-{time.monotonic_ns()}")
         self.batches: dict[str, BatchModel] = {}
@@ -137,10 +140,6 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coroutine)
-
-    def teardown(self) -> None:
-        self.run(self.ledger.close())
-        self.loop.close()
 
     @initialize(lines=st.integers(1, 30), shard_lines=st.integers(1, 7), tenant=st.sampled_from(TENANTS))
     def first_batch(self, lines: int, shard_lines: int, tenant: str) -> None:
@@ -397,10 +396,16 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 @pytest.fixture
-def ledger_machine(postgres_url: str, tmp_path: Path) -> type[LedgerMachine]:
-    LedgerMachine.url = postgres_url
-    LedgerMachine.folder = tmp_path
-    return LedgerMachine
+def ledger_machine(postgres_url: str, tmp_path: Path) -> Iterator[type[LedgerMachine]]:
+    loop = asyncio.new_event_loop()
+    try:
+        LedgerMachine.loop = loop
+        LedgerMachine.shared_ledger = loop.run_until_complete(_ledger(postgres_url))
+        LedgerMachine.folder = tmp_path
+        yield LedgerMachine
+        loop.run_until_complete(LedgerMachine.shared_ledger.close())
+    finally:
+        loop.close()
 
 
 def test_leases_fencing_and_the_manifest_hold_in_any_order(ledger_machine: type[LedgerMachine]) -> None:
