@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from batchgen.core.execution.replica_work import MISSED_REPORTS, REPORT_EVERY_S, fleet_status
@@ -35,13 +35,17 @@ def test_a_replica_silent_for_two_reports_is_not_reporting_nor_healthy() -> None
 
 
 @given(age=ages, since_read=ages, healthy=st.booleans())
+@example(age=0.025, since_read=0.025, healthy=True)  # a sum on a midpoint: 1000.025 - 1000 < 0.025
 def test_reporting_means_neither_the_report_nor_the_reading_is_two_intervals_old(
     age: float, since_read: float, healthy: bool
 ) -> None:
     listed = _one(age, since_read, healthy)
     assert listed["reporting"] is (age <= LIMIT_S and since_read <= LIMIT_S)
     assert listed["healthy"] is (listed["reporting"] and healthy)
-    assert listed["seen_s_ago"] == round(age + since_read, 1)  # its age now, not when read
+    # its age now, not when read, to a tenth of a second (the clock's float sum may land either
+    # side of a rounding midpoint, so the nearest tenth is checked, not one rounding of it)
+    assert listed["seen_s_ago"] == round(listed["seen_s_ago"], 1)
+    assert abs(listed["seen_s_ago"] - (age + since_read)) <= 0.05 + 1e-9
 
 
 @given(age=ages, since_read=ages, later=ages)
