@@ -64,9 +64,10 @@ TEST_DEPS = (
 )
 #: Tests that need neither torch nor another process, and take well under 2 s each.
 UNIT_MARKERS = "not model and not live and not fuzz and not slow"
-#: pytest-xdist: the fast loop spreads its test modules over the CPU cores (one module's tests run
-#: in one worker, in order, sharing their module-scoped fixtures).
-UNIT_WORKERS = ("--numprocesses", "auto", "--dist", "loadfile")
+#: pytest-xdist: the fast loop spreads its test modules over two workers per CPU core (one module's
+#: tests run in one worker, in order, sharing their module-scoped fixtures). Many of its tests wait
+#: on sockets and threads of in-process servers: on 2 cores, 4 workers took 65-70 s, 2 took 76-82 s.
+UNIT_WORKERS = ("--numprocesses", str(2 * (os.cpu_count() or 1)), "--dist", "loadfile")
 #: Chooses the Hypothesis profile: dev, ci (the default) or nightly (tests/examples.py).
 HYPOTHESIS_PROFILE_VARIABLE = "BATCHGEN_HYPOTHESIS_PROFILE"
 #: The whole suite's pytest-xdist workers, one module's tests in one worker (0 runs it in one
