@@ -36,8 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.core.work.segment_store import open_segment_store
 from tests.helpers import chat_line, jsonl
-from tests.live import LiveServer, stop_servers
-from tests.replica_fleet import Blobs, launch_replica, running_replicas, start_replica
+from tests.live import LiveServer
+from tests.replica_fleet import Blobs, running_replicas, start_replica
 from tests.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.live
@@ -165,13 +165,9 @@ def test_a_replicas_metrics_are_its_own_and_documented(three: list[LiveServer]) 
 def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
     postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
-    servers = [
-        launch_replica(tmp_path, postgres_url, blobs, name, "--simulated-latency-s", "0.02")
-        for name in ("a", "b")
-    ]
-    try:
-        for server in servers:
-            server.wait_ready()
+    flags = ("--simulated-latency-s", "0.02")
+    # the replica started after the kill joins the list, and is stopped with the others at the end
+    with running_replicas(tmp_path, postgres_url, blobs, ("a", "b"), *flags) as servers:
         path = tmp_path / "input.jsonl"
         path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(6000))))
         client = _client(servers[1])
@@ -187,17 +183,13 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
             time.sleep(0.1)
         servers[0].process.send_signal(signal.SIGKILL)  # with shards half done, nothing released
         servers[0].process.wait()
-        servers.append(
-            start_replica(tmp_path, postgres_url, blobs, "a-again", "--simulated-latency-s", "0.02")
-        )
+        servers.append(start_replica(tmp_path, postgres_url, blobs, "a-again", *flags))
         ended = _wait_ended(_client(servers[2]), batch.id, 120)
         assert ended["status"] == "completed"
         output = client.files.content(ended["output_file_id"]).content
         ids = Counter(json.loads(line)["custom_id"] for line in output.splitlines())
         assert ids == Counter(f"r{i}" for i in range(6000))
         assert ended["request_counts"]["completed"] == 6000
-    finally:
-        stop_servers(servers)
 
 
 @attrs.frozen
