@@ -28,8 +28,11 @@ The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a seg
 - ``stop`` cancels the work and releases the unfinished leases, so others take them at once.
 
 Each start of a runner is a new owner in the ledger (``owner_id``: the replica id and a token).
-``healthy`` is false while the ledger or the segment store fails (``problems`` says how), and
-true again once the failing part has worked.
+``healthy`` is false while the ledger (its claims, or its renewals) or the segment store fails
+(``problems`` says how), and true again once the failing part has worked. A part fails when
+``FAILURES_REPORTED`` of its calls in a row have failed: a single call given up on a loaded
+machine, followed by one that is answered, is not an outage (a timed-out renewal is sent again
+at once, a claim after ``poll_s``, a commit at the next commit).
 
 A replica that cannot renew (paused, cut off from the database) fences itself: every ledger call
 it makes gives up after a third of the lease (``call_timeout_s``: a partition makes calls hang, not
@@ -74,6 +77,17 @@ logger = logging.getLogger(__name__)
 ORPHAN_GRACE_S = 3600.0
 #: How often a cause that keeps making shards be given up is logged again, with its count.
 GIVE_UP_LOG_EVERY_S = 60.0
+#: How many calls in a row of one part (claims, renewals, commits) must fail before the runner
+#: reports it as a problem.
+FAILURES_REPORTED = 2
+
+
+@attrs.define
+class _Failing:
+    """A part whose last calls failed: how many in a row, and what the last one raised."""
+
+    calls: int
+    detail: str
 
 
 @attrs.frozen
@@ -183,9 +197,9 @@ class ShardRunner:
         self.shards_cancelled = 0
         self.commits_refused = 0
         self.lines_committed = 0
-        #: What failed last and has not worked since, by part ("ledger": claims and renewals;
-        #: "commit": writing segments and committing them); empty while all is well.
-        self._problems: dict[str, str] = {}
+        #: What failed last and has not worked since, by part ("ledger claims", "ledger
+        #: renewals", and "commit": writing segments and committing them).
+        self._failing: dict[str, _Failing] = {}
         #: Why the runner must not run lines now, by part (``suspend``): no claim while any is set.
         self._suspended: dict[str, str] = {}
         #: How often each cause made a shard be given up: the first is logged with its
@@ -195,7 +209,7 @@ class ShardRunner:
 
     @property
     def healthy(self) -> bool:
-        return not self._problems
+        return not self.problems
 
     def suspend(self, part: str, reason: str) -> None:
         """Run nothing while ``reason`` holds (the blob store is not this cluster's, say): the
@@ -203,8 +217,7 @@ class ShardRunner:
         ``resume(part)``; the runner is unhealthy meanwhile."""
         if part not in self._suspended:
             logger.error("%s stops running lines: %s", self.owner_id, reason)
-        self._suspended[part] = reason
-        self._problems[part] = reason[:300]
+        self._suspended[part] = reason[:300]
         for shard in list(self._held.values()):
             self._drop(shard)
             task = asyncio.ensure_future(self.ledger.release(shard.lease))
@@ -214,18 +227,30 @@ class ShardRunner:
         """``reason`` of ``suspend(part)`` holds no more."""
         if self._suspended.pop(part, None) is not None:
             logger.warning("%s runs lines again: %s is resolved", self.owner_id, part)
-            self._problems.pop(part, None)
             self._room.set()
 
     @property
     def problems(self) -> list[str]:
-        """Why the runner is not healthy (the database or the store failing), or nothing."""
-        return [f"{part}: {problem}" for part, problem in sorted(self._problems.items())]
+        """Why the runner is not healthy (the database or the store failing, or a ``suspend``),
+        or nothing."""
+        problems = dict(self._suspended)
+        problems.update(
+            (part, failing.detail)
+            for part, failing in self._failing.items()
+            if failing.calls >= FAILURES_REPORTED
+        )
+        return [f"{part}: {problem}" for part, problem in sorted(problems.items())]
 
-    def _failed(self, part: str, error: Exception) -> None:
+    def _failed(self, part: str, error: Exception) -> _Failing:
         # a call given up by its timeout says nothing of itself
         detail = str(error) or ("no answer in time" if isinstance(error, TimeoutError) else "no detail")
-        self._problems[part] = f"{type(error).__name__}: {detail}"[:300]
+        failing = self._failing.setdefault(part, _Failing(0, ""))
+        failing.calls += 1
+        failing.detail = f"{type(error).__name__}: {detail}"[:300]
+        return failing
+
+    def _worked(self, part: str) -> None:
+        self._failing.pop(part, None)
 
     @property
     def held(self) -> list[Lease]:
@@ -255,11 +280,11 @@ class ShardRunner:
                     leases = [] if claim is None else await asyncio.wait_for(claim, self.claim_timeout_s)
                 except Exception as error:  # the database is away: try again after a poll interval
                     logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
-                    self._failed("ledger", error)
+                    self._failed("ledger claims", error)
                     leases = []
                 else:
                     if claim is not None:
-                        self._problems.pop("ledger", None)
+                        self._worked("ledger claims")
                 claimed = [_HeldShard(lease, valid_until=sent + self.ttl_s) for lease in leases]
                 for shard in claimed:
                     self._held[shard.lease.key] = shard
@@ -305,9 +330,9 @@ class ShardRunner:
             if answer is None:  # the database is away (or cut off): leases run out
                 error = renewal.error or RuntimeError("no answer")
                 logger.warning("%s could not renew its leases: %r", self.owner_id, error)
-                self._failed("ledger", error)
+                self._failed("ledger renewals", error)
                 continue
-            self._problems.pop("ledger", None)
+            self._worked("ledger renewals")
             for key, shard in list(self._held.items()):
                 epoch = shard.lease.epoch
                 if answer.renewed.get(key) == epoch:
@@ -496,19 +521,18 @@ class ShardRunner:
                 raise
             # the earlier try of these very lines did commit
         except Exception as error:
-            first = "commit" not in self._problems  # the traceback once, not once per try
-            self._failed("commit", error)
+            failing = self._failed("commit", error)
             logger.warning(
                 "%s could not commit shard %s of %s: %s",
                 self.owner_id,
                 lease.shard.shard_no,
                 lease.batch_id,
-                self._problems["commit"],
-                exc_info=first,
+                failing.detail,
+                exc_info=failing.calls == 1,  # the traceback once, not once per try
             )
             shard.unsure = finished
             return False
-        self._problems.pop("commit", None)
+        self._worked("commit")
         self.lines_committed += len(finished)
         return True
 
