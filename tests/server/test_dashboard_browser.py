@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,6 +191,58 @@ def test_the_page_asks_for_an_api_key_and_sends_it_on_every_call(live_server: Li
     assert seen and all(call["authorization"] == "Bearer sk-right" for call in seen)
     assert {"/v1/pool/status", "/v1/batches"} <= {call["url"].split("?")[0].removeprefix(live_server.base_url)
                                                    for call in seen}  # fmt: skip
+
+
+def test_a_refusal_answered_after_another_key_was_entered_asks_for_nothing(
+    live_server: LiveServer, page: Page
+) -> None:
+    """The calls sent with a wrong key whose 401s come back only after the right key was entered
+    (a server slow to refuse) are sent again with the right key: the prompt does not open again
+    and the page goes on polling (a batch submitted afterwards appears). The server's refusals
+    are played by intercepting the page's calls; all but the first wrong-key call are held until
+    the right key is in."""
+    wrong = "Bearer sk-wrong"
+    held: list[Route] = []
+    refused: list[str] = []
+
+    def refuse(route: Route) -> None:
+        error = {"message": "Missing or invalid API key.", "type": "invalid_request_error", "param": None,
+                 "code": "invalid_api_key"}  # fmt: skip
+        route.fulfill(status=401, json={"error": error})
+
+    def guard(route: Route) -> None:
+        authorization = route.request.headers.get("authorization")
+        if authorization == "Bearer sk-right":
+            route.continue_()
+        elif authorization == wrong and refused:
+            held.append(route)
+        else:
+            if authorization == wrong:
+                refused.append(route.request.url)
+            refuse(route)
+
+    page.route("**/v1/**", guard)
+    page.goto(live_server.base_url + "/")
+    page.wait_for_selector("#key-prompt[open]")
+    page.fill("#key-input", "sk-wrong")
+    page.click("#key-submit")
+    page.wait_for_function("() => document.getElementById('key-message').textContent.includes('refused')")
+    # the calls that waited for a key went out together with it: the pool's and the table's
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(50)
+    assert held, "every call that carried the wrong key was answered before the right key was in"
+
+    page.fill("#key-input", "sk-right")
+    page.click("#key-submit")
+    page.wait_for_selector("#key-prompt:not([open])", state="attached")
+    for route in held:
+        refuse(route)
+    with httpx.Client(base_url=live_server.base_url) as api:
+        later = submit(api, [chat_line("after-the-key")])
+    page.wait_for_selector(f'tr[data-batch-id="{later["id"]}"]')
+    assert not page.is_visible("#key-prompt")
+    assert page.evaluate("sessionStorage.getItem('batchgen.apiKey')") == "sk-right"
 
 
 def test_the_page_works_with_a_server_that_has_real_api_keys(

@@ -53,9 +53,11 @@
       if (key) headers.set("Authorization", `Bearer ${key}`);
       const response = await fetch(path, { ...options, headers, cache: "no-store" });
       if (response.status !== 401) return response;
-      const refused = key !== null && sessionStorage.getItem(KEY_ITEM) === key;
-      if (refused) sessionStorage.removeItem(KEY_ITEM);
-      await askForKey(refused ? "The server refused that key. Enter another one." : "");
+      // A 401 speaks of the key this call sent: if another key was entered (or the key dropped)
+      // while it was out, it is tried again with what is kept now, never a prompt of its own.
+      if (sessionStorage.getItem(KEY_ITEM) !== key) continue;
+      if (key !== null) sessionStorage.removeItem(KEY_ITEM);
+      await askForKey(key !== null ? "The server refused that key. Enter another one." : "");
     }
   }
 
