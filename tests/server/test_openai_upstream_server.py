@@ -22,14 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import packaged_model
 from tests.live import LiveServer, chat_line, start_server, wait_for_status, write_jsonl
 from tests.upstreams import Upstream, start_upstream
 
 pytestmark = pytest.mark.model
 
-REPOSITORY = Path(__file__).resolve().parents[2]
 #: The converted model, kept between runs (git-ignored).
-MODEL_CACHE = REPOSITORY / ".pytest-model-cache" / "SmolLM2-135M-Instruct"
 QUESTIONS = [
     "What is the capital of France?",
     "Name a primary color.",
@@ -61,9 +60,7 @@ QUESTIONS = [
 @pytest.fixture(scope="session")
 def model_folder() -> Path:
     """SmolLM2-135M-Instruct as a safetensors folder, converted from the packaged GGUF once."""
-    from batchgen.core.backends.hf_model_files import convert_gguf_once, packaged_gguf
-
-    return convert_gguf_once(packaged_gguf(), MODEL_CACHE)
+    return packaged_model.converted()
 
 
 @pytest.fixture

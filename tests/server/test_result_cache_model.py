@@ -12,6 +12,7 @@ import httpx
 import msgspec
 import pytest
 
+from tests import packaged_model
 from tests.helpers import as_replayed, chat_line, completion_line, jsonl, upload, wait_for_status
 from tests.live import start_server
 
@@ -46,8 +47,9 @@ def _prompt_tokens(client: httpx.Client) -> float:
 
 
 def test_a_second_greedy_run_on_the_real_model_comes_from_the_cache_byte_for_byte(tmp_path: Path) -> None:
+    storage = packaged_model.link_into(tmp_path / "storage")
     server = start_server(
-        tmp_path / "storage", "--backend", "transformers", "--result-cache-tenant", "default", timeout_s=600
+        storage, "--backend", "transformers", "--result-cache-tenant", "default", timeout_s=600
     )
     try:
         chats = [

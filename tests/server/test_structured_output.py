@@ -11,21 +11,19 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests import packaged_model
 from tests.close_floats import close_json
 from tests.helpers import chat_line, completion_line, file_lines, submit, wait_for_status
 from tests.live import LiveServer, start_server
 
 pytestmark = [pytest.mark.model, pytest.mark.live]
 
-REPOSITORY = Path(__file__).resolve().parents[2]
 #: The converted model, kept between runs (git-ignored).
-MODEL_CACHE = REPOSITORY / ".pytest-model-cache" / "SmolLM2-135M-Instruct"
 
 SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
     "person": (
@@ -81,9 +79,7 @@ SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from batchgen.core.backends.hf_model_files import convert_gguf_once, packaged_gguf
-
-    folder = convert_gguf_once(packaged_gguf(), MODEL_CACHE)
+    folder = packaged_model.converted()
     storage = tmp_path_factory.mktemp("structured") / "storage"
     server = start_server(storage, "--backend", "transformers", "--model", str(folder), timeout_s=600)
     yield server
