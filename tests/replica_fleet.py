@@ -74,13 +74,13 @@ def launch_replica(
 
 @contextmanager
 def running_replicas(
-    root: Path, url: str, blobs: Blobs, names: tuple[str, ...], *flags: str
+    root: Path, url: str, blobs: Blobs, names: tuple[str, ...], *flags: str, lease_s: float = 3.0
 ) -> Iterator[list[LiveServer]]:
     """A replica for each of ``names``, started together, all stopped together at the end."""
     servers: list[LiveServer] = []
     try:
         for name in names:
-            servers.append(launch_replica(root, url, blobs, name, *flags))
+            servers.append(launch_replica(root, url, blobs, name, *flags, lease_s=lease_s))
         for server in servers:
             server.wait_ready()
         yield servers

@@ -35,6 +35,7 @@ from openai.types import Batch
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.core.work.segment_store import open_segment_store
+from batchgen.core.work.shards import DEFAULT_LEASE_S
 from tests.helpers import chat_line, jsonl
 from tests.live import LiveServer
 from tests.replica_fleet import Blobs, running_replicas, start_replica
@@ -166,8 +167,12 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
     postgres_url: str, tmp_path: Path, blobs: Blobs
 ) -> None:
     flags = ("--simulated-latency-s", "0.02")
+    # The default lease: with a 3 s one (a claim given up after a lease, a renewal after a third),
+    # run alone with two busy loops beside it, both replicas gave claims up again and again (7 and
+    # 8 times) and 500 lines were not reached in 120 s, in 2 runs of 3; with 10 s, 43 to 45 s.
+    lease_s = DEFAULT_LEASE_S
     # the replica started after the kill joins the list, and is stopped with the others at the end
-    with running_replicas(tmp_path, postgres_url, blobs, ("a", "b"), *flags) as servers:
+    with running_replicas(tmp_path, postgres_url, blobs, ("a", "b"), *flags, lease_s=lease_s) as servers:
         path = tmp_path / "input.jsonl"
         path.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(6000))))
         client = _client(servers[1])
@@ -179,11 +184,11 @@ def test_a_replica_killed_holding_shards_loses_no_line_and_doubles_none(
         while (polled := _poll(client, batch.id, deadline)) is None or (
             polled.request_counts.completed < 500  # type: ignore[union-attr]
         ):
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, polled
             time.sleep(0.1)
         servers[0].process.send_signal(signal.SIGKILL)  # with shards half done, nothing released
         servers[0].process.wait()
-        servers.append(start_replica(tmp_path, postgres_url, blobs, "a-again", *flags))
+        servers.append(start_replica(tmp_path, postgres_url, blobs, "a-again", *flags, lease_s=lease_s))
         ended = _wait_ended(_client(servers[2]), batch.id, 120)
         assert ended["status"] == "completed"
         output = client.files.content(ended["output_file_id"]).content
