@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -163,6 +163,22 @@ def running_fleet(
 def report(server: LiveServer) -> dict[str, Any]:
     """The ``replica`` block of a replica's ``/health``."""
     return dict(httpx.get(f"{server.base_url}/health", timeout=10).json()["replica"])
+
+
+def committed_once(servers: Mapping[str, LiveServer], lines: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The replicas' ``/health`` reports, by name, once their ``lines_committed`` add up to exactly
+    ``lines``. A replica counts a commit when its loop reads the database's answer, which can come
+    after the batch was seen completed elsewhere; a sum over ``lines`` fails at once, one that
+    stays short fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reports = {name: report(server) for name, server in servers.items()}
+        committed = sum(r["lines_committed"] for r in reports.values())
+        assert committed <= lines, reports
+        if committed == lines:
+            return reports
+        assert time.monotonic() < deadline, reports
+        time.sleep(0.2)
 
 
 def client(server: LiveServer) -> OpenAI:
