@@ -28,7 +28,6 @@ from tests.upstreams import Upstream, start_upstream
 
 pytestmark = pytest.mark.model
 
-#: The converted model, kept between runs (git-ignored).
 QUESTIONS = [
     "What is the capital of France?",
     "Name a primary color.",
