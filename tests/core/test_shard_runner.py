@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ from batchgen.core.work.postgres_ledger import BatchWork, PostgresShardLedger
 from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import SegmentStore, open_segment_store
 from batchgen.core.work.shard_runner import LineResult, ShardRunner
-from batchgen.core.work.shards import ERRORS, OUTPUT, Lease, Segment
+from batchgen.core.work.shards import ERRORS, OUTPUT, Lease, Segment, SegmentPart
 from tests.netns import Namespace
 from tests.postgres import PostgresServer
 from tests.seaweedfs import SeaweedServer
@@ -403,6 +403,83 @@ async def test_a_ledger_part_is_a_problem_once_two_of_its_calls_in_a_row_have_fa
     expected = [[problem] if 2 <= k - 1 <= refusals else [] for k in range(1, refusals + 2)]
     assert claims[: refusals + 1] == expected
     assert runner.healthy
+
+
+class _LateAnswers(PostgresShardLedger):
+    """A ledger whose commit, once ``hold`` is set, is taken by the database and then answers
+    only once ``answer`` is set: a replica that reads a commit's answer late (paused, its loop
+    busy). ``landed`` is set when the held commit is in the database."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.hold = False
+        self.landed = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def commit(
+        self, lease: Lease, parts: Sequence[SegmentPart], *, renew_s: float | None = None
+    ) -> list[Segment]:
+        segments = await super().commit(lease, parts, renew_s=renew_s)
+        if self.hold and not self.landed.is_set():
+            self.landed.set()
+            await self.answer.wait()
+        return segments
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("drop", ["batch cancelled", "runner suspended", "runner stopped"])
+async def test_a_commit_taken_as_its_shard_is_dropped_still_counts_once_its_answer_comes(
+    postgres_url: str, tmp_path: Path, drop: str
+) -> None:
+    """The database takes a commit, and before the runner reads its answer the shard is dropped
+    (its batch cancelled, the runner suspended or stopped): once the answer comes, the runner's
+    ``lines_committed`` equals the lines the ledger holds, none lost and none twice."""
+    store = SegmentFiles(tmp_path)
+    batch_id = f"batch_late_{drop.split()[1]}"
+    async with PostgresShardLedger(postgres_url) as ledger, _LateAnswers(postgres_url) as late:
+        await ledger.create_schema()
+        await ledger.add_batch(batch_id, 200, shard_lines=100)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            await asyncio.sleep(0.01)
+            return _line(batch_id, line, "replica-a")
+
+        runner = ShardRunner(
+            late,
+            store,
+            run_line,
+            replica_id="replica-a",
+            max_shards=1,
+            concurrency=4,
+            commit_lines=10,
+            commit_interval_s=0.05,
+            watch_s=0.05,
+        )
+        task = asyncio.create_task(runner.run())
+        await _wait_for_lines(ledger, batch_id, 20)
+        late.hold = True
+        await asyncio.wait_for(late.landed.wait(), 30)
+        if drop == "batch cancelled":
+            assert await ledger.cancel(batch_id)
+        elif drop == "runner suspended":
+            runner.suspend("test", "suspended by the test")
+        else:
+            runner.stop()
+        deadline = time.monotonic() + 30
+        while runner.held:  # dropped while its commit waits for its answer
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        late.answer.set()
+        work = await ledger.batch(batch_id)
+        assert work is not None
+        while runner.lines_committed < work.completed + work.failed:
+            assert time.monotonic() < deadline, (runner.lines_committed, work)
+            await asyncio.sleep(0.02)
+        runner.stop()
+        await task
+        work = await ledger.batch(batch_id)
+        assert work is not None
+        assert runner.lines_committed == work.completed + work.failed > 0
 
 
 @pytest.mark.anyio

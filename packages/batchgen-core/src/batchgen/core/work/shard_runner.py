@@ -21,7 +21,8 @@ The loop a replica runs beside its API, over a ``PostgresShardLedger`` and a seg
   cancelled and its buffer discarded (another replica runs those lines again; they were never
   committed, so no line appears twice), unless its last lines are being committed (a commit
   that ends a shard takes it out of the renewals too: that commit's fence says whether it was
-  still the shard's);
+  still the shard's); a commit already on its way is not cut off: its answer is read for up to
+  ``call_timeout_s`` more, and lines the database took count in ``lines_committed``;
 - **watch** the batches it runs every ``watch_s`` seconds: a batch cancelled anywhere (on any
   replica) has its shards dropped at once, well before the next renewal would drop them;
 - after a shard's last commit, ``finish_if_done`` marks its batch finished (one replica wins);
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -196,7 +198,10 @@ class ShardRunner:
         self.leases_lost = 0
         self.shards_cancelled = 0
         self.commits_refused = 0
+        #: Lines whose commit the database took, counted as each commit's answer is read.
         self.lines_committed = 0
+        #: Commits on their way to the database, among them those of shards dropped meanwhile.
+        self._committing: set[asyncio.Future[Any]] = set()
         #: What failed last and has not worked since, by part ("ledger claims", "ledger
         #: renewals", and "commit": writing segments and committing them).
         self._failing: dict[str, _Failing] = {}
@@ -308,15 +313,15 @@ class ShardRunner:
             watch.cancel()
             held = list(self._held.values())
             for shard in held:
-                if shard.task is not None:
-                    shard.task.cancel()
+                self._drop(shard)
             await asyncio.gather(
                 heartbeat.stop(), watch, *(s.task for s in held if s.task is not None), return_exceptions=True
             )
+            if self._committing:  # their answers, each given up after call_timeout_s
+                await asyncio.wait(set(self._committing))
             for shard in held:  # what is not released runs out with its lease
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.ledger.release(shard.lease), self.call_timeout_s)
-            self._held.clear()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -511,7 +516,17 @@ class ShardRunner:
                     )
                 )
             sent = time.monotonic()
-            await self.ledger.commit(lease, parts, renew_s=self.ttl_s)
+            committing = asyncio.ensure_future(self.ledger.commit(lease, parts, renew_s=self.ttl_s))
+            self._committing.add(committing)
+            committing.add_done_callback(functools.partial(self._commit_ended, len(finished)))
+            try:
+                await asyncio.shield(committing)
+            except asyncio.CancelledError:
+                # the shard was dropped while its commit was on its way: the database may have
+                # taken it already, so its answer is still read (and a commit that landed is
+                # counted), for at most ``call_timeout_s``
+                asyncio.get_running_loop().call_later(self.call_timeout_s, committing.cancel)
+                raise
             # it renewed the lease once its fence passed, after it was sent
             shard.valid_until = max(shard.valid_until, sent + self.ttl_s)
         except CommitRefused:
@@ -519,7 +534,8 @@ class ShardRunner:
         except LineCommittedTwice:
             if not retrying:
                 raise
-            # the earlier try of these very lines did commit
+            # the earlier try of these very lines, whose answer was lost, did commit
+            self.lines_committed += len(finished)
         except Exception as error:
             failing = self._failed("commit", error)
             logger.warning(
@@ -533,8 +549,14 @@ class ShardRunner:
             shard.unsure = finished
             return False
         self._worked("commit")
-        self.lines_committed += len(finished)
         return True
+
+    def _commit_ended(self, lines: int, commit: asyncio.Future[Any]) -> None:
+        """Count the lines of a commit that landed, when its answer comes, even when its shard
+        was dropped meanwhile."""
+        self._committing.discard(commit)
+        if not commit.cancelled() and commit.exception() is None:
+            self.lines_committed += lines
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
