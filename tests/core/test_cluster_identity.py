@@ -11,12 +11,15 @@ mark is back. And the orphan sweep of a ledger deletes only segments of batches 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
 
 from batchgen.core.execution.cluster_identity import ClusterMismatch, ClusterWatch, establish_cluster
 from batchgen.core.work.postgres_ledger import PostgresShardLedger
+from batchgen.core.work.segment_files import SegmentFiles
 from batchgen.core.work.segment_store import CLUSTER_MARK_KEY, SegmentStore, segment_key
 from batchgen.core.work.shard_runner import LineResult, ShardRunner, collect_orphans
 from batchgen.core.work.shards import OUTPUT
@@ -90,12 +93,87 @@ async def test_the_half_made_states_of_a_crash_are_finished(
         await ledger.close()
 
 
+class _TornMark(SegmentFiles):
+    """A folder store whose cluster mark is written in two steps, the file visible in between
+    (as a filesystem shows it to a replica starting beside the writer): the first ``cut`` bytes,
+    then, once another store read the mark (``mark_read``), the rest."""
+
+    def __init__(self, root: Path, cut: int) -> None:
+        super().__init__(root)
+        self.cut = cut
+        self.half_written = threading.Event()
+        self.mark_read = threading.Event()
+
+    def write(self, key: str, data: bytes) -> int:
+        if key != CLUSTER_MARK_KEY:
+            return super().write(key, data)
+        with self._path(key).open("xb", buffering=0) as mark:
+            mark.write(data[: self.cut])
+            self.half_written.set()
+            assert self.mark_read.wait(30), "no other start read the mark"
+            mark.write(data[self.cut :])
+        return len(data)
+
+
+class _Reading(SegmentFiles):
+    """A folder store that says when it has read the cluster mark."""
+
+    def __init__(self, root: Path, mark_read: threading.Event) -> None:
+        super().__init__(root)
+        self.mark_read = mark_read
+
+    def _read_whole(self, key: str) -> bytes | None:
+        data = super()._read_whole(key)
+        if key == CLUSTER_MARK_KEY and data is not None:
+            self.mark_read.set()
+        return data
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cut", [0, 1, 8, 24])
+async def test_two_starts_on_an_empty_pair_make_one_cluster_when_one_reads_the_mark_half_written(
+    postgres_server: PostgresServer, tmp_path: Path, cut: int
+) -> None:
+    """Two replicas start at once on an empty database and folder; the second reads the cluster
+    mark while the first has written only ``cut`` bytes of it. Both run as the one cluster the
+    first made, and the database records its whole id."""
+    database = postgres_server.new_database()
+    first_store = _TornMark(tmp_path, cut)
+    first, second = await _ledger(database), await _ledger(database)
+    try:
+        making = asyncio.create_task(_establish(first, first_store))
+        assert await asyncio.to_thread(first_store.half_written.wait, 30)
+        joined = await _establish(second, _Reading(tmp_path, first_store.mark_read))
+        made = await making
+        assert joined == made == await first.cluster_id() == first_store.cluster_mark()
+        assert made.startswith("cluster-") and len(made) >= cut
+    finally:
+        await first.close()
+        await second.close()
+
+
+@pytest.mark.anyio
+async def test_a_mark_never_written_whole_is_refused_naming_it(
+    postgres_server: PostgresServer, new_store: StoreFactory
+) -> None:
+    """A mark without its newline (a start that crashed while writing it) is waited for, then
+    the start is refused with what the mark holds; the database records nothing."""
+    store = new_store()
+    store.mark_write_s = 0.3
+    store.write(CLUSTER_MARK_KEY, b"cluster-torn")
+    ledger = await _ledger(postgres_server.new_database())
+    try:
+        with pytest.raises(ClusterMismatch, match=r"cluster-torn.*no whole id"):
+            await _establish(ledger, store)
+        assert await ledger.cluster_id() is None
+    finally:
+        await ledger.close()
+
+
 @pytest.mark.anyio
 async def test_a_store_that_cannot_be_written_is_refused(
     postgres_server: PostgresServer, tmp_path: Path
 ) -> None:
-    from batchgen.core.work.segment_files import SegmentFiles
-
     store = SegmentFiles(tmp_path / "store")
     (tmp_path / "store" / "segments" / "probes").write_text("a file where a folder should be")
     ledger = await _ledger(postgres_server.new_database())

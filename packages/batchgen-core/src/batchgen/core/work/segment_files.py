@@ -2,7 +2,9 @@
 
 The keys and the rules are ``segment_store``'s; here a key is a file under ``root``. A segment is
 created with ``O_EXCL`` (a second write of a key fails), and the file is fsynced, and so is its
-folder, before ``write`` returns; only then may the writer commit it to the ledger.
+folder, before ``write`` returns; only then may the writer commit it to the ledger. Another
+process can see the file before its bytes: a segment is read only once committed, and
+``SegmentStore.cluster_mark`` waits for a mark to be whole.
 
 Several writers never append to one file (NFS does not keep appends from two clients apart), and
 a torn tail past the committed size needs no repair: nothing reads it.

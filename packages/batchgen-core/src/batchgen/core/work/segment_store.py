@@ -43,6 +43,8 @@ _BATCH_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 SEGMENTS_PREFIX = "segments/"
 #: The key of the id of the cluster the store belongs to (never a segment: no batch, no .jsonl).
 CLUSTER_MARK_KEY = SEGMENTS_PREFIX + "cluster-id"
+#: How often a cluster mark still being written is read again.
+MARK_REREAD_S = 0.02
 #: Where ``probe`` writes its short-lived objects.
 PROBE_PREFIX = SEGMENTS_PREFIX + "probes/"
 #: A segment key's batch id (``segments/{batch_id}/{kind}/...``).
@@ -72,6 +74,8 @@ class SegmentStore:
     """The shared part of a segment store (see the module's docstring)."""
 
     key = staticmethod(segment_key)
+    #: How long ``cluster_mark`` waits for a mark that is being written to be whole.
+    mark_write_s = 5.0
 
     def write(self, key: str, data: bytes) -> int:
         """Store a new segment durably; its size. FileExistsError if the key exists."""
@@ -159,8 +163,20 @@ class SegmentStore:
         )
 
     def cluster_mark(self) -> str | None:
-        """The id of the cluster this store belongs to, or None before one was written."""
-        data = self._read_whole(CLUSTER_MARK_KEY)
+        """The id of the cluster this store belongs to, or None before one was written.
+
+        A mark ends with a newline. One without it is still being written (a filesystem shows
+        a file as soon as it is made, before its bytes: a replica starting beside another sees
+        that): it is read again until it is whole, for up to ``mark_write_s``, then OSError."""
+        deadline = time.monotonic() + self.mark_write_s
+        while (data := self._read_whole(CLUSTER_MARK_KEY)) is not None and not data.endswith(b"\n"):
+            if time.monotonic() >= deadline:
+                raise OSError(
+                    f"{self!r}: the cluster mark {CLUSTER_MARK_KEY} holds {data[:80]!r}, no whole id "
+                    f"after {self.mark_write_s:g} s (a start that crashed while writing it?): delete "
+                    "it if the store holds no segment yet"
+                )
+            time.sleep(MARK_REREAD_S)
         return None if data is None else data.decode("utf-8", "replace").strip()
 
     def mark_cluster(self, cluster_id: str) -> str:
