@@ -482,6 +482,75 @@ async def test_a_commit_taken_as_its_shard_is_dropped_still_counts_once_its_answ
         assert runner.lines_committed == work.completed + work.failed > 0
 
 
+class _GatedAnswers(PostgresShardLedger):
+    """A ledger whose first claim (``gated`` "claim") or first watch of stopped batches
+    ("stopped") gets its answer from the database, sets ``asked``, and returns once ``gate`` is
+    set: the test can cancel the runner in the very turn of the loop the answer comes in."""
+
+    def __init__(self, url: str, gated: str) -> None:
+        super().__init__(url)
+        self.gated = gated
+        self.asked = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def _held(self) -> None:
+        if not self.asked.is_set():
+            self.asked.set()
+            await self.gate.wait()
+
+    async def claim(self, owner_id: str, limit: int, ttl_s: float) -> list[Lease]:
+        leases = await super().claim(owner_id, limit, ttl_s)
+        if self.gated == "claim":
+            await self._held()
+        return leases
+
+    async def stopped(self, batch_ids: Sequence[str]) -> set[str]:
+        stopped = await super().stopped(batch_ids)
+        if self.gated == "stopped":
+            await self._held()
+        return stopped
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("gated", ["claim", "stopped"])
+async def test_a_runner_cancelled_as_a_ledger_call_answers_ends(
+    postgres_url: str, tmp_path: Path, gated: str
+) -> None:
+    """A runner's task cancelled in the turn of the loop in which a claim (or its watch of
+    stopped batches) answers ends, its shards let go: the cancel is not lost (asyncio.wait_for
+    on Python 3.11 returns the answer instead, and the runner then ran on for ever, as a test's
+    event loop closing at its end found)."""
+    store = SegmentFiles(tmp_path)
+    batch_id = f"batch_gated_{gated}"
+    async with (
+        PostgresShardLedger(postgres_url) as ledger,
+        _GatedAnswers(postgres_url, gated) as gated_ledger,
+    ):
+        await ledger.create_schema()
+        await ledger.add_batch(batch_id, 4, shard_lines=2)
+
+        async def run_line(batch_id: str, line: int) -> LineResult:
+            await asyncio.Event().wait()  # never ends: the shard stays held
+            raise AssertionError("unreachable")
+
+        runner = ShardRunner(
+            gated_ledger, store, run_line, replica_id="replica-a", max_shards=1, watch_s=0.05
+        )
+        task = asyncio.create_task(runner.run())
+        await asyncio.wait_for(gated_ledger.asked.wait(), 30)
+        gated_ledger.gate.set()
+        task.cancel()
+        done, _ = await asyncio.wait((task,), timeout=30)
+        if not done:  # the cancel was lost: stop the runner the other way before failing
+            runner.stop()
+            await asyncio.wait((task,), timeout=30)
+        assert task in done and task.cancelled()
+        assert runner.held == []
+        if gated == "stopped":  # the shard it ran is released on the way out (a claim answered
+            # as the runner stops is not taken in: those leases run out, as a dead replica's)
+            assert await ledger.holders(batch_id) == {}
+
+
 @pytest.mark.anyio
 async def test_runners_ride_out_a_postgres_restart_and_commit_every_line_once(
     postgres_server: PostgresServer, postgres_url: str, tmp_path: Path

@@ -60,6 +60,7 @@ from typing import Any
 import attrs
 
 from batchgen.core.requests.line_outcomes import LineOutcome, line_outcome
+from batchgen.core.work.answer_within import answer_within, read_outcome
 from batchgen.core.work.lease_heartbeat import LeaseHeartbeat, Renewal
 from batchgen.core.work.postgres_ledger import (
     CommitRefused,
@@ -226,7 +227,7 @@ class ShardRunner:
         for shard in list(self._held.values()):
             self._drop(shard)
             task = asyncio.ensure_future(self.ledger.release(shard.lease))
-            task.add_done_callback(_retrieved)
+            task.add_done_callback(read_outcome)
 
     def resume(self, part: str) -> None:
         """``reason`` of ``suspend(part)`` holds no more."""
@@ -282,7 +283,7 @@ class ShardRunner:
                     claim = self.ledger.take_over(self.owner_id, rescue, self.ttl_s)
                 sent = time.monotonic()
                 try:
-                    leases = [] if claim is None else await asyncio.wait_for(claim, self.claim_timeout_s)
+                    leases = [] if claim is None else await answer_within(claim, self.claim_timeout_s)
                 except Exception as error:  # the database is away: try again after a poll interval
                     logger.warning("%s could not claim shards", self.owner_id, exc_info=True)
                     self._failed("ledger claims", error)
@@ -317,11 +318,11 @@ class ShardRunner:
             await asyncio.gather(
                 heartbeat.stop(), watch, *(s.task for s in held if s.task is not None), return_exceptions=True
             )
-            if self._committing:  # their answers, each given up after call_timeout_s
-                await asyncio.wait(set(self._committing))
+            if self._committing:  # their answers: each is cancelled after call_timeout_s
+                await asyncio.wait(set(self._committing), timeout=2 * self.call_timeout_s)
             for shard in held:  # what is not released runs out with its lease
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.ledger.release(shard.lease), self.call_timeout_s)
+                    await answer_within(self.ledger.release(shard.lease), self.call_timeout_s)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -365,7 +366,7 @@ class ShardRunner:
             if not batch_ids:
                 continue
             try:
-                stopped = await asyncio.wait_for(self.ledger.stopped(batch_ids), self.call_timeout_s)
+                stopped = await answer_within(self.ledger.stopped(batch_ids), self.call_timeout_s)
             except Exception:  # the heartbeat reports the ledger's health; renewals drop these too
                 logger.debug("%s could not watch its batches", self.owner_id, exc_info=True)
                 continue
@@ -405,7 +406,7 @@ class ShardRunner:
             pending = shard.lines
             for line in lease.remaining:
                 task = asyncio.create_task(self._run_one(lease.key, line))
-                task.add_done_callback(_retrieved)  # a failure is read once, below, not at GC
+                task.add_done_callback(read_outcome)  # a failure is read once, below, not at GC
                 task.add_done_callback(ended.put_nowait)
                 pending.add(task)
             last_commit = time.monotonic()
@@ -414,7 +415,7 @@ class ShardRunner:
                     wait_s = self.commit_interval_s - (time.monotonic() - last_commit)
                     done = []
                     with contextlib.suppress(TimeoutError):
-                        done.append(await asyncio.wait_for(ended.get(), max(wait_s, 0.001)))
+                        done.append(await answer_within(ended.get(), max(wait_s, 0.001)))
                     while not ended.empty():
                         done.append(ended.get_nowait())
                     pending.difference_update(done)
@@ -557,12 +558,6 @@ class ShardRunner:
         self._committing.discard(commit)
         if not commit.cancelled() and commit.exception() is None:
             self.lines_committed += lines
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Read a finished task's exception, so that asyncio does not log it again when it is collected."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def collect_orphans(
