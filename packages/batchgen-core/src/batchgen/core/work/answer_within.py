@@ -25,15 +25,14 @@ async def answer_within(call: Awaitable[T], timeout_s: float) -> T:
     cancelled then, and not waited for: a call hanging on a cut connection can take long to end).
     Cancelling the caller cancels the call and raises CancelledError in the caller, always."""
     task = asyncio.ensure_future(call)
+    done: set[asyncio.Future[T]] = set()
     try:
         done, _ = await asyncio.wait((task,), timeout=timeout_s)
-    except BaseException:
-        task.cancel()
-        task.add_done_callback(read_outcome)
-        raise
+    finally:
+        if not done:  # timed out, or the caller was cancelled: the call is abandoned
+            task.cancel()
+            task.add_done_callback(read_outcome)
     if not done:
-        task.cancel()
-        task.add_done_callback(read_outcome)
         raise TimeoutError(f"no answer within {timeout_s:g} s")
     return task.result()
 
